@@ -1,0 +1,106 @@
+"""raystream: elastic, stateful stream processing on Ray.
+
+Quick start::
+
+    import raystream as rs
+
+    flow = rs.Dataflow("keycount")
+    counts = flow.source(rs.sources.generator(events=1_000_000, keys=1000)).key_by("key")
+    ...
+"""
+
+from __future__ import annotations
+
+import importlib.util as _ilu
+import os as _os
+
+# The source tree maps operators/, migration/ and autoscaler/ into this package (setup.cfg
+# package_dir). Run from the repository root without an editable install, the bare raystream/
+# folder shadows the installed package and those subpackages vanish: say how to fix it.
+if _ilu.find_spec("raystream.operators") is None:  # pragma: no cover - depends on the install
+    _msg = (
+        f"raystream was imported from {_os.path.dirname(__file__)!r}, a source folder that shadows "
+        "the installed package, so raystream.operators cannot be found. Install the checkout "
+        "in editable mode (`pip install -e .`, what `make test` does), or run from another "
+        "directory (for `ray job submit`, use your job's folder as --working-dir, not the "
+        "raystream repository)."
+    )
+    raise ImportError(_msg)
+
+from raystream.errors import (  # noqa: E402
+    ConfigError,
+    DataflowDefinitionError,
+    JobFailedError,
+    JobNotFoundError,
+    NullKeyError,
+    PluginNotFoundError,
+    RaystreamError,
+    RescaleError,
+    SchemaError,
+    SourceError,
+    StateError,
+)
+from raystream.keys import KeyGroupRange, KeySpace, RoutingTable  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DataflowDefinitionError",
+    "JobFailedError",
+    "JobNotFoundError",
+    "KeyGroupRange",
+    "KeySpace",
+    "NullKeyError",
+    "PluginNotFoundError",
+    "RaystreamError",
+    "RescaleError",
+    "RoutingTable",
+    "SchemaError",
+    "SourceError",
+    "StateError",
+    "__version__",
+]
+
+from raystream import sinks, sources  # noqa: E402
+from raystream.dataflow import (  # noqa: E402
+    Dataflow,
+    Operator,
+    Stream,
+    filter,
+    flat_map,
+    keyed,
+    keyed_batches,
+    map,
+    map_batches,
+)
+from raystream.job import Job, JobResult, attach, run, start  # noqa: E402
+from raystream.runtime.instance import RuntimeConfig  # noqa: E402
+from raystream.runtime.processors import KeyedBatch  # noqa: E402
+from raystream.state.handles import KeySet  # noqa: E402
+from raystream.state.spec import ListState, MapState, ValueState  # noqa: E402
+
+__all__ += [
+    "Dataflow",
+    "Job",
+    "JobResult",
+    "KeySet",
+    "KeyedBatch",
+    "ListState",
+    "MapState",
+    "Operator",
+    "RuntimeConfig",
+    "Stream",
+    "ValueState",
+    "attach",
+    "filter",
+    "flat_map",
+    "keyed",
+    "keyed_batches",
+    "map",
+    "map_batches",
+    "run",
+    "sinks",
+    "sources",
+    "start",
+]

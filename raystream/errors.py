@@ -1,0 +1,78 @@
+"""The raystream exception tree.
+
+::
+
+    RaystreamError
+    ├── ConfigError (ValueError)          bad option or parameter value
+    │   └── RescaleError                  a rescale that cannot be carried out
+    ├── DataflowDefinitionError (TypeError) misuse of the dataflow API, caught at definition time
+    ├── SchemaError (ValueError)          input data of the wrong shape
+    │   └── NullKeyError                  a key column holding nulls
+    ├── SourceError                       a source that cannot be read (missing file, ...)
+    ├── StateError                        keyed state that is not where it should be
+    ├── PluginNotFoundError (LookupError) an unknown strategy / policy name
+    ├── JobNotFoundError (LookupError)    no running job of that name
+    └── JobFailedError                    an operator instance failed while the job ran
+
+Every message says what was expected, what was given, and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "DataflowDefinitionError",
+    "JobFailedError",
+    "JobNotFoundError",
+    "NullKeyError",
+    "PluginNotFoundError",
+    "RaystreamError",
+    "RescaleError",
+    "SchemaError",
+    "SourceError",
+    "StateError",
+]
+
+
+class RaystreamError(Exception):
+    """Base class of every error raystream raises on purpose."""
+
+
+class ConfigError(RaystreamError, ValueError):
+    """An option or parameter has a value raystream cannot use."""
+
+
+class RescaleError(ConfigError):
+    """A rescale request that cannot be carried out; the job keeps running."""
+
+
+class DataflowDefinitionError(RaystreamError, TypeError):
+    """The dataflow API was used in a way that cannot work (caught when the flow is defined)."""
+
+
+class SchemaError(RaystreamError, ValueError):
+    """Input data does not have the columns or types the dataflow expects."""
+
+
+class NullKeyError(SchemaError):
+    """A key column holds nulls; every record needs a key to find its key group."""
+
+
+class SourceError(RaystreamError):
+    """A source cannot be opened or read."""
+
+
+class StateError(RaystreamError):
+    """Keyed state is missing, owned elsewhere, or inconsistent."""
+
+
+class PluginNotFoundError(RaystreamError, LookupError):
+    """No plugin of that name is registered."""
+
+
+class JobNotFoundError(RaystreamError, LookupError):
+    """No running job of that name."""
+
+
+class JobFailedError(RaystreamError):
+    """An operator instance failed while the job was running."""

@@ -1,0 +1,178 @@
+"""Running a dataflow: ``rs.run`` (blocking) and ``rs.start`` (returns a :class:`Job`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import ray
+
+from raystream.dataflow import Dataflow
+from raystream.errors import ConfigError, JobFailedError, JobNotFoundError
+from raystream.metrics import LatencyRecorder
+from raystream.runtime.actors import NAMESPACE, controller_actor_class, controller_name
+from raystream.runtime.instance import RuntimeConfig
+
+__all__ = ["Job", "JobResult", "attach", "ensure_ray", "run", "start"]
+
+
+def ensure_ray() -> None:
+    """Connect to Ray: the cluster in ``RAY_ADDRESS`` (as under ``ray job submit``), else a new
+    embedded local one (never silently attaching to a cluster that happens to run here)."""
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": True}
+    if address == "local":
+        kwargs["include_dashboard"] = False
+    ray.init(address=address, **kwargs)
+
+
+@dataclass
+class JobResult:
+    """What a finished job left: sink results, per-instance metrics, latency."""
+
+    job: str
+    state: str
+    elapsed_s: float
+    results: dict[str, list[Any]] = field(default_factory=dict)  # sink step -> per instance
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    origin_ns: int = 0
+
+    def table(self, sink: str | None = None) -> pa.Table:
+        """The rows a collect sink received, as one table (all instances)."""
+        sink = sink or self._only_sink()
+        parts = [r for r in self.results.get(sink, []) if isinstance(r, pa.Table)]
+        if not parts:
+            msg = f"sink {sink!r} returned no table (is it rs.sinks.collect()?); sinks: {list(self.results)}"
+            raise ConfigError(msg)
+        return pa.concat_tables(parts, promote_options="permissive")
+
+    def _only_sink(self) -> str:
+        if len(self.results) != 1:
+            msg = f"this job has sinks {list(self.results)}; pass the name: result.table('name')"
+            raise ConfigError(msg)
+        return next(iter(self.results))
+
+    def latency(self) -> LatencyRecorder | None:
+        snaps = [m["latency"] for m in self.metrics if m.get("latency")]
+        return LatencyRecorder.merge_snapshots(snaps) if snaps else None
+
+    def step_metrics(self, step: str) -> list[dict[str, Any]]:
+        return [m for m in self.metrics if m.get("step") == step]
+
+
+class Job:
+    """A running job, driven through its named controller actor."""
+
+    def __init__(self, name: str, controller: Any) -> None:
+        self.name = name
+        self.controller = controller
+
+    def __repr__(self) -> str:
+        return f"Job({self.name!r})"
+
+    def wait(self, timeout_s: float | None = None) -> JobResult:
+        out = ray.get(self.controller.wait.remote(timeout_s))
+        return _result(out, self)
+
+    def status(self) -> dict[str, Any]:
+        return ray.get(self.controller.status.remote())  # type: ignore[no-any-return]
+
+    def metrics(self) -> dict[str, Any]:
+        return ray.get(self.controller.metrics.remote())  # type: ignore[no-any-return]
+
+    def checkpoint(self, directory: str) -> dict[str, Any]:
+        return ray.get(self.controller.checkpoint.remote(directory))  # type: ignore[no-any-return]
+
+    def stop(self) -> JobResult:
+        out = ray.get(self.controller.stop.remote())
+        return _result(out, self, raise_on_error=False)
+
+
+def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> JobResult:
+    try:
+        if out["state"] == "failed" and raise_on_error:
+            err = out["error"]
+            msg = f"job {out['job']!r} failed in instance {err['instance']}: {err['error']}"
+            raise JobFailedError(msg)
+        results: dict[str, list[Any]] = {}
+        for (step, index), res in sorted(out["results"].items()):
+            results.setdefault(step, []).append(res)
+        return JobResult(out["job"], out["state"], out["elapsed_s"], results, out["metrics"], out["origin_ns"])
+    finally:
+        if out["state"] in ("finished", "failed", "stopped"):
+            _kill_controller(job)
+
+
+def _kill_controller(job: Job) -> None:
+    try:
+        ray.kill(job.controller, no_restart=True)
+    except Exception:  # noqa: BLE001, S110 - already gone
+        pass
+
+
+def start(
+    flow: Dataflow,
+    *,
+    parallelism: dict[str, int] | None = None,
+    config: RuntimeConfig | None = None,
+    state_dir: str | None = None,
+    **config_overrides: Any,
+) -> Job:
+    """Deploy ``flow`` on Ray and return at once with a :class:`Job`."""
+    if not isinstance(flow, Dataflow):
+        msg = f"expected a raystream Dataflow, got {type(flow).__name__}: {flow!r}"
+        raise ConfigError(msg)
+    if config is None:
+        config = RuntimeConfig(**config_overrides)
+    elif config_overrides:
+        msg = f"pass either config= or keyword options, not both (got {sorted(config_overrides)})"
+        raise ConfigError(msg)
+    flow.with_parallelism(parallelism)  # validate here, in the caller's process
+    ensure_ray()
+    cleanup = state_dir is None
+    base = state_dir or tempfile.mkdtemp(prefix=f"raystream-{re.sub(r'[^A-Za-z0-9_-]', '_', flow.name)}-")
+    name = controller_name(flow.name)
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        msg = f"a job named {flow.name!r} is already running; stop it first or use another name"
+        raise ConfigError(msg)
+    controller = controller_actor_class().options(
+        name=name, namespace=NAMESPACE, max_concurrency=1000
+    ).remote(flow, parallelism, config, base, cleanup_state=cleanup)
+    ray.get(controller.start.remote(controller))
+    return Job(flow.name, controller)
+
+
+def run(flow: Dataflow, *, timeout_s: float | None = None, **kwargs: Any) -> JobResult:
+    """Run ``flow`` to its end (all sources exhausted) and return what the sinks produced."""
+    job = start(flow, **kwargs)
+    try:
+        result = job.wait(timeout_s)
+    except BaseException:
+        job.stop()
+        raise
+    if result.state == "running":
+        job.stop()
+        msg = f"job {flow.name!r} did not finish within {timeout_s} s; it was stopped"
+        raise JobFailedError(msg)
+    return result
+
+
+def attach(name: str) -> Job:
+    """The running job ``name`` (from any process connected to the same Ray cluster)."""
+    ensure_ray()
+    try:
+        controller = ray.get_actor(controller_name(name), namespace=NAMESPACE)
+    except ValueError:
+        msg = f"no running job named {name!r} on this Ray cluster (namespace {NAMESPACE!r})"
+        raise JobNotFoundError(msg) from None
+    return Job(name, controller)

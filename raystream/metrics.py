@@ -1,0 +1,405 @@
+"""Metrics: per-instance counters and busy time, windowed throughput, latency histograms, timelines.
+
+Everything here is plain Python (no Ray): instances keep an :class:`InstanceMetrics` and a sink a
+:class:`LatencyRecorder`; the controller pulls their ``snapshot()`` dicts (small, picklable) and
+merges them. Time stamps are nanoseconds on the ``time.time_ns()`` clock, which every process of
+one machine shares; a window is ``window_ms`` long and window ``w`` starts at
+``origin_ns + w * window_ms`` (the origin is the job start, the same for every instance).
+Instants before the origin count in window 0.
+
+Latency is recorded in HDR histograms (1 us .. 1 hour, 3 significant digits, values in us), one per
+window plus one for the whole run, so percentiles merge exactly across sinks.
+
+Example::
+
+    >>> import numpy as np
+    >>> rec = LatencyRecorder(origin_ns=0)
+    >>> rec.record(np.array([0, 0, 0]), now_ns=2_000_000)      # three records, 2 ms old
+    >>> rec.summary()
+    {'count': 3, 'p50_ms': 2.0, 'p99_ms': 2.0, 'max_ms': 2.0}
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+from hdrh.histogram import HdrHistogram
+
+from raystream.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_WINDOW_MS",
+    "LATENCY_HIGHEST_US",
+    "InstanceMetrics",
+    "LatencyRecorder",
+    "WindowedCounter",
+    "build_timeline",
+]
+
+DEFAULT_WINDOW_MS = 250
+LATENCY_LOWEST_US = 1
+LATENCY_HIGHEST_US = 3_600_000_000  # one hour; longer latencies are recorded as one hour
+LATENCY_SIGNIFICANT_DIGITS = 3
+
+
+def _check_window_ms(window_ms: int) -> None:
+    if not isinstance(window_ms, int) or isinstance(window_ms, bool) or window_ms < 1:
+        msg = f"window_ms must be an int >= 1 (milliseconds), got {window_ms!r}; 250 is the default"
+        raise ConfigError(msg)
+
+
+def _window_of(now_ns: int, origin_ns: int, window_ns: int) -> int:
+    return max(0, (now_ns - origin_ns) // window_ns)
+
+
+def _rebin(index: int, from_origin_ns: int, to_origin_ns: int, window_ns: int) -> int:
+    """Window (on ``to_origin_ns``) holding the start of window ``index`` on ``from_origin_ns``."""
+    if from_origin_ns == to_origin_ns:
+        return index
+    return _window_of(from_origin_ns + index * window_ns, to_origin_ns, window_ns)
+
+
+def _check_same_window(ours: int, theirs: int, what: str) -> None:
+    if ours != theirs:
+        msg = (
+            f"cannot merge a {what} snapshot with window_ms={theirs} into one with "
+            f"window_ms={ours}; expected the same window length. Use one window_ms for the job."
+        )
+        raise ConfigError(msg)
+
+
+# --------------------------------------------------------------------------------------------
+# windowed counter
+
+
+class WindowedCounter:
+    """A count per time window (e.g. records in per 250 ms), mergeable across instances.
+
+    Memory is one dict entry per window that saw something (a 1-hour run at 250 ms: <= 14,400).
+    """
+
+    def __init__(self, origin_ns: int, window_ms: int = DEFAULT_WINDOW_MS) -> None:
+        _check_window_ms(window_ms)
+        self.origin_ns = int(origin_ns)
+        self.window_ms = window_ms
+        self._window_ns = window_ms * 1_000_000
+        self._counts: dict[int, int] = {}
+
+    def add(self, n: int, now_ns: int) -> None:
+        w = _window_of(now_ns, self.origin_ns, self._window_ns)
+        self._counts[w] = self._counts.get(w, 0) + int(n)
+
+    @property
+    def total(self) -> int:
+        return sum(self._counts.values())
+
+    def timeline(self) -> list[tuple[float, int]]:
+        """``(t_s, count)`` for every window from the first to the last that saw something
+        (windows in between that saw nothing count 0); ``t_s`` is the window start after origin."""
+        if not self._counts:
+            return []
+        first, last = min(self._counts), max(self._counts)
+        return [(w * self.window_ms / 1000, self._counts.get(w, 0)) for w in range(first, last + 1)]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "origin_ns": self.origin_ns,
+            "window_ms": self.window_ms,
+            "counts": dict(self._counts),
+        }
+
+    def merge(self, other: dict[str, Any] | WindowedCounter) -> None:
+        """Add another counter (or its snapshot). Windows of another origin are re-binned by their
+        start time into this counter's windows."""
+        snap = other.snapshot() if isinstance(other, WindowedCounter) else other
+        _check_same_window(self.window_ms, snap["window_ms"], "WindowedCounter")
+        for w, n in snap["counts"].items():
+            mine = _rebin(int(w), snap["origin_ns"], self.origin_ns, self._window_ns)
+            self._counts[mine] = self._counts.get(mine, 0) + int(n)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: dict[str, Any]) -> WindowedCounter:
+        counter = cls(snapshot["origin_ns"], snapshot["window_ms"])
+        counter.merge(snapshot)
+        return counter
+
+    @classmethod
+    def merge_snapshots(cls, snapshots: Sequence[dict[str, Any]]) -> WindowedCounter:
+        """One counter summing several (on the first snapshot's origin); empty -> origin 0."""
+        if not snapshots:
+            return cls(0)
+        counter = cls(snapshots[0]["origin_ns"], snapshots[0]["window_ms"])
+        for s in snapshots:
+            counter.merge(s)
+        return counter
+
+
+# --------------------------------------------------------------------------------------------
+# instance metrics
+
+
+class InstanceMetrics:
+    """Counters of one operator instance.
+
+    ``records_in``/``batches_in`` and the throughput windows grow with :meth:`record_in`,
+    ``records_out`` with :meth:`record_out`; ``busy_s`` accumulates the time spent inside
+    ``with metrics.busy():`` (``time.perf_counter``); ``backlog`` is set by the runtime.
+    ``records_in / busy_s`` is the instance's true processing rate (what DS2 needs).
+    """
+
+    def __init__(self, origin_ns: int | None = None, window_ms: int = DEFAULT_WINDOW_MS) -> None:
+        self.records_in = 0
+        self.records_out = 0
+        self.batches_in = 0
+        self.busy_s = 0.0
+        self.backlog = 0
+        self.throughput = WindowedCounter(
+            time.time_ns() if origin_ns is None else origin_ns, window_ms
+        )
+        self._started = time.perf_counter()
+
+    def record_in(self, n: int, now_ns: int | None = None) -> None:
+        """One input batch of ``n`` records arrived (at ``now_ns``, default now)."""
+        self.records_in += n
+        self.batches_in += 1
+        self.throughput.add(n, time.time_ns() if now_ns is None else now_ns)
+
+    def record_out(self, n: int) -> None:
+        self.records_out += n
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Time spent inside counts as busy: ``with metrics.busy(): process(batch)``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain, picklable values; ``throughput`` is a :class:`WindowedCounter` snapshot."""
+        return {
+            "records_in": self.records_in,
+            "records_out": self.records_out,
+            "batches_in": self.batches_in,
+            "busy_s": self.busy_s,
+            "backlog": self.backlog,
+            "uptime_s": time.perf_counter() - self._started,
+            "throughput": self.throughput.snapshot(),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# latency
+
+
+def _new_histogram() -> HdrHistogram:
+    return HdrHistogram(LATENCY_LOWEST_US, LATENCY_HIGHEST_US, LATENCY_SIGNIFICANT_DIGITS)
+
+
+def _counts_index(h: HdrHistogram, values: np.ndarray) -> np.ndarray:
+    """HdrHistogram's counts index of every value, vectorised (``h._counts_index_for`` per value).
+
+    ``values`` are int64 in ``[0, highest trackable]`` (< 2**53, so float64 bit lengths are exact).
+    """
+    masked = values | np.int64(h.sub_bucket_mask)
+    _, bit_length = np.frexp(masked.astype(np.float64))
+    bucket = (
+        bit_length.astype(np.int64) - h.unit_magnitude - (h.sub_bucket_half_count_magnitude + 1)
+    )
+    sub_bucket = values >> (bucket + h.unit_magnitude)
+    return (
+        ((bucket + 1) << h.sub_bucket_half_count_magnitude) + sub_bucket - h.sub_bucket_half_count
+    )
+
+
+def _record_us(histograms: Iterable[HdrHistogram], values_us: np.ndarray) -> None:
+    """Record int64 microsecond values: bucket them with numpy, then one ``record_value`` per
+    non-empty bucket (at most a few thousand), never one per record."""
+    hists = list(histograms)
+    index = _counts_index(hists[0], values_us)
+    per_bucket = np.bincount(index)
+    for i in np.flatnonzero(per_bucket).tolist():
+        value = hists[0].get_value_from_index(i)
+        count = int(per_bucket[i])
+        for h in hists:
+            h.record_value(value, count)
+
+
+def _percentiles_us(h: HdrHistogram, percentiles: Sequence[float]) -> list[int]:
+    """HdrHistogram's ``get_value_at_percentile`` for each percentile (> 0), with numpy."""
+    cumulative = np.cumsum(np.ctypeslib.as_array(h.counts)[: h.counts_len])
+    total = int(cumulative[-1])
+    out = []
+    for p in percentiles:
+        target = max(int(min(p, 100.0) * total / 100 + 0.5), 1)
+        i = int(np.searchsorted(cumulative, target, side="left"))
+        out.append(h.get_highest_equivalent_value(h.get_value_from_index(i)))
+    return out
+
+
+def _stats_ms(h: HdrHistogram) -> tuple[float | None, float | None, float | None]:
+    if h.get_total_count() == 0:
+        return None, None, None
+    p50, p99 = _percentiles_us(h, (50.0, 99.0))
+    return p50 / 1000, p99 / 1000, h.get_max_value() / 1000
+
+
+class LatencyRecorder:
+    """End-to-end latency of the records reaching one sink, per window and for the whole run.
+
+    ``record(ingest_ns, now_ns)`` takes the ingest time stamps of one batch and the time it is
+    written; latency ``now - ingest`` is rounded to us (negative -> 0, over an hour -> an hour)
+    and falls in the window of ``now_ns``. Percentiles are HDR's (within 0.1 %).
+
+    Memory stays bounded: only the ``live_windows`` most recent window histograms stay expanded
+    (~190 KB each); older ones are kept encoded (compressed, usually a few KB).
+    """
+
+    def __init__(
+        self, origin_ns: int, window_ms: int = DEFAULT_WINDOW_MS, live_windows: int = 4
+    ) -> None:
+        _check_window_ms(window_ms)
+        if not isinstance(live_windows, int) or live_windows < 1:
+            msg = f"live_windows must be an int >= 1, got {live_windows!r}"
+            raise ConfigError(msg)
+        self.origin_ns = int(origin_ns)
+        self.window_ms = window_ms
+        self.live_windows = live_windows
+        self._window_ns = window_ms * 1_000_000
+        self._total = _new_histogram()
+        self._live: dict[int, HdrHistogram] = {}
+        self._sealed: dict[int, bytes] = {}
+        self._counts: dict[int, int] = {}
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def record(self, ingest_ns: np.ndarray, now_ns: int) -> None:
+        ingest = np.asarray(ingest_ns, dtype=np.int64)
+        if ingest.size == 0:
+            return
+        latency_us = (np.int64(now_ns) - ingest + 500) // 1000
+        np.clip(latency_us, 0, LATENCY_HIGHEST_US, out=latency_us)
+        w = _window_of(now_ns, self.origin_ns, self._window_ns)
+        _record_us((self._window(w), self._total), latency_us)
+        self._counts[w] = self._counts.get(w, 0) + int(ingest.size)
+
+    def _window(self, w: int) -> HdrHistogram:
+        """The expanded histogram of window ``w`` (reopened if sealed); seals the oldest."""
+        h = self._live.get(w)
+        if h is None:
+            sealed = self._sealed.pop(w, None)
+            h = _new_histogram() if sealed is None else HdrHistogram.decode(sealed)
+            self._live[w] = h
+            while len(self._live) > self.live_windows:
+                oldest = min(k for k in self._live if k != w)
+                self._sealed[oldest] = self._live.pop(oldest).encode()
+        return h
+
+    @property
+    def count(self) -> int:
+        return int(self._total.get_total_count())
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _histogram_of(self, w: int) -> HdrHistogram:
+        h = self._live.get(w)
+        return h if h is not None else HdrHistogram.decode(self._sealed[w])
+
+    def summary(self) -> dict[str, Any]:
+        """``{"count", "p50_ms", "p99_ms", "max_ms"}`` over the whole run (None when empty)."""
+        p50, p99, mx = _stats_ms(self._total)
+        return {"count": self.count, "p50_ms": p50, "p99_ms": p99, "max_ms": mx}
+
+    def timeline(self) -> list[list[Any]]:
+        """``[t_s, count, p50_ms, p99_ms, max_ms]`` per window that saw records, in time order."""
+        rows: list[list[Any]] = []
+        for w in sorted(self._counts):
+            p50, p99, mx = _stats_ms(self._histogram_of(w))
+            rows.append([w * self.window_ms / 1000, self._counts[w], p50, p99, mx])
+        return rows
+
+    # -- snapshots and merging ---------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Picklable and compact: encoded histograms (HdrHistogram.encode) and window counts."""
+        windows = dict(self._sealed)
+        windows.update({w: h.encode() for w, h in self._live.items()})
+        return {
+            "origin_ns": self.origin_ns,
+            "window_ms": self.window_ms,
+            "total": self._total.encode(),
+            "windows": windows,
+            "counts": dict(self._counts),
+        }
+
+    def merge(self, snapshot: dict[str, Any]) -> None:
+        """Add another recorder's snapshot (windows of another origin are re-binned by start)."""
+        _check_same_window(self.window_ms, snapshot["window_ms"], "LatencyRecorder")
+        self._total.add(HdrHistogram.decode(snapshot["total"]))
+        for w, encoded in snapshot["windows"].items():
+            mine = _rebin(int(w), snapshot["origin_ns"], self.origin_ns, self._window_ns)
+            self._window(mine).add(HdrHistogram.decode(encoded))
+            self._counts[mine] = self._counts.get(mine, 0) + int(snapshot["counts"][w])
+
+    @classmethod
+    def from_snapshot(cls, snapshot: dict[str, Any]) -> LatencyRecorder:
+        recorder = cls(snapshot["origin_ns"], snapshot["window_ms"])
+        recorder.merge(snapshot)
+        return recorder
+
+    @classmethod
+    def merge_snapshots(cls, snapshots: Sequence[dict[str, Any]]) -> LatencyRecorder:
+        """One recorder holding several sinks' latencies (on the first snapshot's origin), e.g.
+        ``LatencyRecorder.merge_snapshots(snaps).summary()``; empty -> an empty recorder."""
+        if not snapshots:
+            return cls(0)
+        recorder = cls(snapshots[0]["origin_ns"], snapshots[0]["window_ms"])
+        for s in snapshots:
+            recorder.merge(s)
+        return recorder
+
+
+# --------------------------------------------------------------------------------------------
+# timeline
+
+
+def build_timeline(
+    throughput: Iterable[Sequence[Any]],
+    latency: Iterable[Sequence[Any]],
+    window_ms: int = DEFAULT_WINDOW_MS,
+) -> list[list[Any]]:
+    """Join a throughput timeline (``(t_s, count)`` rows, e.g. :meth:`WindowedCounter.timeline`)
+    and a latency timeline (``[t_s, count, p50_ms, p99_ms, max_ms]``, e.g.
+    :meth:`LatencyRecorder.timeline`) into ``[t_s, throughput_eps, p50_ms, p99_ms, max_ms]`` rows,
+    one for every window from the first to the last of either. A window without throughput has
+    0 events/s; one without latency has ``None`` percentiles.
+
+    Example::
+
+        >>> build_timeline([(0.0, 10), (0.5, 30)], [[0.25, 5, 1.0, 2.0, 3.0]], window_ms=250)
+        [[0.0, 40.0, None, None, None], [0.25, 0.0, 1.0, 2.0, 3.0], [0.5, 120.0, None, None, None]]
+    """
+    _check_window_ms(window_ms)
+    step_s = window_ms / 1000
+
+    def index(t_s: float) -> int:
+        return round(t_s / step_s)
+
+    counts: dict[int, int] = {}
+    for row in throughput:
+        w = index(row[0])
+        counts[w] = counts.get(w, 0) + int(row[1])
+    stats = {index(row[0]): (row[2], row[3], row[4]) for row in latency}
+    windows = counts.keys() | stats.keys()
+    if not windows:
+        return []
+    rows = []
+    for w in range(min(windows), max(windows) + 1):
+        p50, p99, mx = stats.get(w, (None, None, None))
+        rows.append([w * window_ms / 1000, counts.get(w, 0) / step_s, p50, p99, mx])
+    return rows

@@ -1,0 +1,105 @@
+"""Logical graph -> physical graph: instances, channels, partitioning, routing tables. No Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from raystream.dataflow import Dataflow, Step
+from raystream.keys import RoutingTable
+from raystream.runtime.instance import InstanceSpec, OutputSpec, RuntimeConfig
+from raystream.runtime.messages import ChannelId
+
+__all__ = ["PhysicalPlan", "physical_plan"]
+
+
+@dataclass(frozen=True)
+class PhysicalPlan:
+    job: str
+    steps: dict[str, Step]
+    instances: dict[ChannelId, InstanceSpec]
+    routing: dict[str, RoutingTable]  # keyed step -> its routing table
+
+    def of_step(self, step: str) -> list[InstanceSpec]:
+        return sorted((s for s in self.instances.values() if s.step.name == step), key=lambda s: s.index)
+
+    @property
+    def sources(self) -> list[ChannelId]:
+        return [i for i, s in self.instances.items() if s.step.kind == "source"]
+
+    @property
+    def sinks(self) -> list[ChannelId]:
+        return [i for i, s in self.instances.items() if s.step.kind == "sink"]
+
+
+def _partitioning(up: Step, down: Step) -> str:
+    if down.is_keyed:
+        return "key_group"
+    if up.parallelism == down.parallelism:
+        return "forward"
+    return "rebalance"
+
+
+def physical_plan(
+    flow: Dataflow,
+    parallelism: dict[str, int] | None,
+    config: RuntimeConfig,
+    origin_ns: int,
+    state_dir: str | Path,
+) -> PhysicalPlan:
+    steps = flow.with_parallelism(parallelism)
+    ks = flow.key_space
+    routing = {
+        name: RoutingTable.uniform(ks.num_key_groups, s.parallelism or 1)
+        for name, s in steps.items()
+        if s.is_keyed
+    }
+    downstream: dict[str, list[Step]] = {n: [] for n in steps}
+    for s in steps.values():
+        for up in s.upstream:
+            downstream[up].append(s)
+    instances: dict[ChannelId, InstanceSpec] = {}
+    for name, step in steps.items():
+        p = step.parallelism or 1
+        outputs = tuple(
+            OutputSpec(
+                step=d.name,
+                parallelism=d.parallelism or 1,
+                partitioning=_partitioning(step, d),
+                key=d.key,
+                routing=routing.get(d.name),
+            )
+            for d in downstream[name]
+        )
+        inputs: list[ChannelId] = []
+        for up in step.upstream:
+            up_step = steps[up]
+            part = _partitioning(up_step, step)
+            for j in range(up_step.parallelism or 1):
+                # forward: only the same index sends; rebalance / key_group: every sender
+                if part == "forward" and j >= p:
+                    continue
+                inputs.append((up, j))
+        for i in range(p):
+            my_inputs = tuple(
+                ch for ch in inputs if _partitioning(steps[ch[0]], step) != "forward" or ch[1] == i
+            )
+            owned: tuple[int, ...] = ()
+            state_path = None
+            if step.is_keyed:
+                owned = tuple(int(g) for g in routing[name].key_groups_of(i))
+                state_path = str(Path(state_dir) / name / f"{i}")
+            instances[(name, i)] = InstanceSpec(
+                job=flow.name,
+                step=step,
+                index=i,
+                key_space=ks,
+                inputs=my_inputs,
+                outputs=outputs,
+                config=config,
+                origin_ns=origin_ns,
+                state_path=state_path,
+                owned_key_groups=owned,
+                source_parallelism=p if step.kind == "source" else 1,
+            )
+    return PhysicalPlan(flow.name, steps, instances, routing)

@@ -1,0 +1,289 @@
+"""Channels: the receiver's bounded inbox, the sender's output buffers, and partitioners.
+
+Backpressure is credit-based. A sender keeps at most ``max_inflight`` pushes per channel
+unacknowledged; the receiver acknowledges a push only once the batch is in its inbox, and an inbox
+holds at most ``capacity`` items per channel. So per channel at most ``max_inflight + capacity``
+batches exist between two instances, and a slow operator slows its senders down to the sources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from raystream.dataflow import KeySpec
+from raystream.errors import SchemaError
+from raystream.keys import KeySpace, RoutingTable, stable_hash, to_key_array
+from raystream.runtime.messages import ChannelId
+
+__all__ = ["ByKeyGroup", "Forward", "Inbox", "OutputChannel", "Rebalance", "materialise_key"]
+
+
+class Inbox:
+    """Per-input-channel FIFO queues with a capacity each, read round-robin by one loop."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._queues: dict[ChannelId, deque[Any]] = {}
+        self._blocked: set[ChannelId] = set()
+        self._order: list[ChannelId] = []
+        self._next = 0
+        self._readable = asyncio.Event()
+        self._space: dict[ChannelId, asyncio.Condition] = {}
+        self._next_seq: dict[ChannelId, int] = {}
+        self.max_depth_seen = 0
+
+    def add_channel(self, channel: ChannelId) -> None:
+        if channel not in self._queues:
+            self._queues[channel] = deque()
+            self._space[channel] = asyncio.Condition()
+            self._next_seq[channel] = 0
+            self._order.append(channel)
+
+    def remove_channel(self, channel: ChannelId) -> None:
+        q = self._queues.pop(channel, None)
+        if q:
+            msg = f"channel {channel} removed with {len(q)} unread items"
+            raise RuntimeError(msg)
+        self._space.pop(channel, None)
+        self._next_seq.pop(channel, None)
+        self._blocked.discard(channel)
+        self._order = [c for c in self._order if c != channel]
+
+    @property
+    def channels(self) -> list[ChannelId]:
+        return list(self._order)
+
+    def depth(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    async def put(self, channel: ChannelId, seq: int, item: Any) -> None:
+        """Enqueue push number ``seq`` of ``channel`` once all earlier ones are in and the channel
+        has room (the acknowledgement a sender's credit waits for).
+
+        Ray runs the calls of an async actor concurrently, so pushes can arrive out of order;
+        the sequence number restores the sender's order.
+        """
+        if channel not in self._queues:
+            self.add_channel(channel)
+        q = self._queues[channel]
+        cond = self._space[channel]
+        async with cond:
+            await cond.wait_for(lambda: self._next_seq[channel] == seq and len(q) < self.capacity)
+            q.append(item)
+            self._next_seq[channel] = seq + 1
+            cond.notify_all()
+        self.max_depth_seen = max(self.max_depth_seen, len(q))
+        self._readable.set()
+
+    def block(self, channel: ChannelId) -> None:
+        """Stop reading ``channel`` (aligned barriers); its sender keeps going until credit ends."""
+        self._blocked.add(channel)
+
+    def unblock_all(self) -> None:
+        self._blocked.clear()
+        self._readable.set()
+
+    def get_nowait(self) -> tuple[ChannelId, Any] | None:
+        n = len(self._order)
+        for i in range(n):
+            ch = self._order[(self._next + i) % n]
+            q = self._queues[ch]
+            if q and ch not in self._blocked:
+                self._next = (self._next + i + 1) % n
+                item = q.popleft()
+                asyncio.get_running_loop().create_task(self._notify(ch))
+                return ch, item
+        return None
+
+    async def _notify(self, channel: ChannelId) -> None:
+        cond = self._space.get(channel)
+        if cond is not None:
+            async with cond:
+                cond.notify_all()
+
+    async def get(self, timeout_s: float | None = None) -> tuple[ChannelId, Any] | None:
+        """Next item round-robin over unblocked channels; None after ``timeout_s`` without one."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            got = self.get_nowait()
+            if got is not None:
+                return got
+            self._readable.clear()
+            if deadline is None:
+                await self._readable.wait()
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(self._readable.wait(), remaining)
+                except TimeoutError:
+                    return None
+
+
+class OutputChannel:
+    """Buffers rows for one receiver; sends when ``batch_rows`` are there or ``linger_ms`` passed.
+
+    ``send((seq, item)) -> awaitable`` performs the remote push; at most ``max_inflight`` pushes are
+    unacknowledged at once.
+    """
+
+    def __init__(
+        self,
+        send: Callable[[Any], Awaitable[Any]],
+        *,
+        batch_rows: int,
+        linger_ms: float,
+        max_inflight: int,
+    ) -> None:
+        self._send = send
+        self.batch_rows = batch_rows
+        self.linger_s = linger_ms / 1000.0
+        self.max_inflight = max_inflight
+        self._pending: list[pa.RecordBatch] = []
+        self._pending_rows = 0
+        self._first_at: float | None = None
+        self._inflight: deque[Any] = deque()
+        self._seq = 0  # per-channel sequence number of the next push
+        self.max_inflight_seen = 0
+        self.batches_sent = 0
+        self.rows_sent = 0
+
+    @property
+    def deadline(self) -> float | None:
+        """When the buffered rows must go out (monotonic seconds), or None if empty."""
+        return None if self._first_at is None else self._first_at + self.linger_s
+
+    async def add(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows == 0:
+            return
+        if self._first_at is None:
+            self._first_at = time.monotonic()
+        self._pending.append(batch)
+        self._pending_rows += batch.num_rows
+        if self._pending_rows >= self.batch_rows:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._pending_rows = 0
+        self._first_at = None
+        batch = pending[0] if len(pending) == 1 else _concat(pending)
+        await self.push(batch)
+        self.rows_sent += batch.num_rows
+
+    async def push(self, item: Any) -> None:
+        """Send one item (a batch or a control event) under the credit limit, in order."""
+        while len(self._inflight) >= self.max_inflight:
+            await self._inflight.popleft()
+        # drop acknowledged pushes from the front without waiting
+        while self._inflight and _done(self._inflight[0]):
+            self._inflight.popleft()
+        self._inflight.append(self._send((self._seq, item)))
+        self._seq += 1
+        self.batches_sent += 1
+        self.max_inflight_seen = max(self.max_inflight_seen, len(self._inflight))
+
+    async def drain(self) -> None:
+        """Flush buffered rows and wait until every push was acknowledged."""
+        await self.flush()
+        while self._inflight:
+            await self._inflight.popleft()
+
+
+def _done(ack: Any) -> bool:
+    """Whether an acknowledgement (an asyncio future) has arrived."""
+    done = getattr(ack, "done", None)
+    return bool(done()) if callable(done) else False
+
+
+def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    try:
+        return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+    except pa.ArrowInvalid:
+        table = pa.concat_tables([pa.Table.from_batches([b]) for b in batches], promote_options="permissive")
+        return table.combine_chunks().to_batches()[0]
+
+
+def materialise_key(batch: pa.RecordBatch, key: KeySpec) -> tuple[pa.RecordBatch, pa.Array]:
+    """The batch with its key column present, and the key array (validated: no nulls)."""
+    if key.column is not None:
+        idx = batch.schema.get_field_index(key.column)
+        if idx < 0:
+            msg = (
+                f"records have no key column {key.column!r}; they have columns "
+                f"{batch.schema.names}. Fix key_by(...) or the step before it."
+            )
+            raise SchemaError(msg)
+        return batch, to_key_array(batch.column(idx), column=key.column)
+    assert key.fn is not None
+    if key.per_record:
+        raw = pa.array([key.fn(r) for r in batch.to_pylist()])
+    else:
+        raw = key.fn(batch)
+    arr = to_key_array(raw, column="key_by(fn)")
+    if len(arr) != batch.num_rows:
+        msg = f"key_by(fn) returned {len(arr)} keys for a batch of {batch.num_rows} rows"
+        raise SchemaError(msg)
+    return batch.append_column(key.key_column, arr), arr
+
+
+class Forward:
+    """Instance i sends to instance i of the next step (same parallelism)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def split(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
+        return [(self.index, batch)]
+
+
+class Rebalance:
+    """Whole batches round-robin over the receivers."""
+
+    def __init__(self, receivers: int, start: int = 0) -> None:
+        self.receivers = receivers
+        self._next = start % receivers
+
+    def split(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
+        i = self._next
+        self._next = (i + 1) % self.receivers
+        return [(i, batch)]
+
+
+class ByKeyGroup:
+    """Rows to the owner of their key group, through a routing table (stable: per-key order kept)."""
+
+    def __init__(self, key: KeySpec, key_space: KeySpace, table: RoutingTable) -> None:
+        self.key = key
+        self.key_space = key_space
+        self.table = table
+
+    def split(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
+        batch, keys = materialise_key(batch, self.key)
+        kg = self.key_space.key_group(stable_hash(keys))
+        dest = self.table.owner_of(kg)
+        if self.table.parallelism == 1:
+            return [(0, batch)]
+        first = int(dest[0])
+        if (dest == first).all():
+            return [(first, batch)]
+        order = np.argsort(dest, kind="stable")
+        counts = np.bincount(dest, minlength=self.table.parallelism)
+        taken = batch.take(pa.array(order))
+        out = []
+        offset = 0
+        for receiver, n in enumerate(counts.tolist()):
+            if n:
+                out.append((receiver, taken.slice(offset, n)))
+                offset += n
+        return out

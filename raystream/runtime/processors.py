@@ -1,0 +1,274 @@
+"""What an operator instance does with one record batch, per operator kind (no Ray here).
+
+Every processor maps an input batch to a list of output batches. Records carry ``event_time``
+(ms) and ``ingest_ts`` (ns): per-record operators copy them from the input record when the
+output lacks them; keyed operators give each output the oldest ``ingest_ts`` and newest
+``event_time`` of its key's records, so sink latency measures the oldest record behind an output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from raystream.dataflow import Step
+from raystream.errors import SchemaError, StateError
+from raystream.keys import KeySpace, key_kind
+from raystream.runtime.channels import materialise_key
+from raystream.state.handles import KeyedStates, KeySet
+from raystream.state.rocks import RocksStateBackend
+
+__all__ = ["INGEST_TS", "EVENT_TIME", "KeyedBatch", "KeyedProcessor", "make_processor"]
+
+INGEST_TS = "ingest_ts"
+EVENT_TIME = "event_time"
+_META = (EVENT_TIME, INGEST_TS)
+
+
+def _to_batches(out: Any, step: str) -> list[pa.RecordBatch]:
+    if out is None:
+        return []
+    if isinstance(out, pa.RecordBatch):
+        return [out] if out.num_rows else []
+    if isinstance(out, pa.Table):
+        return [b for b in out.to_batches() if b.num_rows]
+    if isinstance(out, dict):
+        return _to_batches(pa.RecordBatch.from_pydict(out), step)
+    msg = (
+        f"step {step!r} returned {type(out).__name__}; expected a pyarrow.RecordBatch, a "
+        "pyarrow.Table, a dict of columns or None"
+    )
+    raise SchemaError(msg)
+
+
+def _rows_to_batch(rows: list[dict[str, Any]], step: str) -> list[pa.RecordBatch]:
+    if not rows:
+        return []
+    try:
+        return [pa.RecordBatch.from_pylist(rows)]
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        msg = f"step {step!r} produced records Arrow cannot put in one batch ({e}); first: {rows[0]!r}"
+        raise SchemaError(msg) from e
+
+
+class MapProcessor:
+    def __init__(self, step: Step) -> None:
+        self.step = step
+
+    def process(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+        fn = self.step.fn
+        kind = self.step.kind
+        rows = batch.to_pylist()
+        out: list[dict[str, Any]] = []
+        if kind == "map":
+            for r in rows:
+                o = fn(r)
+                if not isinstance(o, dict):
+                    msg = f"map step {self.step.name!r} must return a dict per record, got {o!r}"
+                    raise SchemaError(msg)
+                _carry_meta(r, o)
+                out.append(o)
+        elif kind == "flat_map":
+            for r in rows:
+                for o in fn(r) or ():
+                    if not isinstance(o, dict):
+                        msg = f"flat_map step {self.step.name!r} must yield dicts, got {o!r}"
+                        raise SchemaError(msg)
+                    _carry_meta(r, o)
+                    out.append(o)
+        else:  # filter
+            mask = np.fromiter((bool(fn(r)) for r in rows), dtype=bool, count=len(rows))
+            return [batch.filter(pa.array(mask))] if mask.any() else []
+        return _rows_to_batch(out, self.step.name)
+
+
+def _carry_meta(src: dict[str, Any], dst: dict[str, Any]) -> None:
+    for col in _META:
+        if col in src and col not in dst:
+            dst[col] = src[col]
+
+
+class MapBatchesProcessor:
+    def __init__(self, step: Step) -> None:
+        self.step = step
+
+    def process(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+        outs = _to_batches(self.step.fn(batch), self.step.name)
+        if len(outs) == 1 and outs[0].num_rows == batch.num_rows:
+            o = outs[0]
+            for col in _META:
+                if col in batch.schema.names and col not in o.schema.names:
+                    o = o.append_column(col, batch.column(col))
+            outs = [o]
+        return outs
+
+
+@dataclass
+class KeyedBatch:
+    """One batch grouped by key: the records of ``keys[i]`` are ``records[offsets[i]:offsets[i+1]]``.
+
+    ``records`` is sorted by key (stably, so per-key order is kept); ``keys`` holds the distinct
+    keys with their key groups and sub-groups, ready for vectorised state access.
+    """
+
+    records: pa.RecordBatch
+    keys: KeySet
+    offsets: np.ndarray
+    key_column: str
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Number of records per distinct key."""
+        return np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return self.records.num_rows
+
+    def key_index(self) -> np.ndarray:
+        """For every record, the index of its key in ``keys``."""
+        return np.repeat(np.arange(len(self.keys)), self.counts)
+
+    def records_of(self, i: int) -> pa.RecordBatch:
+        return self.records.slice(int(self.offsets[i]), int(self.offsets[i + 1] - self.offsets[i]))
+
+    def reduce(self, column: str, how: str = "sum") -> np.ndarray:
+        """Per-key reduction of a numeric column (``sum``, ``min``, ``max``), vectorised."""
+        values = self.records.column(column).to_numpy(zero_copy_only=False)
+        starts = self.offsets[:-1]
+        if len(starts) == 0:
+            return values[:0]
+        ufunc = {"sum": np.add, "min": np.minimum, "max": np.maximum}[how]
+        return ufunc.reduceat(values, starts)
+
+    def output(self, columns: dict[str, Any]) -> pa.RecordBatch:
+        """One output row per distinct key: the key, ``columns``, and the key's oldest
+        ``ingest_ts`` / newest ``event_time``."""
+        data: dict[str, Any] = {self.key_column: self.keys.keys}
+        data.update(columns)
+        names = self.records.schema.names
+        if INGEST_TS in names and INGEST_TS not in data:
+            data[INGEST_TS] = self.reduce(INGEST_TS, "min")
+        if EVENT_TIME in names and EVENT_TIME not in data:
+            data[EVENT_TIME] = self.reduce(EVENT_TIME, "max")
+        return pa.RecordBatch.from_pydict(data)
+
+
+def group_by_key(batch: pa.RecordBatch, keys: pa.Array, key_space: KeySpace, key_column: str) -> KeyedBatch:
+    """Sort a batch by key (stable) and find each distinct key's run of records."""
+    n = batch.num_rows
+    if keys.type == pa.int64():
+        k = keys.to_numpy(zero_copy_only=False)
+        order = np.argsort(k, kind="stable")
+        sk = k[order]
+        starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]]) if n else np.empty(0, np.int64)
+        distinct: pa.Array = pa.array(sk[starts])
+    else:
+        enc = keys.dictionary_encode()
+        idx = enc.indices.to_numpy(zero_copy_only=False)
+        order = np.argsort(idx, kind="stable")
+        si = idx[order]
+        starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]]) if n else np.empty(0, np.int64)
+        distinct = enc.dictionary.take(pa.array(si[starts]))
+    offsets = np.append(starts, n).astype(np.int64)
+    records = batch if _is_identity(order) else batch.take(pa.array(order))
+    kg, sg = key_space.locate(distinct)
+    return KeyedBatch(records, KeySet(distinct, kg, sg), offsets, key_column)
+
+
+def _is_identity(order: np.ndarray) -> bool:
+    return bool(len(order) == 0 or (order[0] == 0 and (np.diff(order) == 1).all()))
+
+
+class KeyedProcessor:
+    """A keyed operator instance: its RocksDB state, the key groups it owns, its user function."""
+
+    def __init__(self, step: Step, key_space: KeySpace, state_path: str | Path, owned: Iterable[int]) -> None:
+        assert step.key is not None
+        self.step = step
+        self.key_space = key_space
+        self.key_column = step.key.key_column
+        self.backend = RocksStateBackend(state_path)
+        self.states = KeyedStates(self.backend, step.state, key_space)
+        self.owned = np.zeros(key_space.num_key_groups, dtype=bool)
+        self.owned[list(owned)] = True
+        self.key_kind: str | None = None
+
+    def process(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+        batch, keys = materialise_key(batch, self.step.key)  # type: ignore[arg-type]
+        self.key_kind = self.key_kind or key_kind(keys)
+        kb = group_by_key(batch, keys, self.key_space, self.key_column)
+        self.check_owned(kb.keys.key_group)
+        if self.step.kind == "keyed_batches":
+            return _to_batches(self.step.fn(kb, self.states.vectorised()) if self.step.state
+                               else self.step.fn(kb), self.step.name)
+        return self._per_key(kb)
+
+    def check_owned(self, key_groups: np.ndarray) -> None:
+        bad = ~self.owned[key_groups]
+        if bad.any():
+            missing = sorted(set(key_groups[bad].tolist()))[:10]
+            msg = (
+                f"step {self.step.name!r} got records of key group(s) {missing} it does not own; "
+                "state is never created afresh for a key group owned elsewhere"
+            )
+            raise StateError(msg)
+
+    def _per_key(self, kb: KeyedBatch) -> list[pa.RecordBatch]:
+        fn = self.step.fn
+        has_state = bool(self.step.state)
+        preloaded = self.states.preload(kb.keys) if has_state else {}
+        keys = kb.keys.keys.to_pylist()
+        rows: list[dict[str, Any]] = []
+        col = self.key_column
+        names = kb.records.schema.names
+        ingest = kb.reduce(INGEST_TS, "min").tolist() if INGEST_TS in names else None
+        event = kb.reduce(EVENT_TIME, "max").tolist() if EVENT_TIME in names else None
+        for i, key in enumerate(keys):
+            records = kb.records_of(i)
+            if has_state:
+                out = fn(key, records, self.states.handles_for(preloaded, i))
+            else:
+                out = fn(key, records)
+            for o in out or ():
+                if isinstance(o, tuple) and len(o) == 2:
+                    k, v = o
+                    o = {col: k, **v} if isinstance(v, dict) else {col: k, "value": v}
+                elif isinstance(o, dict):
+                    if col not in o:
+                        o = {col: key, **o}
+                else:
+                    msg = (
+                        f"keyed step {self.step.name!r} must yield dicts or (key, value) "
+                        f"tuples, got {type(o).__name__}: {o!r}"
+                    )
+                    raise SchemaError(msg)
+                if ingest is not None and INGEST_TS not in o:
+                    o[INGEST_TS] = ingest[i]
+                if event is not None and EVENT_TIME not in o:
+                    o[EVENT_TIME] = event[i]
+                rows.append(o)
+        if has_state:
+            self.states.write_back(kb.keys, preloaded)
+        return _rows_to_batch(rows, self.step.name)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def make_processor(
+    step: Step, key_space: KeySpace, state_path: str | Path | None, owned: Iterable[int] = ()
+) -> Any:
+    if step.kind in ("map", "filter", "flat_map"):
+        return MapProcessor(step)
+    if step.kind == "map_batches":
+        return MapBatchesProcessor(step)
+    if step.kind in ("keyed", "keyed_batches"):
+        assert state_path is not None
+        return KeyedProcessor(step, key_space, state_path, owned)
+    msg = f"no processor for step kind {step.kind!r}"
+    raise ValueError(msg)

@@ -1,0 +1,616 @@
+"""Sources: where records enter a dataflow.
+
+A source is a frozen, picklable spec. The runtime ships it to every source instance and calls
+``open(index, parallelism)`` there; the returned :class:`SourceReader` yields Arrow record batches
+of the partition instance ``index`` owns, until ``read`` returns ``None``.
+
+Three built-in sources:
+
+* :func:`generator` - a deterministic key-count stream (bounded Zipf keys, optional hot key),
+  the same events whatever the parallelism;
+* :func:`parquet` - a Parquet file or a directory of Parquet files;
+* :func:`from_table` - an in-memory Arrow table (tests, docs).
+
+Example::
+
+    >>> import raystream.sources as src
+    >>> gen = src.generator(events=10, keys=3, seed=1)
+    >>> reader = gen.open(0, 1)
+    >>> reader.read(4).num_rows
+    4
+    >>> src.from_table(gen.generate_all()).schema().names
+    ['key', 'seq']
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from raystream.errors import ConfigError, SchemaError, SourceError
+
+__all__ = [
+    "KeyCountGenerator",
+    "ParquetSource",
+    "Source",
+    "SourceReader",
+    "TableSource",
+    "from_table",
+    "generator",
+    "parquet",
+]
+
+
+@runtime_checkable
+class SourceReader(Protocol):
+    """Reads the partition of one source instance."""
+
+    def read(self, max_rows: int) -> pa.RecordBatch | None:
+        """At most ``max_rows`` rows (never an empty batch); ``None`` once exhausted."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A frozen, picklable source spec."""
+
+    def schema(self) -> pa.Schema | None:
+        """The schema, when known at definition time (used to check ``key_by`` columns)."""
+        ...
+
+    def open(self, index: int, parallelism: int) -> SourceReader:
+        """The reader of the partition of source instance ``index`` of ``parallelism``."""
+        ...
+
+    @property
+    def rate_eps(self) -> float:
+        """Total target rate in events/s over all instances; 0 = unthrottled (the runtime paces)."""
+        ...
+
+    def describe(self) -> str: ...
+
+
+# --------------------------------------------------------------------------------------------
+# shared checks and helpers
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_rate(rate_eps: float) -> None:
+    if isinstance(rate_eps, bool) or not isinstance(
+        rate_eps, (int, float, np.integer, np.floating)
+    ):
+        msg = f"rate_eps must be a number >= 0 (events/s, 0 = unthrottled), got {rate_eps!r}"
+        raise ConfigError(msg)
+    if not math.isfinite(rate_eps) or rate_eps < 0:
+        msg = (
+            f"rate_eps must be a finite number >= 0 (events/s over all instances), "
+            f"got {rate_eps!r}. Use 0 for an unthrottled source."
+        )
+        raise ConfigError(msg)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not _is_int(value) or value < 1:  # type: ignore[operator]
+        msg = f"{name} must be an int >= 1, got {value!r}"
+        raise ConfigError(msg)
+
+
+def _check_partition(index: int, parallelism: int) -> None:
+    if not _is_int(parallelism) or parallelism < 1:
+        msg = f"source parallelism must be an int >= 1, got {parallelism!r}"
+        raise ConfigError(msg)
+    if not _is_int(index) or not 0 <= index < parallelism:
+        msg = f"source instance index must be an int in [0, {parallelism}), got {index!r}"
+        raise ConfigError(msg)
+
+
+def _check_max_rows(max_rows: int) -> None:
+    if not _is_int(max_rows) or max_rows < 1:
+        msg = f"read(max_rows) needs an int >= 1, got {max_rows!r}"
+        raise ConfigError(msg)
+
+
+def _concat(parts: list[pa.RecordBatch]) -> pa.RecordBatch:
+    return parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+
+
+class _BatchSlicer:
+    """Turns an iterator of record batches into reads of at most ``max_rows`` rows.
+
+    Small batches are joined up to ``max_rows`` (batch size rules the cost of a channel hop);
+    empty batches are skipped, so a read returns ``None`` only at the end.
+    """
+
+    def __init__(self, batches: Iterator[pa.RecordBatch]) -> None:
+        self._batches = batches
+        self._pending: pa.RecordBatch | None = None
+        self._offset = 0
+        self._done = False
+
+    def read(self, max_rows: int) -> pa.RecordBatch | None:
+        _check_max_rows(max_rows)
+        parts: list[pa.RecordBatch] = []
+        need = max_rows
+        while need > 0:
+            if self._pending is None or self._offset >= self._pending.num_rows:
+                nxt = None if self._done else next(self._batches, None)
+                if nxt is None:
+                    self._done = True
+                    self._pending = None
+                    break
+                self._pending, self._offset = nxt, 0
+                continue
+            take = min(need, self._pending.num_rows - self._offset)
+            parts.append(self._pending.slice(self._offset, take))
+            self._offset += take
+            need -= take
+        if not parts:
+            return None
+        return _concat(parts)
+
+    def close(self) -> None:
+        self._pending = None
+        self._done = True
+        close = getattr(self._batches, "close", None)
+        if close is not None:
+            close()
+
+
+# --------------------------------------------------------------------------------------------
+# key-count generator
+
+_KEY_TYPES = ("int", "str")
+
+
+@dataclass(frozen=True)
+class KeyCountGenerator:
+    """A deterministic key-count event stream; build it with :func:`generator`.
+
+    The stream is ``ceil(events / chunk_rows)`` chunks; chunk ``c`` is drawn from
+    ``np.random.default_rng([seed, c])``, so it is the same whatever the parallelism. Instance
+    ``i`` of ``P`` owns chunks ``i, i + P, i + 2P, ...``.
+
+    Keys follow a bounded Zipf law over ``keys`` distinct key ids: rank ``r`` (1-based) has
+    probability proportional to ``1 / r**zipf`` (``zipf=0`` is uniform). Ranks map to key ids
+    through a seeded permutation, so hot keys are spread over the key space. With
+    ``hot_key_fraction=f``, each event independently (probability ``f``) goes to the key of
+    rank 1 instead.
+
+    Columns: ``key`` (int64 key id, or string ``f"k{id}"`` with ``key_type="str"``) and ``seq``
+    (int64, the per-key sequence number 0, 1, 2, ... within one instance's stream, in read order).
+    """
+
+    events: int
+    keys: int
+    zipf: float = 1.1
+    seed: int = 0
+    rate_eps: float = 0.0
+    key_type: str = "int"
+    hot_key_fraction: float = 0.0
+    chunk_rows: int = 65536
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.events) or self.events < 0:
+            msg = f"events must be an int >= 0, got {self.events!r}"
+            raise ConfigError(msg)
+        _check_positive_int("keys", self.keys)
+        if isinstance(self.zipf, bool) or not isinstance(self.zipf, (int, float, np.number)):
+            msg = f"zipf must be a number >= 0 (0 = uniform, ~1.1 = skewed), got {self.zipf!r}"
+            raise ConfigError(msg)
+        if not math.isfinite(self.zipf) or self.zipf < 0:
+            msg = (
+                f"zipf must be a finite number >= 0 (0 = uniform, ~1.1 = skewed), got {self.zipf!r}"
+            )
+            raise ConfigError(msg)
+        if not _is_int(self.seed) or self.seed < 0:
+            msg = f"seed must be an int >= 0, got {self.seed!r}"
+            raise ConfigError(msg)
+        _check_rate(self.rate_eps)
+        if self.key_type not in _KEY_TYPES:
+            msg = f"key_type must be one of {list(_KEY_TYPES)}, got {self.key_type!r}"
+            raise ConfigError(msg)
+        f = self.hot_key_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float, np.number)) or not 0 <= f <= 1:
+            msg = (
+                f"hot_key_fraction must be a number in [0, 1], got {f!r}; "
+                "0.5 sends half of all events to one key"
+            )
+            raise ConfigError(msg)
+        _check_positive_int("chunk_rows", self.chunk_rows)
+
+    # -- the Source protocol ----------------------------------------------------------------
+
+    def schema(self) -> pa.Schema:
+        key_type = pa.int64() if self.key_type == "int" else pa.string()
+        return pa.schema([("key", key_type), ("seq", pa.int64())])
+
+    def open(self, index: int, parallelism: int) -> SourceReader:
+        _check_partition(index, parallelism)
+        draw = _KeyDraw(self, with_names=self.key_type == "str")
+        return _GeneratorReader(self, draw, range(index, self.num_chunks, parallelism))
+
+    def describe(self) -> str:
+        return (
+            f"generator(events={self.events}, keys={self.keys}, zipf={self.zipf}, "
+            f"seed={self.seed}, key_type={self.key_type!r}, "
+            f"hot_key_fraction={self.hot_key_fraction}, rate_eps={self.rate_eps})"
+        )
+
+    # -- oracle helpers ---------------------------------------------------------------------
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.events // self.chunk_rows)
+
+    def key_probabilities(self) -> np.ndarray:
+        """Probability of each key id ``0 .. keys-1`` (float64, sums to 1), hot key included."""
+        draw = _KeyDraw(self, with_names=False)
+        pmf_by_rank = np.diff(draw.cdf, prepend=0.0) * (1.0 - self.hot_key_fraction)
+        pmf_by_rank[0] += self.hot_key_fraction
+        probs = np.empty(self.keys, dtype=np.float64)
+        probs[draw.key_of_rank] = pmf_by_rank
+        return probs
+
+    def generate_all(self) -> pa.Table:
+        """The whole stream as one table, in global chunk order (the test oracle's input).
+
+        ``seq`` counts per key over the *whole* stream, so it equals the per-instance ``seq``
+        only with parallelism 1; with more instances each instance counts its own chunks.
+        """
+        reader = self.open(0, 1)
+        batches = []
+        while (batch := reader.read(self.chunk_rows)) is not None:
+            batches.append(batch)
+        return pa.Table.from_batches(batches, schema=self.schema())
+
+    def to_parquet(self, path: str | os.PathLike[str], *, row_group_rows: int | None = None) -> str:
+        """Write the whole stream (as :meth:`generate_all`) to one Parquet file; returns its path.
+
+        Streams chunk by chunk, so memory stays at one chunk. One row group per chunk unless
+        ``row_group_rows`` says otherwise.
+        """
+        path = os.fspath(path)
+        row_group_rows = row_group_rows or self.chunk_rows
+        _check_positive_int("row_group_rows", row_group_rows)
+        reader = self.open(0, 1)
+        with pq.ParquetWriter(path, self.schema()) as writer:
+            while (batch := reader.read(self.chunk_rows)) is not None:
+                writer.write_batch(batch, row_group_size=row_group_rows)
+        return path
+
+
+class _KeyDraw:
+    """The precomputed pieces of a generator: Zipf CDF, rank -> key id, key id -> string."""
+
+    def __init__(self, spec: KeyCountGenerator, *, with_names: bool) -> None:
+        ranks = np.arange(1, spec.keys + 1, dtype=np.float64)
+        weights = ranks ** (-float(spec.zipf))
+        cdf = np.cumsum(weights)
+        cdf /= cdf[-1]
+        cdf[-1] = 1.0  # u < 1 always lands on a valid rank
+        self.cdf = cdf
+        # A different entropy length than the chunk seeds [seed, c]: an independent stream.
+        self.key_of_rank = np.random.default_rng([spec.seed, 0x5EED, 0xC0FFEE]).permutation(
+            spec.keys
+        )
+        self.names: pa.Array | None = None
+        if with_names:
+            ids = pa.array(np.arange(spec.keys, dtype=np.int64)).cast(pa.string())
+            self.names = pc.binary_join_element_wise("k", ids, "")
+
+    def chunk_key_ids(self, spec: KeyCountGenerator, chunk: int) -> np.ndarray:
+        start = chunk * spec.chunk_rows
+        n = min(spec.chunk_rows, spec.events - start)
+        rng = np.random.default_rng([spec.seed, chunk])
+        ranks = np.searchsorted(self.cdf, rng.random(n), side="right")
+        if spec.hot_key_fraction > 0:
+            ranks[rng.random(n) < spec.hot_key_fraction] = 0
+        return self.key_of_rank[ranks]
+
+
+def _cumcount(key_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(position of each row among the earlier rows of its key, distinct keys, their counts)."""
+    order = np.argsort(key_ids, kind="stable")
+    sorted_ids = key_ids[order]
+    starts = np.flatnonzero(np.diff(sorted_ids, prepend=sorted_ids[:1] - 1))
+    counts = np.diff(starts, append=len(sorted_ids))
+    within_sorted = np.arange(len(sorted_ids)) - np.repeat(starts, counts)
+    within = np.empty_like(within_sorted)
+    within[order] = within_sorted
+    return within, sorted_ids[starts], counts
+
+
+class _GeneratorReader:
+    def __init__(self, spec: KeyCountGenerator, draw: _KeyDraw, chunks: range) -> None:
+        self._spec = spec
+        self._draw = draw
+        self._chunks = iter(chunks)
+        self._ids: np.ndarray | None = None
+        self._offset = 0
+        self._seen = np.zeros(spec.keys, dtype=np.int64)  # records per key id so far
+        self._schema = spec.schema()
+
+    def read(self, max_rows: int) -> pa.RecordBatch | None:
+        _check_max_rows(max_rows)
+        if self._ids is None or self._offset >= len(self._ids):
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                self._ids = None
+                return None
+            self._ids, self._offset = self._draw.chunk_key_ids(self._spec, chunk), 0
+        ids = self._ids[self._offset : self._offset + max_rows]
+        self._offset += len(ids)
+        within, distinct, counts = _cumcount(ids)
+        seq = self._seen[ids] + within
+        self._seen[distinct] += counts
+        if self._draw.names is None:
+            key: pa.Array = pa.array(ids, type=pa.int64())
+        else:
+            key = self._draw.names.take(pa.array(ids))
+        return pa.RecordBatch.from_arrays(
+            [key, pa.array(seq, type=pa.int64())], schema=self._schema
+        )
+
+    def close(self) -> None:
+        self._ids = None
+        self._chunks = iter(())
+
+
+def generator(
+    events: int,
+    keys: int,
+    zipf: float = 1.1,
+    seed: int = 0,
+    rate_eps: float = 0,
+    key_type: str = "int",
+    hot_key_fraction: float = 0.0,
+    chunk_rows: int = 65536,
+) -> KeyCountGenerator:
+    """A deterministic key-count stream of ``events`` events over ``keys`` distinct keys.
+
+    See :class:`KeyCountGenerator` for the distribution and the columns. The events are the same
+    whatever the parallelism; ``generate_all()`` gives the whole stream for an oracle.
+
+    Example::
+
+        >>> gen = generator(events=1000, keys=10, zipf=0, seed=7)
+        >>> t = gen.generate_all()
+        >>> t.num_rows, sorted(set(t["key"].to_pylist())) == list(range(10))
+        (1000, True)
+        >>> generator(100, 5, hot_key_fraction=0.5).describe().startswith("generator(")
+        True
+    """
+    return KeyCountGenerator(
+        events=events,
+        keys=keys,
+        zipf=zipf,
+        seed=seed,
+        rate_eps=rate_eps,
+        key_type=key_type,
+        hot_key_fraction=hot_key_fraction,
+        chunk_rows=chunk_rows,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Parquet
+
+
+def _parquet_files(path: str) -> tuple[str, ...]:
+    p = Path(path)
+    if not p.exists():
+        msg = (
+            f"no such file or directory: {path!r}; expected a Parquet file or a directory of "
+            "Parquet files. Check the path (relative paths resolve against the worker's "
+            f"working directory, here {os.getcwd()!r})."
+        )
+        raise SourceError(msg)
+    if p.is_file():
+        return (str(p),)
+    files = tuple(
+        str(f)
+        for f in sorted(p.glob("*.parquet"))
+        if f.is_file() and not f.name.startswith((".", "_"))
+    )
+    if not files:
+        msg = (
+            f"directory {path!r} holds no *.parquet files; expected a Parquet file or a directory "
+            "of *.parquet files (sub-directories are not searched)."
+        )
+        raise SourceError(msg)
+    return files
+
+
+def _open_parquet(file: str) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(file)
+    except (pa.ArrowException, OSError) as exc:
+        msg = f"cannot read {file!r} as Parquet ({exc}); expected a readable Parquet file."
+        raise SourceError(msg) from exc
+
+
+def _schema_diff(a: pa.Schema, b: pa.Schema) -> str:
+    fa = {f.name: f.type for f in a}
+    fb = {f.name: f.type for f in b}
+    parts = []
+    if only_a := [n for n in fa if n not in fb]:
+        parts.append(f"only in the first: {only_a}")
+    if only_b := [n for n in fb if n not in fa]:
+        parts.append(f"only in the second: {only_b}")
+    if changed := [f"{n}: {fa[n]} vs {fb[n]}" for n in fa if n in fb and fa[n] != fb[n]]:
+        parts.append(f"different types: {changed}")
+    if not parts:
+        parts.append(f"column order {a.names} vs {b.names}")
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class ParquetSource:
+    """A Parquet file or a directory of ``*.parquet`` files; build it with :func:`parquet`.
+
+    The files (sorted by name; names starting with ``.`` or ``_`` are skipped) and their row
+    groups are listed when the spec is built; instance ``i`` of ``P`` reads the (file, row group)
+    units ``i, i + P, ...`` in that order. Within one unit rows keep their file order.
+    """
+
+    path: str
+    batch_rows: int = 65536
+    rate_eps: float = 0.0
+    files: tuple[str, ...] = field(init=False, repr=False)
+    units: tuple[tuple[int, int], ...] = field(init=False, repr=False)
+    _schema: pa.Schema = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", os.fspath(self.path))
+        _check_positive_int("batch_rows", self.batch_rows)
+        _check_rate(self.rate_eps)
+        files = _parquet_files(self.path)
+        schema: pa.Schema | None = None
+        units: list[tuple[int, int]] = []
+        for i, file in enumerate(files):
+            pf = _open_parquet(file)
+            try:
+                file_schema = pf.schema_arrow
+                units.extend((i, rg) for rg in range(pf.num_row_groups))
+            finally:
+                pf.close()
+            if schema is None:
+                schema = file_schema
+            elif not schema.equals(file_schema, check_metadata=False):
+                msg = (
+                    f"Parquet files {files[0]!r} and {file!r} have different schemas "
+                    f"({_schema_diff(schema, file_schema)}); expected every file of a directory "
+                    "source to have the same columns and types. Rewrite or move the odd file."
+                )
+                raise SchemaError(msg)
+        object.__setattr__(self, "files", files)
+        object.__setattr__(self, "units", tuple(units))
+        object.__setattr__(self, "_schema", schema)
+
+    def schema(self) -> pa.Schema:
+        return self._schema
+
+    def open(self, index: int, parallelism: int) -> SourceReader:
+        _check_partition(index, parallelism)
+        return _BatchSlicer(self._iter_units(self.units[index::parallelism]))
+
+    def describe(self) -> str:
+        return (
+            f"parquet({self.path!r}: {len(self.files)} file(s), {len(self.units)} row group(s), "
+            f"rate_eps={self.rate_eps})"
+        )
+
+    def _iter_units(self, units: Sequence[tuple[int, int]]) -> Iterator[pa.RecordBatch]:
+        pf: pq.ParquetFile | None = None
+        current = -1
+        try:
+            for file_index, row_group in units:
+                if file_index != current:
+                    if pf is not None:
+                        pf.close()
+                    pf = _open_parquet(self.files[file_index])
+                    current = file_index
+                assert pf is not None
+                yield from pf.iter_batches(batch_size=self.batch_rows, row_groups=[row_group])
+        finally:
+            if pf is not None:
+                pf.close()
+
+
+def parquet(
+    path: str | os.PathLike[str], batch_rows: int = 65536, rate_eps: float = 0
+) -> ParquetSource:
+    """Read a Parquet file, or every ``*.parquet`` file of a directory (sorted by name).
+
+    Raises :class:`SourceError` at once for a missing path or an unreadable file, and
+    :class:`SchemaError` when the files of a directory disagree on their schema.
+
+    Example::
+
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> d = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"key": [1, 2, 3]}), f"{d}/a.parquet")
+        >>> src = parquet(d)
+        >>> src.schema().names, src.open(0, 1).read(10).num_rows
+        (['key'], 3)
+    """
+    return ParquetSource(path=os.fspath(path), batch_rows=batch_rows, rate_eps=rate_eps)
+
+
+# --------------------------------------------------------------------------------------------
+# in-memory table
+
+
+@dataclass(frozen=True)
+class TableSource:
+    """An in-memory Arrow table; instance ``i`` of ``P`` reads the contiguous row slice
+    ``[i * n // P, (i + 1) * n // P)``. Build it with :func:`from_table`."""
+
+    table: pa.Table = field(repr=False)
+    rate_eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_rate(self.rate_eps)
+
+    def schema(self) -> pa.Schema:
+        return self.table.schema
+
+    def open(self, index: int, parallelism: int) -> SourceReader:
+        _check_partition(index, parallelism)
+        n = self.table.num_rows
+        start, stop = index * n // parallelism, (index + 1) * n // parallelism
+        return _BatchSlicer(iter(self.table.slice(start, stop - start).to_batches()))
+
+    def describe(self) -> str:
+        return f"from_table({self.table.num_rows} rows, columns={self.table.schema.names})"
+
+
+def from_table(
+    table_or_batches: pa.Table | pa.RecordBatch | Sequence[pa.RecordBatch],
+    rate_eps: float = 0,
+) -> TableSource:
+    """An in-memory source over an Arrow table, a record batch or a non-empty list of batches.
+
+    Example::
+
+        >>> import pyarrow as pa
+        >>> src = from_table(pa.table({"key": [1, 2, 3, 4]}))
+        >>> src.open(1, 2).read(10).to_pydict()
+        {'key': [3, 4]}
+    """
+    data = table_or_batches
+    if isinstance(data, pa.RecordBatch):
+        table = pa.Table.from_batches([data])
+    elif isinstance(data, pa.Table):
+        table = data
+    elif isinstance(data, Sequence) and data and all(isinstance(b, pa.RecordBatch) for b in data):
+        try:
+            table = pa.Table.from_batches(list(data))
+        except pa.ArrowInvalid as exc:
+            msg = (
+                f"from_table got record batches with different schemas ({exc}); "
+                "expected one schema for all batches."
+            )
+            raise SchemaError(msg) from exc
+    else:
+        msg = (
+            "from_table expects a pyarrow Table, a RecordBatch or a non-empty list of "
+            f"RecordBatches, got {type(data).__name__}. Convert with pyarrow.table(...) or "
+            "pyarrow.Table.from_pandas(...)."
+        )
+        raise ConfigError(msg)
+    return TableSource(table=table, rate_eps=rate_eps)

@@ -1,0 +1,189 @@
+"""One RocksDB (rocksdict, raw bytes mode) per keyed operator instance.
+
+The backend speaks bytes; typed access lives in :mod:`raystream.state.handles`. Sub-groups and key
+groups are contiguous key ranges (see :mod:`raystream.state.layout`), so moving state is a range
+scan on the old owner, a ``WriteBatch`` on the new one and a ``delete_range`` to drop it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pyarrow as pa
+from rocksdict import AccessType, Checkpoint, Options, ReadOptions, Rdict, WriteBatch, WriteOptions
+
+from raystream.errors import StateError
+from raystream.state.layout import key_group_bounds, sub_group_bounds
+
+__all__ = ["STATE_CHUNK_SCHEMA", "RocksStateBackend"]
+
+STATE_CHUNK_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary())])
+
+
+def _options() -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.increase_parallelism(2)
+    return opts
+
+
+class RocksStateBackend:
+    """RocksDB state of one operator instance, in folder ``path``.
+
+    The WAL is off: durability comes from snapshots (checkpoints), not from the log.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = Rdict(str(self.path), _options())
+        self._write_opt = WriteOptions()
+        self._write_opt.disable_wal = True
+        self._db.set_write_options(self._write_opt)
+        self._closed = False
+
+    # ---- point access -------------------------------------------------------------------
+    def multi_get(self, keys: list[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        return self._db.get(keys)  # type: ignore[no-any-return]
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._db.get(key)  # type: ignore[no-any-return]
+
+    def write(
+        self, keys: list[bytes], values: list[bytes], deletes: Iterable[bytes] = ()
+    ) -> None:
+        """Put ``keys[i] = values[i]`` and delete ``deletes`` in one atomic WriteBatch."""
+        wb = WriteBatch(raw_mode=True)
+        put = wb.put
+        for k, v in zip(keys, values, strict=True):
+            put(k, v)
+        for k in deletes:
+            wb.delete(k)
+        if not wb.is_empty():
+            self._db.write(wb, self._write_opt)
+
+    def scan(self, lower: bytes, upper: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, value) with lower <= key < upper, in key order."""
+        ro = ReadOptions()
+        ro.set_iterate_upper_bound(upper)
+        # rocksdict ignores the lower bound unless from_key is given, and stops early if the
+        # ReadOptions is garbage-collected: keep `ro` alive in this generator's frame.
+        for k, v in self._db.items(from_key=lower, read_opt=ro):
+            yield k, v
+        del ro
+
+    def scan_prefix(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        upper = _prefix_upper_bound(prefix)
+        return self.scan(prefix, upper)
+
+    # ---- sub-groups and key groups ------------------------------------------------------
+    def export_ranges(
+        self, ranges: Iterable[tuple[bytes, bytes]], *, chunk_bytes: int = 4 << 20
+    ) -> Iterator[pa.RecordBatch]:
+        """Rows of the given ranges as Arrow chunks of about ``chunk_bytes`` each (bounded)."""
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        size = 0
+        for lower, upper in ranges:
+            for k, v in self.scan(lower, upper):
+                keys.append(k)
+                values.append(v)
+                size += len(k) + len(v)
+                if size >= chunk_bytes:
+                    yield _chunk(keys, values)
+                    keys, values, size = [], [], 0
+        if keys:
+            yield _chunk(keys, values)
+
+    def export_sub_group(self, key_group: int, sub_group: int) -> pa.RecordBatch:
+        chunks = list(self.export_ranges([sub_group_bounds(key_group, sub_group)], chunk_bytes=1 << 62))
+        return chunks[0] if chunks else _chunk([], [])
+
+    def export_key_groups(
+        self, key_groups: Iterable[int], *, chunk_bytes: int = 4 << 20
+    ) -> Iterator[pa.RecordBatch]:
+        return self.export_ranges((key_group_bounds(int(g)) for g in key_groups), chunk_bytes=chunk_bytes)
+
+    def import_chunk(self, chunk: pa.RecordBatch | pa.Table) -> int:
+        """Write exported rows (columns key, value) into this instance. Returns the row count."""
+        if chunk.schema.names[:2] != ["key", "value"]:
+            msg = f"a state chunk needs columns ['key', 'value'], got {chunk.schema.names}"
+            raise StateError(msg)
+        keys = chunk.column(0).to_pylist()
+        values = chunk.column(1).to_pylist()
+        self.write(keys, values)
+        return len(keys)
+
+    def drop_sub_group(self, key_group: int, sub_group: int) -> None:
+        lower, upper = sub_group_bounds(key_group, sub_group)
+        self._db.delete_range(lower, upper, self._write_opt)
+
+    def drop_key_group(self, key_group: int) -> None:
+        lower, upper = key_group_bounds(key_group)
+        self._db.delete_range(lower, upper, self._write_opt)
+
+    def count_rows(self, lower: bytes = b"", upper: bytes = b"\xff\xff\xff\xff") -> int:
+        return sum(1 for _ in self.scan(lower, upper))
+
+    # ---- snapshots -------------------------------------------------------------------------
+    def snapshot(self, directory: str | Path) -> Path:
+        """A consistent point-in-time copy of this instance's RocksDB (hard links, fast)."""
+        directory = Path(directory)
+        if directory.exists():
+            msg = f"snapshot directory {directory} already exists; pass a new path"
+            raise StateError(msg)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        self._db.flush(True)
+        Checkpoint(self._db).create_checkpoint(str(directory))
+        return directory
+
+    def restore_key_groups(self, snapshot_dir: str | Path, key_groups: Iterable[int]) -> int:
+        """Copy the given key groups from a snapshot into this instance. Returns rows copied."""
+        snapshot_dir = Path(snapshot_dir)
+        if not (snapshot_dir / "CURRENT").exists():
+            msg = f"{snapshot_dir} is not a raystream state snapshot (no RocksDB CURRENT file)"
+            raise StateError(msg)
+        src = Rdict(str(snapshot_dir), _options(), access_type=AccessType.read_only())
+        try:
+            reader = RocksStateBackend.__new__(RocksStateBackend)
+            reader._db = src  # noqa: SLF001 - a read-only view for export_ranges
+            rows = 0
+            for chunk in reader.export_key_groups(key_groups):
+                rows += self.import_chunk(chunk)
+            return rows
+        finally:
+            src.close()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def flush(self) -> None:
+        self._db.flush(True)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._db.close()
+
+    def destroy(self) -> None:
+        """Close and delete this instance's state folder."""
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _chunk(keys: list[bytes], values: list[bytes]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays(
+        [pa.array(keys, pa.binary()), pa.array(values, pa.binary())], schema=STATE_CHUNK_SCHEMA
+    )
+
+
+def _prefix_upper_bound(prefix: bytes) -> bytes:
+    b = bytearray(prefix)
+    while b and b[-1] == 0xFF:
+        b.pop()
+    if not b:
+        return b"\xff" * (len(prefix) + 8)
+    b[-1] += 1
+    return bytes(b)

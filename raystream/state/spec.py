@@ -1,0 +1,127 @@
+"""State declarations (what a keyed operator asks for) and the codecs that store their values.
+
+``ValueState(int, default=0)`` stores one value per key; ``MapState()`` a map per key;
+``ListState()`` a list per key. Numeric value states (``int``, ``float``) are stored as fixed
+8-byte little-endian values and read back as numpy arrays in the vectorised API; anything else is
+pickled.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from raystream.errors import DataflowDefinitionError
+
+__all__ = ["Codec", "ListState", "MapState", "StateSpec", "ValueState", "codec_for"]
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Encodes values to bytes and back; numeric codecs also work on whole numpy arrays."""
+
+    name: str
+    numpy_dtype: str | None  # '<i8' / '<f8' for fixed-width numeric codecs, else None
+
+    def encode(self, value: Any) -> bytes:
+        if self.numpy_dtype is not None:
+            return np.asarray(value, dtype=self.numpy_dtype).tobytes()
+        return pickle.dumps(value, protocol=5)
+
+    def decode(self, raw: bytes) -> Any:
+        if self.numpy_dtype is not None:
+            return np.frombuffer(raw, dtype=self.numpy_dtype)[0].item()
+        return pickle.loads(raw)
+
+    def encode_many(self, values: Any) -> list[bytes]:
+        if self.numpy_dtype is not None:
+            arr = np.ascontiguousarray(values, dtype=self.numpy_dtype)
+            return arr.view("V8").tolist()
+        return [pickle.dumps(v, protocol=5) for v in values]
+
+    def decode_many(self, raws: list[bytes | None], default: Any) -> Any:
+        """Decode a multi-get result; missing entries (None) become ``default``."""
+        if self.numpy_dtype is not None:
+            fill = np.asarray(default if default is not None else 0, dtype=self.numpy_dtype).tobytes()
+            return np.frombuffer(b"".join(r if r is not None else fill for r in raws), self.numpy_dtype)
+        return [pickle.loads(r) if r is not None else default for r in raws]
+
+
+_INT = Codec("int64", "<i8")
+_FLOAT = Codec("float64", "<f8")
+_PICKLE = Codec("pickle", None)
+
+
+def codec_for(dtype: Any) -> Codec:
+    if dtype in (int, "int", "int64", np.int64):
+        return _INT
+    if dtype in (float, "float", "float64", np.float64):
+        return _FLOAT
+    return _PICKLE
+
+
+@dataclass(frozen=True)
+class ValueState:
+    """One value per key. ``dtype`` int/float are stored natively (fast, vectorised)."""
+
+    dtype: Any = object
+    default: Any = None
+
+    @property
+    def codec(self) -> Codec:
+        return codec_for(self.dtype)
+
+
+@dataclass(frozen=True)
+class MapState:
+    """A map per key (map keys and values are pickled; map keys must be hashable)."""
+
+    default_value: Any = None
+
+    @property
+    def codec(self) -> Codec:
+        return _PICKLE
+
+
+@dataclass(frozen=True)
+class ListState:
+    """A list per key (stored as one value; append is read-modify-write within a batch)."""
+
+    @property
+    def codec(self) -> Codec:
+        return _PICKLE
+
+
+StateSpec = ValueState | MapState | ListState
+
+
+def check_state_specs(state: Any, step: str) -> dict[str, StateSpec]:
+    """Normalise ``state=`` of a keyed operator into ``{name: spec}``.
+
+    ``None`` -> no state; a single spec -> ``{"state": spec}`` (the function gets the handle
+    itself); a dict of specs -> a namespace of handles with those names.
+    """
+    if state is None:
+        return {}
+    if isinstance(state, (ValueState, MapState, ListState)):
+        return {"": state}
+    if isinstance(state, dict) and state:
+        bad = {k: v for k, v in state.items() if not isinstance(v, (ValueState, MapState, ListState))}
+        if bad or not all(isinstance(k, str) and k.isidentifier() for k in state):
+            msg = (
+                f"step {step!r}: state= must map identifier names to ValueState/MapState/"
+                f"ListState, got {state!r}"
+            )
+            raise DataflowDefinitionError(msg)
+        if len(state) > 250:
+            msg = f"step {step!r}: at most 250 states per operator, got {len(state)}"
+            raise DataflowDefinitionError(msg)
+        return dict(state)
+    msg = (
+        f"step {step!r}: state= expects rs.ValueState(...), rs.MapState(), rs.ListState() or a "
+        f"dict of them, got {type(state).__name__}: {state!r}"
+    )
+    raise DataflowDefinitionError(msg)
