@@ -14,7 +14,17 @@ from typing import Any
 
 import ray
 
+from dataclasses import replace
+
+import numpy as np
+
+from raystream.assignment import rebalance
 from raystream.dataflow import Dataflow
+from raystream.errors import JobFailedError, RescaleError
+from raystream.keys import RoutingTable
+from raystream.plugins import MIGRATION_STRATEGIES
+from raystream.plugins import load as load_plugin
+from raystream.rescale import FetchPolicy, RescaleContext
 from raystream.metrics import LatencyRecorder
 from raystream.plan import PhysicalPlan, physical_plan
 from raystream.runtime.instance import RuntimeConfig
@@ -49,6 +59,14 @@ class Controller:
         self.ended_at: float | None = None
         self.error: dict[str, Any] | None = None
         self._epoch = 0
+        self.routing = dict(self.plan.routing)
+        self.parallelism = {n: s.parallelism or 1 for n, s in self.plan.steps.items()}
+        self.specs = dict(self.plan.instances)
+        self.retired: set[ChannelId] = set()
+        self.rescales: list[dict[str, Any]] = []
+        self._rescale_lock = asyncio.Lock()
+        self._queued = 0
+        self._run_futures: dict[ChannelId, asyncio.Future[Any]] = {}
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
 
@@ -57,6 +75,7 @@ class Controller:
         """Create every instance actor, wire the channels, start the loops (sources last)."""
         from raystream.runtime.actors import InstanceActor
 
+        self._self = self_handle
         for iid, spec in self.plan.instances.items():
             self.handles[iid] = InstanceActor.options(
                 name=None, max_concurrency=10_000
@@ -70,14 +89,18 @@ class Controller:
         )
         order = [i for i in self.handles if i not in self.plan.sources] + self.plan.sources
         for iid in order:
-            self.run_refs[iid] = self.handles[iid].run.remote()
+            self._run(iid)
         self.state = "running"
         self.started_at = time.time()
         asyncio.get_running_loop().create_task(self._watch())
         return self.describe()
 
+    def _run(self, iid: ChannelId) -> None:
+        self.run_refs[iid] = self.handles[iid].run.remote()
+        self._run_futures[iid] = asyncio.ensure_future(_outcome(self.run_refs[iid], iid))
+
     def _receivers_of(self, iid: ChannelId) -> dict[ChannelId, Any]:
-        spec = self.plan.instances[iid]
+        spec = self.specs[iid]
         return {
             (out.step, i): self.handles[(out.step, i)]
             for out in spec.outputs
@@ -85,17 +108,26 @@ class Controller:
         }
 
     async def _watch(self) -> None:
-        """Collect each instance's outcome; the first failure stops the whole job."""
-        futures = [asyncio.ensure_future(_outcome(ref, iid)) for iid, ref in self.run_refs.items()]
-        for next_done in asyncio.as_completed(futures):
-            out = await next_done
-            iid = out["instance"]
-            self.outcomes[iid] = out
-            if out.get("error") and self.error is None:
-                self.error = {"instance": iid, "error": out["error"]}
-                self.state = "failed"
-                await self._stop_all()
-                return
+        """Collect outcomes as instances end (new ones join on rescale); the first failure stops
+        the whole job; the job is finished when every instance is."""
+        while True:
+            pending = {i: f for i, f in self._run_futures.items() if i not in self.outcomes}
+            if pending:
+                await asyncio.wait(list(pending.values()), timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+            for iid, fut in pending.items():
+                if not fut.done():
+                    continue
+                out = fut.result()
+                self.outcomes[iid] = out
+                if out.get("error") and self.error is None:
+                    self.error = {"instance": iid, "error": out["error"]}
+                    self.state = "failed"
+                    await self._stop_all()
+                    return
+                if iid in self.retired:
+                    ray.kill(self.handles[iid], no_restart=True)
+            if all(i in self.outcomes for i in self._run_futures):
+                break
         self.state = "finished"
         self.ended_at = time.time()
         await self._release()
@@ -118,6 +150,7 @@ class Controller:
             "results": {
                 iid: out.get("result") for iid, out in self.outcomes.items() if iid in self.plan.sinks
             },
+            "rescales": list(self.rescales),
             "metrics": [out.get("metrics", {}) for out in self.outcomes.values()],
             "origin_ns": self.origin_ns,
         }
@@ -186,16 +219,178 @@ class Controller:
         if acks is None:
             return
         acks.append(info)
-        if len(acks) >= len(self.plan.instances):
+        if len(acks) >= len(self.handles) - len(self.retired):
             self._barrier_done[epoch].set()
+
+    # ---- rescaling -------------------------------------------------------------------------
+    async def rescale(self, step: str, parallelism: int, strategy: Any = None, **strategy_args: Any) -> dict[str, Any]:
+        """Change the parallelism of keyed step ``step`` while the job runs; returns the
+        migration's statistics once all state settled. A rescale requested while one runs waits
+        for it (queued, in order)."""
+        strat = self._check_rescale(step, parallelism, strategy, strategy_args)
+        self._queued += 1
+        try:
+            async with self._rescale_lock:
+                self._queued -= 1
+                if self.state != "running":
+                    msg = f"job {self.flow.name!r} is {self.state}; only a running job can be rescaled"
+                    raise RescaleError(msg)
+                try:
+                    return await self._rescale(step, parallelism, strat)
+                except Exception as e:
+                    if self.error is not None:
+                        err = self.error
+                        msg = f"job {self.flow.name!r} failed during the rescale, in instance {err['instance']}: {err['error']}"
+                        raise JobFailedError(msg) from e
+                    raise
+        finally:
+            self._queued = max(0, self._queued)
+
+    def _check_rescale(self, step: str, parallelism: Any, strategy: Any, args: dict[str, Any]) -> Any:
+        steps = self.plan.steps
+        if step not in steps:
+            msg = f"cannot rescale {step!r}: no such step; the steps are {list(steps)}"
+            raise RescaleError(msg)
+        if not steps[step].is_keyed:
+            keyed = [n for n, s in steps.items() if s.is_keyed]
+            msg = f"cannot rescale {step!r}: it is a {steps[step].kind} step; keyed steps can be rescaled: {keyed}"
+            raise RescaleError(msg)
+        n = self.flow.key_space.num_key_groups
+        if not isinstance(parallelism, int) or isinstance(parallelism, bool) or not 1 <= parallelism <= n:
+            msg = (
+                f"cannot rescale {step!r} to parallelism {parallelism!r}: it must be an int in "
+                f"[1, {n}] (1 .. the number of key groups)"
+            )
+            raise RescaleError(msg)
+        if not self.config.migration_support:
+            msg = "this job runs with migration_support=False; restart it with it on to rescale"
+            raise RescaleError(msg)
+        return load_plugin(MIGRATION_STRATEGIES, strategy or self.config.migration, **args)
+
+    async def _rescale(self, step: str, parallelism: int, strategy: Any) -> dict[str, Any]:
+        t0 = time.time()
+        old = self.routing[step]
+        s = self.flow.key_space.sub_groups
+        live = [i for i in range(old.parallelism)]
+        heat = np.sum(
+            await asyncio.gather(*(self.handles[(step, i)].sub_group_load.remote() for i in live)), axis=0
+        )
+        kg_load = heat.reshape(-1, s).sum(axis=1)
+        target = rebalance(old, parallelism, kg_load)
+        plan = strategy.plan(RescaleContext(step, old, target, kg_load, s))
+        if parallelism > old.parallelism:
+            await self._spawn(step, range(old.parallelism, parallelism))
+        width = max(parallelism, old.parallelism)
+        peers = {i: self.handles[(step, i)] for i in range(width)}
+        current = old
+        stats: list[dict[str, Any]] = []
+        moved: set[int] = set()
+        policy = plan.policy
+        for k, table in enumerate(plan.steps):
+            epoch = self._next_epoch()
+            table = RoutingTable(epoch=epoch, owners=table.owners, parallelism=table.parallelism)
+            final = k == len(plan.steps) - 1
+            tasks = _migration_tasks(current, table, width, s, heat, policy, epoch)
+            moved.update(current.moved_key_groups(table).tolist())
+            await asyncio.gather(*(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(width)))
+            if policy.pause_sources:
+                await asyncio.gather(*(self.handles[i].pause.remote() for i in self.plan.sources))
+            barrier = Barrier(epoch, "rescale", {"step": step, "table": table, "final": final})
+            if policy.full_restore:
+                await self._stop_and_restore(step, barrier, table, width, peers)
+            else:
+                await asyncio.gather(*(self.handles[i].inject_barrier.remote(barrier) for i in self.plan.sources))
+            stats += await asyncio.gather(*(peers[i].migration_done.remote(epoch) for i in range(width)))
+            if policy.pause_sources:
+                await asyncio.gather(*(self.handles[i].resume.remote() for i in self.plan.sources))
+            current = table
+            self.routing[step] = table
+        self.parallelism[step] = parallelism
+        for i in range(parallelism, old.parallelism):
+            self.retired.add((step, i))
+        t1 = time.time()
+        waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
+        record = {
+            "step": step,
+            "from": old.parallelism,
+            "to": parallelism,
+            "strategy": plan.strategy,
+            "steps": len(plan.steps),
+            "start_s": t0 - self.origin_ns / 1e9,
+            "end_s": t1 - self.origin_ns / 1e9,
+            "duration_s": t1 - t0,
+            "moved_key_groups": len(moved),
+            "moved_bytes": int(sum(st.get("bytes_in", 0) for st in stats)),
+            "moved_rows": int(sum(st.get("rows_in", 0) for st in stats)),
+            "on_demand_fetches": int(sum(st.get("on_demand_fetches", 0) for st in stats)),
+            "fetch_wait_ms": {
+                "p50": float(np.percentile(waits, 50)) if waits else 0.0,
+                "p99": float(np.percentile(waits, 99)) if waits else 0.0,
+                "count": len(waits),
+            },
+        }
+        self.rescales.append(record)
+        return record
+
+    async def _spawn(self, step: str, indexes: range) -> None:
+        """Start new instances of ``step`` (empty state) and wire them to both neighbours."""
+        from raystream.runtime.actors import InstanceActor
+
+        template = self.specs[(step, 0)]
+        outputs = tuple(
+            replace(o, routing=self.routing.get(o.step), parallelism=self.parallelism[o.step])
+            for o in template.outputs
+        )
+        upstream = [iid for iid in self.specs if iid[0] in template.step.upstream and iid not in self.retired]
+        new: dict[ChannelId, Any] = {}
+        for i in indexes:
+            spec = replace(
+                template,
+                index=i,
+                inputs=tuple(upstream),
+                outputs=outputs,
+                owned_key_groups=(),
+                state_path=str(Path(self.state_dir) / step / f"{i}-e{self._epoch + 1}"),
+            )
+            self.specs[(step, i)] = spec
+            self.handles[(step, i)] = InstanceActor.options(max_concurrency=10_000).remote(spec)
+            new[(step, i)] = self.handles[(step, i)]
+        await asyncio.gather(*(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new))
+        downstream = {(o.step, j) for o in outputs for j in range(o.parallelism)}
+        await asyncio.gather(*(self.handles[d].add_inputs.remote(list(new)) for d in downstream))
+        await asyncio.gather(*(self.handles[u].add_receivers.remote(new) for u in upstream))
+        for iid in new:
+            self._run(iid)
+
+    async def _stop_and_restore(self, step: str, barrier: Barrier, table: RoutingTable, width: int, peers: dict[int, Any]) -> None:
+        """Stop-and-restart: (sources paused) drain behind the barrier, snapshot every instance,
+        restore each new owner's key groups into a fresh RocksDB from all snapshots."""
+        await self.inject(barrier, timeout_s=600)
+        directory = str(Path(self.state_dir) / "_restart" / f"e{barrier.epoch}")
+        snaps = await asyncio.gather(*(peers[i].snapshot_state.remote(directory) for i in range(width)))
+        paths = [sn["path"] for sn in snaps]
+        await asyncio.gather(
+            *(
+                peers[i].restore_state.remote(
+                    barrier.epoch,
+                    paths,
+                    table.key_groups_of(i).tolist() if i < table.parallelism else [],
+                    str(Path(self.state_dir) / step / f"{i}-e{barrier.epoch}"),
+                )
+                for i in range(width)
+            )
+        )
+        shutil.rmtree(directory, ignore_errors=True)
 
     # ---- observation ----------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         return {
             "job": self.flow.name,
             "state": self.state,
-            "parallelism": {n: s.parallelism for n, s in self.plan.steps.items()},
-            "routing_epochs": {n: t.epoch for n, t in self.plan.routing.items()},
+            "parallelism": dict(self.parallelism),
+            "routing_epochs": {n: t.epoch for n, t in self.routing.items()},
+            "rescaling": self._rescale_lock.locked(),
+            "queued_rescales": self._queued,
         }
 
     async def metrics(self) -> dict[str, Any]:
@@ -218,3 +413,25 @@ async def _outcome(ref: Any, iid: ChannelId) -> dict[str, Any]:
         return dict(await ref)
     except Exception as e:  # noqa: BLE001 - the actor process died or was killed
         return {"instance": iid, "result": None, "error": f"{type(e).__name__}: {e}", "metrics": {}}
+
+
+def _migration_tasks(
+    current: RoutingTable,
+    table: RoutingTable,
+    width: int,
+    sub_groups: int,
+    heat: np.ndarray,
+    policy: FetchPolicy,
+    epoch: int,
+) -> dict[int, dict[str, Any]]:
+    """Per instance index: which sub-groups come in (and from whom) and which go out."""
+    tasks: dict[int, dict[str, Any]] = {
+        i: {"epoch": epoch, "policy": policy, "incoming": {}, "outgoing": [], "heat": {}} for i in range(width)
+    }
+    for kg in current.moved_key_groups(table).tolist():
+        src, dst = int(current.owners[kg]), int(table.owners[kg])
+        for g in range(kg * sub_groups, (kg + 1) * sub_groups):
+            tasks[dst]["incoming"][g] = src
+            tasks[dst]["heat"][g] = int(heat[g])
+            tasks[src]["outgoing"].append(g)
+    return tasks

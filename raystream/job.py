@@ -42,6 +42,7 @@ class JobResult:
     results: dict[str, list[Any]] = field(default_factory=dict)  # sink step -> per instance
     metrics: list[dict[str, Any]] = field(default_factory=list)
     origin_ns: int = 0
+    rescales: list[dict[str, Any]] = field(default_factory=list)
 
     def table(self, sink: str | None = None) -> pa.Table:
         """The rows a collect sink received, as one table (all instances)."""
@@ -89,6 +90,12 @@ class Job:
     def checkpoint(self, directory: str) -> dict[str, Any]:
         return ray.get(self.controller.checkpoint.remote(directory))  # type: ignore[no-any-return]
 
+    def rescale(self, step: str, parallelism: int, strategy: Any = None, **strategy_args: Any) -> dict[str, Any]:
+        """Change the parallelism of keyed step ``step`` now; returns the migration's stats once
+        all state settled (see ``migration/`` for strategies: meces, all_at_once, fluid, batched,
+        lazy, stop_restart, or a ``"module:attr"`` of your own)."""
+        return ray.get(self.controller.rescale.remote(step, parallelism, strategy, **strategy_args))  # type: ignore[no-any-return]
+
     def stop(self) -> JobResult:
         out = ray.get(self.controller.stop.remote())
         return _result(out, self, raise_on_error=False)
@@ -103,7 +110,10 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
         results: dict[str, list[Any]] = {}
         for (step, index), res in sorted(out["results"].items()):
             results.setdefault(step, []).append(res)
-        return JobResult(out["job"], out["state"], out["elapsed_s"], results, out["metrics"], out["origin_ns"])
+        return JobResult(
+            out["job"], out["state"], out["elapsed_s"], results, out["metrics"], out["origin_ns"],
+            out.get("rescales", []),
+        )
     finally:
         if out["state"] in ("finished", "failed", "stopped"):
             _kill_controller(job)

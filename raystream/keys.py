@@ -48,12 +48,14 @@ def to_key_array(keys: Any, *, column: str = "key") -> pa.Array:
 
     Raises :class:`NullKeyError` for nulls and :class:`SchemaError` for unsupported types.
     """
-    if isinstance(keys, pa.ChunkedArray):
-        keys = keys.combine_chunks()
-    elif isinstance(keys, np.ndarray):
-        keys = pa.array(keys)
-    elif not isinstance(keys, pa.Array):
-        keys = pa.array(keys)
+    try:
+        if isinstance(keys, pa.ChunkedArray):
+            keys = keys.combine_chunks()
+        elif not isinstance(keys, pa.Array):
+            keys = pa.array(keys)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        msg = f"key column {column!r} cannot be read as one Arrow type ({e}); keys must all be ints or all strings"
+        raise SchemaError(msg) from e
     if keys.null_count:
         msg = (
             f"key column {column!r} holds {keys.null_count} null(s) out of {len(keys)} rows; "
@@ -62,7 +64,13 @@ def to_key_array(keys: Any, *, column: str = "key") -> pa.Array:
         raise NullKeyError(msg)
     t = keys.type
     if pa.types.is_integer(t):
-        return keys if t == pa.int64() else keys.cast(pa.int64())
+        if t == pa.int64():
+            return keys
+        try:
+            return keys.cast(pa.int64())
+        except pa.ArrowInvalid as e:
+            msg = f"key column {column!r} of type {t} has values outside int64 ({e}); cast or hash them first"
+            raise SchemaError(msg) from e
     if pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return keys.cast(pa.string())
     if pa.types.is_string(t) or pa.types.is_binary(t):
@@ -128,13 +136,13 @@ class KeySpace:
     sub_groups: int = 16
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_key_groups, int) or not 1 <= self.num_key_groups <= MAX_KEY_GROUPS:
+        if not isinstance(self.num_key_groups, int) or isinstance(self.num_key_groups, bool) or not 1 <= self.num_key_groups <= MAX_KEY_GROUPS:
             msg = (
                 f"num_key_groups must be an int in [1, {MAX_KEY_GROUPS}], got {self.num_key_groups!r}. "
                 "It bounds the maximum parallelism of every keyed operator; 128 is the default."
             )
             raise ConfigError(msg)
-        if not isinstance(self.sub_groups, int) or not 1 <= self.sub_groups <= MAX_SUB_GROUPS:
+        if not isinstance(self.sub_groups, int) or isinstance(self.sub_groups, bool) or not 1 <= self.sub_groups <= MAX_SUB_GROUPS:
             msg = (
                 f"sub_groups must be an int in [1, {MAX_SUB_GROUPS}], got {self.sub_groups!r} "
                 "(the sub-group is one byte of the state key prefix)."

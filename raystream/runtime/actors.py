@@ -13,6 +13,7 @@ import ray
 
 from raystream.runtime.instance import InstanceSpec, OperatorInstance
 from raystream.runtime.messages import Barrier, ChannelId
+from raystream.runtime.migration import MigrationTask
 
 __all__ = ["InstanceActor", "NAMESPACE", "controller_actor_class", "controller_name"]
 
@@ -62,6 +63,51 @@ class InstanceActor:
 
     async def inject_barrier(self, barrier: Barrier) -> None:
         self._instance.inject_barrier(barrier)
+
+    # ---- rescaling ---------------------------------------------------------------------------
+    async def add_receivers(self, receivers: dict[ChannelId, Any]) -> None:
+        self._receivers.update(receivers)
+
+    async def add_inputs(self, channels: list[ChannelId]) -> None:
+        self._instance.add_inputs(channels)
+
+    async def prepare_migration(self, task: dict[str, Any], peers: dict[int, Any]) -> None:
+        """``task``: epoch, policy, incoming {sub-group: owner}, outgoing [sub-groups], heat."""
+
+        def fetch(owner: int, epoch: int, groups: list[int], max_bytes: int) -> Any:
+            return asyncio.wrap_future(peers[owner].serve_state.remote(epoch, groups, max_bytes).future())
+
+        self._instance.prepare_migration(
+            MigrationTask(
+                epoch=task["epoch"],
+                policy=task["policy"],
+                incoming=dict(task["incoming"]),
+                outgoing=set(task["outgoing"]),
+                heat=dict(task.get("heat", {})),
+            ),
+            fetch,
+        )
+
+    async def serve_state(self, epoch: int, groups: list[int], max_bytes: int) -> Any:
+        return await self._instance.serve_state(epoch, groups, max_bytes)
+
+    async def migration_done(self, epoch: int) -> dict[str, Any]:
+        return await self._instance.migration_done(epoch)
+
+    async def sub_group_load(self) -> Any:
+        return self._instance.sub_group_load()
+
+    async def snapshot_state(self, directory: str) -> dict[str, Any]:
+        return self._instance.snapshot_state(directory)
+
+    async def restore_state(self, epoch: int, snapshots: list[str], key_groups: list[int], state_path: str) -> dict[str, Any]:
+        return self._instance.restore_state(epoch, snapshots, key_groups, state_path)
+
+    async def pause(self) -> None:
+        self._instance.pause()
+
+    async def resume(self) -> None:
+        self._instance.resume()
 
     async def metrics(self) -> dict[str, Any]:
         return self._instance.snapshot_metrics()

@@ -38,6 +38,12 @@ class Inbox:
         self._space: dict[ChannelId, asyncio.Condition] = {}
         self._next_seq: dict[ChannelId, int] = {}
         self.max_depth_seen = 0
+        self._poked = False
+
+    def poke(self) -> None:
+        """Wake a waiting :meth:`get` (it returns None): something besides input needs work."""
+        self._poked = True
+        self._readable.set()
 
     def add_channel(self, channel: ChannelId) -> None:
         if channel not in self._queues:
@@ -115,6 +121,9 @@ class Inbox:
             got = self.get_nowait()
             if got is not None:
                 return got
+            if self._poked:
+                self._poked = False
+                return None
             self._readable.clear()
             if deadline is None:
                 await self._readable.wait()
@@ -152,6 +161,7 @@ class OutputChannel:
         self._first_at: float | None = None
         self._inflight: deque[Any] = deque()
         self._seq = 0  # per-channel sequence number of the next push
+        self.receiver: ChannelId = ("", -1)
         self.max_inflight_seen = 0
         self.batches_sent = 0
         self.rows_sent = 0
@@ -226,6 +236,8 @@ def materialise_key(batch: pa.RecordBatch, key: KeySpec) -> tuple[pa.RecordBatch
             raise SchemaError(msg)
         return batch, to_key_array(batch.column(idx), column=key.column)
     assert key.fn is not None
+    if key.key_column in batch.schema.names:  # computed upstream by the partitioner
+        return batch, to_key_array(batch.column(key.key_column), column=key.key_column)
     if key.per_record:
         raw = pa.array([key.fn(r) for r in batch.to_pylist()])
     else:
@@ -269,6 +281,8 @@ class ByKeyGroup:
         self.table = table
 
     def split(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
+        if batch.num_rows == 0:
+            return []
         batch, keys = materialise_key(batch, self.key)
         kg = self.key_space.key_group(stable_hash(keys))
         dest = self.table.owner_of(kg)

@@ -22,6 +22,7 @@ from raystream.keys import KeySpace, RoutingTable
 from raystream.metrics import InstanceMetrics, LatencyRecorder
 from raystream.runtime.channels import ByKeyGroup, Forward, Inbox, OutputChannel, Rebalance
 from raystream.runtime.messages import Barrier, ChannelId, EndOfStream
+from raystream.runtime.migration import MigrationEngine, MigrationTask
 from raystream.runtime.processors import EVENT_TIME, INGEST_TS, KeyedProcessor, make_processor
 
 __all__ = ["InstanceSpec", "OutputSpec", "OperatorInstance", "RuntimeConfig"]
@@ -39,6 +40,8 @@ class RuntimeConfig:
     max_inflight: int = 4  # unacknowledged pushes per channel (credits)
     inbox_capacity: int = 4  # queued batches per input channel
     source_batch_rows: int = 100_000  # rows a source reads at once when unthrottled
+    migration: str = "meces"  # default migration strategy for rescales
+    migration_support: bool = True  # False: no per-sub-group tracking, rescale refused
 
     def __post_init__(self) -> None:
         from raystream.errors import ConfigError
@@ -101,13 +104,19 @@ class OperatorInstance:
         self.reader: Any = None
         if self.role == "operator":
             self.processor = make_processor(
-                spec.step, spec.key_space, spec.state_path, spec.owned_key_groups
+                spec.step, spec.key_space, spec.state_path, spec.owned_key_groups,
+                track=spec.config.migration_support,
             )
         self.outputs: list[tuple[Any, list[OutputChannel]]] = []
         self._pending_barriers: list[Barrier] = []
         self._barrier_seen: dict[int, set[ChannelId]] = {}
+        self._rescale_seen: dict[int, set[ChannelId]] = {}
+        self._holding = False
         self._eos: set[ChannelId] = set()
         self._report: Reporter = lambda event, info: None
+        self._sender: Sender | None = None
+        self.inputs: set[ChannelId] = set(spec.inputs)
+        self.paused = False
         self.finished = False
         self.result: Any = None
         self.error: str | None = None
@@ -119,6 +128,7 @@ class OperatorInstance:
         """Build output channels; ``sender(receiver_id, item)`` pushes one item to a receiver."""
         cfg = self.spec.config
         self._report = report
+        self._sender = sender
         self.outputs = []
         for out in self.spec.outputs:
             if out.partitioning == "key_group":
@@ -128,16 +138,96 @@ class OperatorInstance:
                 part = Forward(self.spec.index)
             else:
                 part = Rebalance(out.parallelism, start=self.spec.index)
-            channels = [
-                OutputChannel(
-                    _bind(sender, (out.step, i), self.spec.id),
-                    batch_rows=cfg.batch_rows,
-                    linger_ms=cfg.linger_ms,
-                    max_inflight=cfg.max_inflight,
-                )
-                for i in range(out.parallelism)
-            ]
+            channels = [self._channel_to((out.step, i)) for i in range(out.parallelism)]
             self.outputs.append((part, channels))
+        if isinstance(self.processor, KeyedProcessor):
+            self.processor.engine.poke = self.inbox.poke
+
+    def _channel_to(self, receiver: ChannelId) -> OutputChannel:
+        assert self._sender is not None
+        cfg = self.spec.config
+        ch = OutputChannel(
+            _bind(self._sender, receiver, self.spec.id),
+            batch_rows=cfg.batch_rows,
+            linger_ms=cfg.linger_ms,
+            max_inflight=cfg.max_inflight,
+        )
+        ch.receiver = receiver
+        return ch
+
+    # ---- rescaling: wiring, serving, driving the engine ---------------------------------------
+    @property
+    def engine(self) -> MigrationEngine | None:
+        return self.processor.engine if isinstance(self.processor, KeyedProcessor) else None
+
+    def add_inputs(self, channels: list[ChannelId]) -> None:
+        """New upstream instances (a scale-out of the step before this one)."""
+        for ch in channels:
+            self.inbox.add_channel(ch)
+            self.inputs.add(ch)
+
+    def prepare_migration(self, task: MigrationTask, fetcher: Any) -> None:
+        engine = self.engine
+        assert engine is not None
+        engine.fetcher = fetcher
+        engine.prepare(task)
+
+    async def serve_state(self, epoch: int, groups: list[int], max_bytes: int) -> tuple[list[int], list[pa.RecordBatch]]:
+        engine = self.engine
+        assert engine is not None
+        return await engine.serve(epoch, groups, max_bytes)
+
+    async def migration_done(self, epoch: int) -> dict[str, Any]:
+        engine = self.engine
+        assert engine is not None and engine.task is not None and engine.task.epoch == epoch
+        while not engine.task.done.is_set():
+            if engine.error is not None:
+                raise engine.error
+            await asyncio.sleep(0.005)
+        return {"instance": self.spec.id, **engine.stats()}
+
+    def sub_group_load(self) -> np.ndarray:
+        """Records processed per global sub-group (the heat that plans hot-first moves)."""
+        assert isinstance(self.processor, KeyedProcessor)
+        return self.processor.engine.heat.copy()
+
+    def snapshot_state(self, directory: str) -> dict[str, Any]:
+        """Stop-and-restart: a snapshot of this instance's whole state."""
+        assert isinstance(self.processor, KeyedProcessor)
+        path = self.processor.backend.snapshot(Path(directory) / f"{self.spec.index}")
+        return {"path": str(path), "key_groups": self.processor.owned_key_groups}
+
+    def restore_state(self, epoch: int, snapshots: list[str], key_groups: list[int], state_path: str) -> dict[str, Any]:
+        """Stop-and-restart: a fresh RocksDB holding ``key_groups`` restored from ``snapshots``."""
+        proc = self.processor
+        assert isinstance(proc, KeyedProcessor)
+        rows = proc.restore_fresh(snapshots, key_groups, state_path)
+        engine = proc.engine
+        if engine.task is not None and engine.task.epoch == epoch:
+            engine.task.rows_in = rows
+            engine.task.arrived.update(engine.task.incoming)
+            engine.task.outgoing.clear()
+            engine.task.finished_at = time.monotonic()
+            engine.task.done.set()
+        self.inbox.poke()
+        return {"rows": rows}
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    async def _apply_rescale(self, barrier: Barrier) -> None:
+        """Switch: route the rescaled step's records by the barrier's table from now on."""
+        step = barrier.payload["step"]
+        table: RoutingTable = barrier.payload["table"]
+        for part, channels in self.outputs:
+            if isinstance(part, ByKeyGroup) and channels[0].receiver[0] == step:
+                # rows already buffered per channel were split by the old table and go first
+                part.table = table
+                while len(channels) < table.parallelism:
+                    channels.append(self._channel_to((step, len(channels))))
 
     # ---- called by senders and the controller --------------------------------------------
     async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
@@ -166,6 +256,11 @@ class OperatorInstance:
         )
         if self.latency is not None:
             snap["latency"] = self.latency.snapshot()
+        if self.engine is not None and self.engine.task is not None:
+            snap["migration"] = {k: v for k, v in self.engine.stats().items() if k != "fetch_wait_ms"}
+        snap["inputs"] = len(self.inputs)
+        snap["eos"] = len(self._eos)
+        snap["rescale_barriers_seen"] = {e: len(v) for e, v in self._rescale_seen.items()}
         return snap
 
     # ---- the loop -------------------------------------------------------------------------
@@ -199,12 +294,21 @@ class OperatorInstance:
         # at a fixed rate a source emits every linger_ms: small batches, low latency
         chunk = cfg.source_batch_rows if rate <= 0 else max(1, int(rate * max(cfg.linger_ms, 1) / 1000))
         started = time.monotonic()
+        started_ns = time.time_ns()
         while not self._stop:
             await self._emit_pending_barriers()
+            if self.paused:
+                await asyncio.sleep(0.001)
+                continue
             if rate > 0:
                 due = started + (self.rows_emitted + chunk) / rate
                 wait = due - time.monotonic()
                 if wait > 0:
+                    deadline = self._next_deadline()
+                    if deadline is not None and deadline < due:
+                        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+                        await self._flush_due()
+                        continue
                     await asyncio.sleep(wait)
             batch = self.reader.read(chunk)
             if batch is None:
@@ -212,10 +316,16 @@ class OperatorInstance:
             if batch.num_rows == 0:
                 continue
             with self.metrics.busy():
-                now = time.time_ns()
-                batch = _stamp(batch, now)
+                if rate > 0:
+                    # open loop: a record's ingest time is when the schedule says it arrives, so
+                    # a stalled pipeline (or paused source) shows up as latency
+                    ingest = started_ns + ((self.rows_emitted + np.arange(batch.num_rows)) * (1e9 / rate)).astype(np.int64)
+                else:
+                    ingest = np.full(batch.num_rows, time.time_ns(), np.int64)
+                batch = _stamp(batch, ingest)
                 await self._emit([batch])
             self.rows_emitted += batch.num_rows
+            await self._flush_due()
             await asyncio.sleep(0)
         await self._emit_pending_barriers()
         self.reader.close()
@@ -224,7 +334,10 @@ class OperatorInstance:
     async def _emit_pending_barriers(self) -> None:
         while self._pending_barriers:
             barrier = self._pending_barriers.pop(0)
-            await self._forward_barrier(barrier)
+            if barrier.kind == "rescale":
+                await self._switch(barrier)
+            else:
+                await self._forward_barrier(barrier)
             self._report(
                 "barrier",
                 {"instance": self.spec.id, "epoch": barrier.epoch, "kind": barrier.kind,
@@ -234,8 +347,10 @@ class OperatorInstance:
     async def _run_receiver(self) -> None:
         if self.role == "sink":
             self.writer = self.step.fn.open(self.spec.index, self.step.parallelism)
-        inputs = set(self.spec.inputs)
+        engine = self.engine
         while not self._stop:
+            if engine is not None:
+                await self._run_released(engine)
             deadline = self._next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             got = await self.inbox.get(timeout)
@@ -247,15 +362,44 @@ class OperatorInstance:
                     await self._on_barrier(channel, item)
                 elif isinstance(item, EndOfStream):
                     self._eos.add(channel)
-                    if self._eos >= inputs:
+                    if self._eos >= self.inputs:
                         break
             await self._flush_due()
             await asyncio.sleep(0)
+        if engine is not None:
+            await self._settle(engine)
         await self._finish_outputs()
         if self.processor is not None:
             self.processor.close()
         if self.writer is not None:
             self.result = self.writer.close()
+
+    async def _run_released(self, engine: MigrationEngine) -> None:
+        """Process buffered records whose state arrived; hold post-barrier inputs while too many
+        records wait (channels that have not delivered the barrier keep flowing: no deadlock)."""
+        if engine.error is not None:
+            raise engine.error
+        released = engine.take_released()
+        if released:
+            with self.metrics.busy():
+                for piece in released:
+                    await self._emit(self.processor.process(piece))
+        task = engine.task
+        if task is not None and engine.migrating and engine.over_limit:
+            for ch in self._rescale_seen.get(task.epoch, set()):
+                self.inbox.block(ch)
+            self._holding = True
+        elif self._holding:
+            self.inbox.unblock_all()
+            self._holding = False
+
+    async def _settle(self, engine: MigrationEngine) -> None:
+        """Before finishing: wait until every incoming sub-group arrived and its records ran, and
+        every outgoing one was handed out."""
+        while engine.task is not None and engine.task.active and not engine.task.done.is_set():
+            await self._run_released(engine)
+            await asyncio.sleep(0.002)
+        await self._run_released(engine)
 
     async def _on_batch(self, batch: pa.RecordBatch) -> None:
         m = self.metrics
@@ -273,11 +417,14 @@ class OperatorInstance:
                 await self._emit(outs)
 
     async def _on_barrier(self, channel: ChannelId, barrier: Barrier) -> None:
+        if barrier.kind == "rescale":
+            await self._on_rescale_barrier(channel, barrier)
+            return
         seen = self._barrier_seen.setdefault(barrier.epoch, set())
         seen.add(channel)
         if barrier.kind == "checkpoint":
             self.inbox.block(channel)  # aligned: hold this channel until all delivered
-        if seen >= set(self.spec.inputs):
+        if seen >= self.inputs - self._eos:
             del self._barrier_seen[barrier.epoch]
             info: dict[str, Any] = {"instance": self.spec.id, "epoch": barrier.epoch, "kind": barrier.kind}
             if barrier.kind == "checkpoint" and isinstance(self.processor, KeyedProcessor):
@@ -286,10 +433,41 @@ class OperatorInstance:
                     path = Path(base) / self.step.name / str(self.spec.index)
                     self.processor.backend.snapshot(path)
                     info["snapshot"] = str(path)
-                    info["key_groups"] = np.flatnonzero(self.processor.owned).tolist()
+                    info["key_groups"] = self.processor.owned_key_groups
             await self._forward_barrier(barrier)
             self.inbox.unblock_all()
             self._report("barrier", info)
+
+    async def _on_rescale_barrier(self, channel: ChannelId, barrier: Barrier) -> None:
+        """Never blocks a channel. First arrival: switch routing, forward, start the migration.
+        Arrival on every input: seal (outgoing state may now be handed out) and acknowledge."""
+        seen = self._rescale_seen.setdefault(barrier.epoch, set())
+        first = not seen
+        seen.add(channel)
+        engine = self.engine
+        mine = barrier.payload["step"] == self.step.name
+        if first:
+            await self._switch(barrier)
+            if mine and engine is not None:
+                engine.activate(barrier.epoch)
+        if seen >= self.inputs - self._eos:
+            if mine and engine is not None:
+                engine.seal(barrier.epoch)
+            self._report("barrier", {"instance": self.spec.id, "epoch": barrier.epoch, "kind": "rescale"})
+
+    async def _switch(self, barrier: Barrier) -> None:
+        """Send what was routed by the old table, forward the barrier everywhere, route by the new
+        table from now on, and close channels to instances the new table retires."""
+        await self._apply_rescale(barrier)
+        await self._forward_barrier(barrier)
+        table: RoutingTable = barrier.payload["table"]
+        if barrier.payload.get("final"):
+            for part, channels in self.outputs:
+                if isinstance(part, ByKeyGroup) and channels[0].receiver[0] == barrier.payload["step"]:
+                    for c in channels[table.parallelism :]:
+                        await c.push(EndOfStream())
+                        await c.drain()
+                    del channels[table.parallelism :]
 
     async def _forward_barrier(self, barrier: Barrier) -> None:
         for _, channels in self.outputs:
@@ -336,13 +514,12 @@ def _bind(sender: Sender, receiver: ChannelId, me: ChannelId) -> Callable[[Any],
     return send
 
 
-def _stamp(batch: pa.RecordBatch, now_ns: int) -> pa.RecordBatch:
+def _stamp(batch: pa.RecordBatch, ingest_ns: np.ndarray) -> pa.RecordBatch:
     """Give every record an ingest timestamp (ns) and, if it has none, an event time (ms)."""
-    n = batch.num_rows
     names = batch.schema.names
     if EVENT_TIME not in names:
-        batch = batch.append_column(EVENT_TIME, pa.array(np.full(n, now_ns // 1_000_000, np.int64)))
-    ingest = pa.array(np.full(n, now_ns, np.int64))
+        batch = batch.append_column(EVENT_TIME, pa.array(ingest_ns // 1_000_000))
+    ingest = pa.array(ingest_ns)
     if INGEST_TS in names:
         return batch.set_column(names.index(INGEST_TS), INGEST_TS, ingest)
     return batch.append_column(INGEST_TS, ingest)

@@ -17,9 +17,10 @@ import numpy as np
 import pyarrow as pa
 
 from raystream.dataflow import Step
-from raystream.errors import SchemaError, StateError
-from raystream.keys import KeySpace, key_kind
+from raystream.errors import SchemaError
+from raystream.keys import KeySpace, key_kind, stable_hash
 from raystream.runtime.channels import materialise_key
+from raystream.runtime.migration import MigrationEngine
 from raystream.state.handles import KeyedStates, KeySet
 from raystream.state.rocks import RocksStateBackend
 
@@ -49,8 +50,9 @@ def _to_batches(out: Any, step: str) -> list[pa.RecordBatch]:
 def _rows_to_batch(rows: list[dict[str, Any]], step: str) -> list[pa.RecordBatch]:
     if not rows:
         return []
+    names = list(dict.fromkeys(k for r in rows for k in r))  # every field of every row
     try:
-        return [pa.RecordBatch.from_pylist(rows)]
+        return [pa.RecordBatch.from_pydict({n: [r.get(n) for r in rows] for n in names})]
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         msg = f"step {step!r} produced records Arrow cannot put in one batch ({e}); first: {rows[0]!r}"
         raise SchemaError(msg) from e
@@ -185,38 +187,76 @@ def _is_identity(order: np.ndarray) -> bool:
 
 
 class KeyedProcessor:
-    """A keyed operator instance: its RocksDB state, the key groups it owns, its user function."""
+    """A keyed operator instance: its RocksDB state, the sub-groups it holds, its user function."""
 
-    def __init__(self, step: Step, key_space: KeySpace, state_path: str | Path, owned: Iterable[int]) -> None:
+    def __init__(
+        self, step: Step, key_space: KeySpace, state_path: str | Path, owned: Iterable[int], *, track: bool = True
+    ) -> None:
         assert step.key is not None
+        self.track = track
         self.step = step
         self.key_space = key_space
         self.key_column = step.key.key_column
         self.backend = RocksStateBackend(state_path)
         self.states = KeyedStates(self.backend, step.state, key_space)
-        self.owned = np.zeros(key_space.num_key_groups, dtype=bool)
-        self.owned[list(owned)] = True
+        self.engine = MigrationEngine(
+            self.backend, key_space.num_key_groups, key_space.sub_groups, owned
+        )
         self.key_kind: str | None = None
 
     def process(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+        """Process the rows whose sub-groups are here; buffer (and fetch) the others."""
         batch, keys = materialise_key(batch, self.step.key)  # type: ignore[arg-type]
         self.key_kind = self.key_kind or key_kind(keys)
-        kb = group_by_key(batch, keys, self.key_space, self.key_column)
-        self.check_owned(kb.keys.key_group)
+        if not self.track:  # migration support off: only check ownership per distinct key
+            kb = group_by_key(batch, keys, self.key_space, self.key_column)
+            gsg = kb.keys.key_group.astype(np.int64) * self.key_space.sub_groups + kb.keys.sub_group
+            self.engine.split(kb.keys.keys, gsg, count=False)
+            return self._run_user(kb)
+        h = stable_hash(keys)
+        ks = self.key_space
+        sub_group = ks.key_group(h).astype(np.int64) * ks.sub_groups + ks.sub_group(h)
+        ready = self.engine.split(batch, sub_group)
+        if ready is None:
+            return []
+        if ready is not batch:
+            keys = materialise_key(ready, self.step.key)[1]  # type: ignore[arg-type]
+        return self._apply(ready, keys)
+
+    def _apply(self, batch: pa.RecordBatch, keys: pa.Array) -> list[pa.RecordBatch]:
+        return self._run_user(group_by_key(batch, keys, self.key_space, self.key_column))
+
+    def _run_user(self, kb: KeyedBatch) -> list[pa.RecordBatch]:
         if self.step.kind == "keyed_batches":
-            return _to_batches(self.step.fn(kb, self.states.vectorised()) if self.step.state
-                               else self.step.fn(kb), self.step.name)
+            out = self.step.fn(kb, self.states.vectorised()) if self.step.state else self.step.fn(kb)
+            return _to_batches(out, self.step.name)
         return self._per_key(kb)
 
-    def check_owned(self, key_groups: np.ndarray) -> None:
-        bad = ~self.owned[key_groups]
-        if bad.any():
-            missing = sorted(set(key_groups[bad].tolist()))[:10]
-            msg = (
-                f"step {self.step.name!r} got records of key group(s) {missing} it does not own; "
-                "state is never created afresh for a key group owned elsewhere"
-            )
-            raise StateError(msg)
+    @property
+    def owned_key_groups(self) -> list[int]:
+        held = self.engine.held.reshape(-1, self.key_space.sub_groups)
+        return np.flatnonzero(held.any(axis=1)).tolist()
+
+    def restore_fresh(self, snapshots: list[str], key_groups: list[int], state_path: str | Path) -> int:
+        """Stop-and-restart: replace this instance's RocksDB by a fresh one holding exactly
+        ``key_groups``, read from ``snapshots``. Returns the rows restored."""
+        fresh = RocksStateBackend(state_path)
+        rows = sum(fresh.restore_key_groups(snap, key_groups) for snap in snapshots)
+        old = self.backend
+        self.backend = fresh
+        self.states = KeyedStates(fresh, self.step.state, self.key_space)
+        self.engine.backend = fresh
+        held = np.zeros_like(self.engine.held)
+        s = self.key_space.sub_groups
+        for kg in key_groups:
+            held[kg * s : (kg + 1) * s] = True
+        self.engine.held = held
+        old.destroy()
+        return rows
+
+    def key_group_load(self) -> np.ndarray:
+        """Records processed per key group since the start (the heat that assignment uses)."""
+        return self.engine.heat.reshape(-1, self.key_space.sub_groups).sum(axis=1)
 
     def _per_key(self, kb: KeyedBatch) -> list[pa.RecordBatch]:
         fn = self.step.fn
@@ -261,7 +301,12 @@ class KeyedProcessor:
 
 
 def make_processor(
-    step: Step, key_space: KeySpace, state_path: str | Path | None, owned: Iterable[int] = ()
+    step: Step,
+    key_space: KeySpace,
+    state_path: str | Path | None,
+    owned: Iterable[int] = (),
+    *,
+    track: bool = True,
 ) -> Any:
     if step.kind in ("map", "filter", "flat_map"):
         return MapProcessor(step)
@@ -269,6 +314,6 @@ def make_processor(
         return MapBatchesProcessor(step)
     if step.kind in ("keyed", "keyed_batches"):
         assert state_path is not None
-        return KeyedProcessor(step, key_space, state_path, owned)
+        return KeyedProcessor(step, key_space, state_path, owned, track=track)
     msg = f"no processor for step kind {step.kind!r}"
     raise ValueError(msg)

@@ -8,6 +8,7 @@ what the per-key operator form sees.
 
 from __future__ import annotations
 
+import copy
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -91,7 +92,7 @@ class VectorValueState:
     def at(self, keys: KeySet, i: int) -> ValueHandle:
         """A per-key handle for the i-th key of ``keys`` (reads it now)."""
         raw = self._backend.get(keys.encoded(self._state_id)[i])
-        value = self._codec.decode(raw) if raw is not None else self._default
+        value = self._codec.decode(raw) if raw is not None else copy.deepcopy(self._default)
         return ValueHandle(value)
 
 

@@ -8,6 +8,7 @@ pickled.
 
 from __future__ import annotations
 
+import copy
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +47,9 @@ class Codec:
         """Decode a multi-get result; missing entries (None) become ``default``."""
         if self.numpy_dtype is not None:
             fill = np.asarray(default if default is not None else 0, dtype=self.numpy_dtype).tobytes()
-            return np.frombuffer(b"".join(r if r is not None else fill for r in raws), self.numpy_dtype)
-        return [pickle.loads(r) if r is not None else default for r in raws]
+            joined = bytearray(b"".join(r if r is not None else fill for r in raws))
+            return np.frombuffer(joined, self.numpy_dtype)  # writable: callers may update in place
+        return [pickle.loads(r) if r is not None else copy.deepcopy(default) for r in raws]
 
 
 _INT = Codec("int64", "<i8")

@@ -1,0 +1,81 @@
+"""Rescale assignment: a new routing table that moves few key groups and balances measured load.
+
+Contiguous ranges (Flink's formula, :meth:`RoutingTable.uniform`) are right for a fresh job; on a
+rescale they would move most key groups. :func:`rebalance` instead keeps every key group where it
+is unless its owner retires or is overloaded, and gives hot key groups more weight than cold ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from raystream.errors import RescaleError
+from raystream.keys import RoutingTable
+
+__all__ = ["rebalance"]
+
+
+def rebalance(
+    table: RoutingTable,
+    parallelism: int,
+    load: np.ndarray | None = None,
+    *,
+    tolerance: float = 0.05,
+) -> RoutingTable:
+    """The routing table for ``parallelism`` instances, from ``table``, with epoch + 1.
+
+    ``load[key_group]`` is the measured load (records processed); ``None`` means uniform. Every key
+    group weighs ``load + 1% of the mean``, so cold groups still spread. Steps:
+
+    1. Key groups of retired instances (index >= parallelism) go, heaviest first, to the least
+       loaded remaining instance.
+    2. While the most loaded instance is above ``(1 + tolerance) * mean``, its key group that best
+       fills the gap moves to the least loaded instance, as long as that lowers the maximum.
+    """
+    n = table.num_key_groups
+    if not isinstance(parallelism, (int, np.integer)) or isinstance(parallelism, bool) or not 1 <= parallelism <= n:
+        msg = (
+            f"cannot rescale to parallelism {parallelism!r}: it must be an int in [1, {n}] "
+            f"(1 .. the number of key groups)"
+        )
+        raise RescaleError(msg)
+    w = np.ones(n) if load is None else np.asarray(load, dtype=np.float64).copy()
+    if w.shape != (n,):
+        msg = f"load must have one entry per key group ({n}), got shape {w.shape}"
+        raise RescaleError(msg)
+    w = np.maximum(w, 0) + max(w.mean(), 1e-9) * 0.01
+    owners = table.owners.astype(np.int64).copy()
+    totals = np.bincount(owners[owners < parallelism], weights=w[owners < parallelism], minlength=parallelism)[:parallelism]
+
+    # 1. orphans of retired instances, heaviest first, to the least loaded instance
+    orphans = np.flatnonzero(owners >= parallelism)
+    heap = [(totals[i], i) for i in range(parallelism)]
+    heapq.heapify(heap)
+    for g in orphans[np.argsort(-w[orphans], kind="stable")]:
+        t, i = heapq.heappop(heap)
+        owners[g] = i
+        heapq.heappush(heap, (t + w[g], i))
+    totals = np.bincount(owners, weights=w, minlength=parallelism)
+
+    # 2. relieve overloaded instances with as few moves as possible
+    target = w.sum() / parallelism
+    for _ in range(n):
+        hi = int(np.argmax(totals))
+        lo = int(np.argmin(totals))
+        if totals[hi] <= target * (1 + tolerance) or hi == lo:
+            break
+        gap = (totals[hi] - totals[lo]) / 2
+        mine = np.flatnonzero(owners == hi)
+        if len(mine) <= 1:
+            break
+        # the group closest to the gap without overshooting it (else the smallest)
+        fits = mine[w[mine] <= gap]
+        g = int(fits[np.argmax(w[fits])]) if len(fits) else int(mine[np.argmin(w[mine])])
+        if max(totals[hi] - w[g], totals[lo] + w[g]) >= totals[hi]:
+            break
+        owners[g] = lo
+        totals[hi] -= w[g]
+        totals[lo] += w[g]
+    return RoutingTable(epoch=table.epoch + 1, owners=owners.astype(np.int32), parallelism=parallelism)
