@@ -238,10 +238,18 @@ class Controller:
                 try:
                     return await self._rescale(step, parallelism, strat)
                 except Exception as e:
+                    await asyncio.sleep(0.5)  # let the watcher record an instance failure first
                     if self.error is not None:
                         err = self.error
                         msg = f"job {self.flow.name!r} failed during the rescale, in instance {err['instance']}: {err['error']}"
                         raise JobFailedError(msg) from e
+                    if self.state != "running" or self._sources_done():
+                        msg = (
+                            f"job {self.flow.name!r} reached the end of its input while rescaling "
+                            f"{step!r} to {parallelism}; the steps done so far are consistent "
+                            "(results stay exact), the rest was not carried out"
+                        )
+                        raise RescaleError(msg) from e
                     raise
         finally:
             self._queued = max(0, self._queued)
@@ -287,6 +295,9 @@ class Controller:
         moved: set[int] = set()
         policy = plan.policy
         for k, table in enumerate(plan.steps):
+            if self._sources_done():
+                msg = f"the sources finished; {k} of {len(plan.steps)} migration steps were done"
+                raise RuntimeError(msg)
             epoch = self._next_epoch()
             table = RoutingTable(epoch=epoch, owners=table.owners, parallelism=table.parallelism)
             final = k == len(plan.steps) - 1
@@ -332,6 +343,9 @@ class Controller:
         self.rescales.append(record)
         return record
 
+    def _sources_done(self) -> bool:
+        return all(i in self.outcomes for i in self.plan.sources)
+
     async def _spawn(self, step: str, indexes: range) -> None:
         """Start new instances of ``step`` (empty state) and wire them to both neighbours."""
         from raystream.runtime.actors import InstanceActor
@@ -375,7 +389,7 @@ class Controller:
                     barrier.epoch,
                     paths,
                     table.key_groups_of(i).tolist() if i < table.parallelism else [],
-                    str(Path(self.state_dir) / step / f"{i}-e{barrier.epoch}"),
+                    str(Path(self.state_dir) / step / f"{i}-restored-e{barrier.epoch}"),
                 )
                 for i in range(width)
             )

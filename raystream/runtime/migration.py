@@ -249,6 +249,11 @@ class MigrationEngine:
             if not chunk:
                 continue
             await sem.acquire()
+            # on-demand fetches may have claimed some while we waited for a slot
+            chunk = [g for g in chunk if g not in task.requested]
+            if not chunk:
+                sem.release()
+                continue
             by_owner: dict[int, list[int]] = {}
             for g in chunk:
                 task.requested.add(g)
