@@ -29,14 +29,25 @@ def _options() -> Options:
     return opts
 
 
+_MISS = object()
+
+
 class RocksStateBackend:
     """RocksDB state of one operator instance, in folder ``path``.
 
     The WAL is off: durability comes from snapshots (checkpoints), not from the log.
+
+    A bounded write-back cache sits in front of point reads and writes (``cache_entries``; 0 turns
+    it off). Every range operation — scan, export, drop, import, snapshot — first writes the dirty
+    entries to RocksDB and empties the cache, so whatever is exported or snapshotted (at a barrier)
+    is in RocksDB, and a range that changed below the cache can never be read stale.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, cache_entries: int = 500_000) -> None:
         self.path = Path(path)
+        self.cache_entries = cache_entries
+        self._cache: dict[bytes, bytes | None] = {}
+        self._dirty: set[bytes] = set()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = Rdict(str(self.path), _options())
         self._write_opt = WriteOptions()
@@ -48,26 +59,69 @@ class RocksStateBackend:
     def multi_get(self, keys: list[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        return self._db.get(keys)  # type: ignore[no-any-return]
+        if not self.cache_entries:
+            return self._db.get(keys)  # type: ignore[no-any-return]
+        cache = self._cache
+        values = [cache.get(k, _MISS) for k in keys]
+        missing = [i for i, v in enumerate(values) if v is _MISS]
+        if missing:
+            fetched = self._db.get(sorted(keys[i] for i in missing))
+            found = dict(zip(sorted(keys[i] for i in missing), fetched, strict=True))
+            for i in missing:
+                values[i] = found[keys[i]]
+            cache.update(found)  # misses are cached too (as None)
+            self._bound()
+        return values  # type: ignore[return-value]
 
     def get(self, key: bytes) -> bytes | None:
-        return self._db.get(key)  # type: ignore[no-any-return]
+        return self.multi_get([key])[0]
 
     def write(
         self, keys: list[bytes], values: list[bytes], deletes: Iterable[bytes] = ()
     ) -> None:
-        """Put ``keys[i] = values[i]`` and delete ``deletes`` in one atomic WriteBatch."""
+        """Put ``keys[i] = values[i]`` and delete ``deletes`` (atomically in RocksDB, through the
+        cache when it is on)."""
+        if len(keys) != len(values):
+            msg = f"write() got {len(keys)} keys and {len(values)} values; pass one value per key"
+            raise ValueError(msg)
+        if self.cache_entries:
+            self._cache.update(zip(keys, values))
+            self._dirty.update(keys)
+            for k in deletes:
+                self._cache[k] = None
+                self._dirty.add(k)
+            self._bound()
+            return
+        self._write_through(keys, values, deletes)
+
+    def _write_through(self, keys: Iterable[bytes], values: Iterable[bytes | None], deletes: Iterable[bytes] = ()) -> None:
         wb = WriteBatch(raw_mode=True)
-        put = wb.put
         for k, v in zip(keys, values, strict=True):
-            put(k, v)
+            if v is None:
+                wb.delete(k)
+            else:
+                wb.put(k, v)
         for k in deletes:
             wb.delete(k)
         if not wb.is_empty():
             self._db.write(wb, self._write_opt)
 
+    def _bound(self) -> None:
+        if len(self._cache) > self.cache_entries:
+            self.flush_cache()
+
+    def flush_cache(self) -> None:
+        """Write dirty entries to RocksDB (sorted, one WriteBatch) and empty the cache."""
+        if self._dirty:
+            keys = sorted(self._dirty)
+            cache = self._cache
+            self._write_through(keys, [cache[k] for k in keys])
+            self._dirty.clear()
+        self._cache.clear()
+
     def scan(self, lower: bytes, upper: bytes) -> Iterator[tuple[bytes, bytes]]:
         """Every (key, value) with lower <= key < upper, in key order."""
+        self.flush_cache()
         ro = ReadOptions()
         ro.set_iterate_upper_bound(upper)
         # rocksdict ignores the lower bound unless from_key is given, and stops early if the
@@ -113,16 +167,19 @@ class RocksStateBackend:
         if chunk.schema.names[:2] != ["key", "value"]:
             msg = f"a state chunk needs columns ['key', 'value'], got {chunk.schema.names}"
             raise StateError(msg)
+        self.flush_cache()
         keys = chunk.column(0).to_pylist()
         values = chunk.column(1).to_pylist()
-        self.write(keys, values)
+        self._write_through(keys, values)
         return len(keys)
 
     def drop_sub_group(self, key_group: int, sub_group: int) -> None:
+        self.flush_cache()
         lower, upper = sub_group_bounds(key_group, sub_group)
         self._db.delete_range(lower, upper, self._write_opt)
 
     def drop_key_group(self, key_group: int) -> None:
+        self.flush_cache()
         lower, upper = key_group_bounds(key_group)
         self._db.delete_range(lower, upper, self._write_opt)
 
@@ -137,6 +194,7 @@ class RocksStateBackend:
             msg = f"snapshot directory {directory} already exists; pass a new path"
             raise StateError(msg)
         directory.parent.mkdir(parents=True, exist_ok=True)
+        self.flush_cache()
         self._db.flush(True)
         Checkpoint(self._db).create_checkpoint(str(directory))
         return directory
@@ -151,6 +209,7 @@ class RocksStateBackend:
         try:
             reader = RocksStateBackend.__new__(RocksStateBackend)
             reader._db = src  # noqa: SLF001 - a read-only view for export_ranges
+            reader._cache, reader._dirty = {}, set()
             rows = 0
             for chunk in reader.export_key_groups(key_groups):
                 rows += self.import_chunk(chunk)
@@ -160,10 +219,12 @@ class RocksStateBackend:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def flush(self) -> None:
+        self.flush_cache()
         self._db.flush(True)
 
     def close(self) -> None:
         if not self._closed:
+            self.flush_cache()
             self._closed = True
             self._db.close()
 
