@@ -20,7 +20,7 @@ import numpy as np
 
 from raystream.assignment import rebalance
 from raystream.dataflow import Dataflow
-from raystream.errors import JobFailedError, RescaleError
+from raystream.errors import JobFailedError, RaystreamError, RescaleError
 from raystream.keys import RoutingTable
 from raystream.plugins import MIGRATION_STRATEGIES
 from raystream.plugins import load as load_plugin
@@ -121,8 +121,8 @@ class Controller:
                 self.outcomes[iid] = out
                 if out.get("error") and self.error is None:
                     self.error = {"instance": iid, "error": out["error"]}
+                    await self._stop_all()  # sinks abort their partial files first
                     self.state = "failed"
-                    await self._stop_all()
                     return
                 if iid in self.retired:
                     ray.kill(self.handles[iid], no_restart=True)
@@ -162,6 +162,11 @@ class Controller:
         return self.outcome()
 
     async def _stop_all(self) -> None:
+        live = [h for iid, h in self.handles.items() if iid not in self.outcomes]
+        if live:  # sinks abort their temporary files before the actors go
+            await asyncio.wait(
+                [asyncio.ensure_future(_quietly(h.abort.remote())) for h in live], timeout=5
+            )
         for h in self.handles.values():
             ray.kill(h, no_restart=True)
         self.ended_at = self.ended_at or time.time()
@@ -207,11 +212,31 @@ class Controller:
         self._barrier_acks[barrier.epoch] = []
         self._barrier_done[barrier.epoch] = asyncio.Event()
         await asyncio.gather(*(self.handles[s].inject_barrier.remote(barrier) for s in self.plan.sources))
+        done = self._barrier_done[barrier.epoch]
+        deadline = time.monotonic() + timeout_s
         try:
-            await asyncio.wait_for(self._barrier_done[barrier.epoch].wait(), timeout_s)
-        except TimeoutError:
-            pass
-        return self._barrier_acks.pop(barrier.epoch)
+            while not done.is_set():
+                if self.state != "running" or self._sources_done():
+                    msg = (
+                        f"barrier {barrier.epoch} ({barrier.kind}) did not pass every instance: the job "
+                        f"is {self.state}{' and its sources finished' if self._sources_done() else ''}"
+                    )
+                    raise RaystreamError(msg)
+                if time.monotonic() > deadline:
+                    msg = (
+                        f"barrier {barrier.epoch} ({barrier.kind}) was acknowledged by "
+                        f"{len(self._barrier_acks[barrier.epoch])} of {len(self.handles) - len(self.retired)} "
+                        f"instances within {timeout_s} s"
+                    )
+                    raise RaystreamError(msg)
+                try:
+                    await asyncio.wait_for(done.wait(), 0.05)
+                except TimeoutError:
+                    pass
+            return self._barrier_acks[barrier.epoch]
+        finally:
+            self._barrier_acks.pop(barrier.epoch, None)
+            self._barrier_done.pop(barrier.epoch, None)
 
     async def on_barrier(self, info: dict[str, Any]) -> None:
         epoch = info["epoch"]
@@ -419,6 +444,13 @@ class Controller:
 
     async def status(self) -> dict[str, Any]:
         return {**self.describe(), **(await self.metrics())}
+
+
+async def _quietly(ref: Any) -> None:
+    try:
+        await ref
+    except Exception:  # noqa: BLE001, S110 - the actor may already be gone
+        pass
 
 
 async def _outcome(ref: Any, iid: ChannelId) -> dict[str, Any]:

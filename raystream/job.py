@@ -96,8 +96,12 @@ class Job:
         lazy, stop_restart, or a ``"module:attr"`` of your own)."""
         return ray.get(self.controller.rescale.remote(step, parallelism, strategy, **strategy_args))  # type: ignore[no-any-return]
 
-    def stop(self) -> JobResult:
-        out = ray.get(self.controller.stop.remote())
+    def stop(self) -> JobResult | None:
+        """Stop the job now; None if it had already ended (and its controller is gone)."""
+        try:
+            out = ray.get(self.controller.stop.remote())
+        except ray.exceptions.RayActorError:
+            return None
         return _result(out, self, raise_on_error=False)
 
 
@@ -167,6 +171,8 @@ def run(flow: Dataflow, *, timeout_s: float | None = None, **kwargs: Any) -> Job
     job = start(flow, **kwargs)
     try:
         result = job.wait(timeout_s)
+    except JobFailedError:
+        raise  # the controller already stopped the job and is gone
     except BaseException:
         job.stop()
         raise

@@ -38,6 +38,7 @@ __all__ = [
     "LatencyRecorder",
     "WindowedCounter",
     "build_timeline",
+    "rescale_impact",
 ]
 
 DEFAULT_WINDOW_MS = 250
@@ -315,6 +316,18 @@ class LatencyRecorder:
         p50, p99, mx = _stats_ms(self._total)
         return {"count": self.count, "p50_ms": p50, "p99_ms": p99, "max_ms": mx}
 
+    def summary_between(self, start_s: float, end_s: float) -> dict[str, Any]:
+        """{count, p50_ms, p99_ms, max_ms} over the windows from ``start_s`` to ``end_s``
+        (seconds since the origin): the latency of the records that reached a sink then."""
+        merged = _new_histogram()
+        first = int(start_s * 1000 // self.window_ms)
+        last = int(end_s * 1000 // self.window_ms)
+        for w in self._counts:
+            if first <= w <= last:
+                merged.add(self._histogram_of(w))
+        p50, p99, mx = _stats_ms(merged)
+        return {"count": int(merged.get_total_count()), "p50_ms": p50, "p99_ms": p99, "max_ms": mx}
+
     def timeline(self) -> list[list[Any]]:
         """``[t_s, count, p50_ms, p99_ms, max_ms]`` per window that saw records, in time order."""
         rows: list[list[Any]] = []
@@ -403,3 +416,34 @@ def build_timeline(
         p50, p99, mx = stats.get(w, (None, None, None))
         rows.append([w * window_ms / 1000, counts.get(w, 0) / step_s, p50, p99, mx])
     return rows
+
+
+def rescale_impact(
+    latency: LatencyRecorder,
+    throughput: list[tuple[float, int]],
+    start_s: float,
+    end_s: float,
+    *,
+    window_ms: int = DEFAULT_WINDOW_MS,
+    settle_s: float = 0.5,
+) -> dict[str, Any]:
+    """How a rescale showed at the sinks: ``peak_latency_ms`` and ``p99_latency_ms`` of the records
+    that arrived between ``start_s`` and ``end_s + settle_s`` (records delayed by the move arrive a
+    little after it ended), and ``throughput_dip``: the lowest window throughput in that span over
+    the steady throughput (median of the windows before ``start_s``, first second left out)."""
+    during = latency.summary_between(start_s, end_s + settle_s)
+    per_window = {t: n for t, n in throughput}
+    steady = [n for t, n in per_window.items() if 1.0 <= t < start_s]
+    inside = [per_window.get(_window_start(t, window_ms), 0) for t in np.arange(start_s, end_s + settle_s, window_ms / 1000)]
+    base = float(np.median(steady)) if steady else 0.0
+    dip = (min(inside) / base) if base and inside else None
+    return {
+        "peak_latency_ms": during["max_ms"],
+        "p99_latency_ms": during["p99_ms"],
+        "throughput_dip": dip,
+        "steady_throughput_eps": base * 1000 / window_ms,
+    }
+
+
+def _window_start(t_s: float, window_ms: int) -> float:
+    return (int(t_s * 1000) // window_ms) * window_ms / 1000

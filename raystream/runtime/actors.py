@@ -115,6 +115,10 @@ class InstanceActor:
     async def stop(self) -> None:
         self._instance.stop()
 
+    async def abort(self) -> None:
+        """The job failed or was stopped: leave no half-written sink file behind."""
+        self._instance.abort()
+
     async def ping(self) -> bool:
         await asyncio.sleep(0)
         return True

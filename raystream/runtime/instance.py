@@ -240,6 +240,12 @@ class OperatorInstance:
     def stop(self) -> None:
         self._stop = True
 
+    def abort(self) -> None:
+        self._stop = True
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
     def snapshot_metrics(self) -> dict[str, Any]:
         m = self.metrics
         m.backlog = self.inbox.depth()
@@ -295,6 +301,7 @@ class OperatorInstance:
         chunk = cfg.source_batch_rows if rate <= 0 else max(1, int(rate * max(cfg.linger_ms, 1) / 1000))
         started = time.monotonic()
         started_ns = time.time_ns()
+        warm = rate <= 0
         while not self._stop:
             await self._emit_pending_barriers()
             if self.paused:
@@ -326,6 +333,15 @@ class OperatorInstance:
                 await self._emit([batch])
             self.rows_emitted += batch.num_rows
             await self._flush_due()
+            if not warm:
+                # the schedule starts once the pipeline took its first batch (actors warm), so a
+                # slow start is not replayed as a burst at a multiple of the rate
+                for _, channels in self.outputs:
+                    for c in channels:
+                        await c.drain()
+                warm = True
+                started = time.monotonic() - self.rows_emitted / rate
+                started_ns = time.time_ns() - int(self.rows_emitted / rate * 1e9)
             await asyncio.sleep(0)
         await self._emit_pending_barriers()
         self.reader.close()

@@ -62,6 +62,9 @@ class MapProcessor:
     def __init__(self, step: Step) -> None:
         self.step = step
 
+    def close(self) -> None:
+        pass
+
     def process(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
         fn = self.step.fn
         kind = self.step.kind
@@ -98,6 +101,9 @@ def _carry_meta(src: dict[str, Any], dst: dict[str, Any]) -> None:
 class MapBatchesProcessor:
     def __init__(self, step: Step) -> None:
         self.step = step
+
+    def close(self) -> None:
+        pass
 
     def process(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
         outs = _to_batches(self.step.fn(batch), self.step.name)

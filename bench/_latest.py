@@ -1,0 +1,70 @@
+"""A sink that keeps only the latest count per key, in bounded memory.
+
+A key-count emits a growing count per key and batch; the final answer is the last (= largest)
+count of every key. The writer buffers the ``key``/``count`` columns and compacts them with a
+pyarrow ``group_by(...).aggregate(max)`` whenever the buffer outgrows the compacted table, so its
+memory stays O(distinct keys). ``close()`` returns the final table (``key``, ``count``), sorted
+by key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = ["LatestCountSink", "latest_counts"]
+
+
+def latest_counts(table: pa.Table, key: str = "key", count: str = "count") -> pa.Table:
+    """One row per key with its largest count, sorted by key (columns ``key``, ``count``)."""
+    if table.num_rows == 0:
+        return pa.table({"key": table[key], "count": table[count]})
+    agg = table.select([key, count]).group_by(key).aggregate([(count, "max")])
+    agg = agg.rename_columns({key: "key", f"{count}_max": "count"}).select(["key", "count"])
+    return agg.take(pc.sort_indices(agg, sort_keys=[("key", "ascending")]))
+
+
+@dataclass(frozen=True)
+class LatestCountSink:
+    """Keeps the latest ``count`` per ``key``; each instance's ``close()`` returns a table."""
+
+    min_compact_rows: int = 1_000_000
+
+    def open(self, index: int, parallelism: int) -> _LatestWriter:
+        return _LatestWriter(self.min_compact_rows)
+
+    def describe(self) -> str:
+        return "latest_count()"
+
+
+class _LatestWriter:
+    def __init__(self, min_compact_rows: int) -> None:
+        self._min = min_compact_rows
+        self._compacted: pa.Table | None = None
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+        self.rows_seen = 0
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        part = pa.Table.from_batches([batch.select(["key", "count"])])
+        self._pending.append(part)
+        self._pending_rows += part.num_rows
+        self.rows_seen += part.num_rows
+        base = self._compacted.num_rows if self._compacted is not None else 0
+        if self._pending_rows >= max(self._min, base):
+            self._compact()
+
+    def _compact(self) -> None:
+        parts = ([self._compacted] if self._compacted is not None else []) + self._pending
+        self._pending, self._pending_rows = [], 0
+        if parts:
+            self._compacted = latest_counts(pa.concat_tables(parts))
+
+    def close(self) -> pa.Table | None:
+        self._compact()
+        return self._compacted
+
+    def abort(self) -> None:
+        self._compacted, self._pending = None, []

@@ -1,0 +1,138 @@
+"""Turning a finished job's metrics into a benchmark report (JSON) and a short summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import ray
+
+import raystream as rs
+from raystream.metrics import DEFAULT_WINDOW_MS, LatencyRecorder, WindowedCounter, build_timeline
+
+__all__ = ["build_report", "print_summary", "write_atomically"]
+
+
+def _r(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(float(x), digits)
+
+
+def build_report(
+    result: rs.JobResult, *, step: str, config: dict[str, Any], extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The report of one run: throughput of ``step`` (the keyed count), sink latency, timeline.
+
+    ``timeline`` rows are ``[t_s, throughput_eps, p50_ms, p99_ms, max_ms]`` per 250 ms window
+    since the job started: records into ``step`` per window (all instances merged) and the
+    latency of the records reaching the sinks in that window.
+    """
+    insts = result.step_metrics(step)
+    events_in = sum(int(m.get("records_in", 0)) for m in insts)
+    events_out = sum(int(m.get("records_out", 0)) for m in insts)
+    elapsed = float(result.elapsed_s)
+    counter = WindowedCounter.merge_snapshots(
+        [m["throughput"] for m in insts if m.get("throughput")]
+    )
+    lat = result.latency() or LatencyRecorder(result.origin_ns)
+    window_ms = counter.window_ms if insts else DEFAULT_WINDOW_MS
+    timeline = [
+        [_r(t, 3), _r(eps, 1), _r(p50), _r(p99), _r(mx)]
+        for t, eps, p50, p99, mx in build_timeline(counter.timeline(), lat.timeline(), window_ms)
+    ]
+    summary = lat.summary()
+    report: dict[str, Any] = {
+        "benchmark": "keycount",
+        "job": result.job,
+        "state": result.state,
+        "events_in": events_in,
+        "events_out": events_out,
+        "elapsed_s": _r(elapsed, 4),
+        "throughput_eps": _r(events_in / elapsed if elapsed > 0 else 0.0, 1),
+        "latency_ms": {
+            "p50": _r(summary["p50_ms"]),
+            "p99": _r(summary["p99_ms"]),
+            "max": _r(summary["max_ms"]),
+        },
+        "latency_records": summary["count"],
+        "window_ms": window_ms,
+        "timeline": timeline,
+        "parallelism": len(insts),
+        "state_backend": "rocksdb",
+        "instances": [
+            {
+                "step": m.get("step"),
+                "index": m.get("index"),
+                "records_in": m.get("records_in"),
+                "records_out": m.get("records_out"),
+                "busy_s": _r(m.get("busy_s"), 4),
+                "max_backlog_seen": m.get("max_backlog_seen"),
+                "max_inflight_seen": m.get("max_inflight_seen"),
+            }
+            for m in sorted(result.metrics, key=lambda m: (str(m.get("step")), m.get("index", 0)))
+            if m
+        ],
+        "config": config,
+        "environment": {
+            "raystream": rs.__version__,
+            "ray": ray.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        },
+    }
+    report.update(extra or {})
+    return report
+
+
+def write_atomically(path: Path, write: Any) -> None:
+    """``write(tmp_path)`` into a temporary file beside ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1) + "\n"))
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    lat = report["latency_ms"]
+    cfg = report["config"]
+    table = Table(
+        title=f"key-count ({cfg['form']}, parallelism {report['parallelism']}, RocksDB state)",
+        show_header=False,
+        title_justify="left",
+    )
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    source = cfg["input"] or (
+        f"generator: {cfg['events']:,} events, {cfg['keys']:,} keys, zipf {cfg['zipf']}, "
+        f"{cfg['key_type']} keys"
+        + (f", hot key {cfg['hot_key_fraction']:.0%}" if cfg["hot_key_fraction"] else "")
+    )
+    table.add_row("input", source)
+    table.add_row("rate", f"{cfg['rate']:,.0f} ev/s" if cfg["rate"] else "unthrottled")
+    table.add_row("events in / out", f"{report['events_in']:,} / {report['events_out']:,}")
+    if "keys_out" in report:
+        table.add_row("distinct keys", f"{report['keys_out']:,}")
+    table.add_row("elapsed", f"{report['elapsed_s']:.2f} s")
+    table.add_row("throughput", f"{report['throughput_eps']:,.0f} ev/s")
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.1f} ms"
+
+    table.add_row(
+        "latency p50 / p99 / max", f"{ms(lat['p50'])} / {ms(lat['p99'])} / {ms(lat['max'])}"
+    )
+    peak = max((row[1] for row in report["timeline"]), default=0.0)
+    table.add_row("peak throughput (250 ms window)", f"{peak:,.0f} ev/s")
+    Console(stderr=False).print(table)

@@ -1,0 +1,346 @@
+"""Key-count benchmark: count events per key with RocksDB keyed state; report throughput, latency.
+
+Run it from the repository root::
+
+    python -m bench.keycount --events 2000000 --keys 1000000 --zipf 1.1 --parallelism 2
+    python -m bench.keycount --rate 100000 --events 1000000 --report report.json
+    python -m bench.keycount --input events.parquet --output counts.parquet
+
+The dataflow is ``source -> key_by("key") -> count (keyed, RocksDB) -> sink``; the sink keeps the
+latest count per key (bounded memory). Throughput is what the count step took in per second of
+the job's run; latency is how old a record's oldest input was when its count reached the sink.
+With ``--output`` the final counts (``key``, ``count``, one row per key) are written atomically,
+and only when the job succeeded. Bad options or input exit with code 2 and write nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import raystream as rs
+from bench._latest import LatestCountSink, latest_counts
+from bench._report import build_report, print_summary, write_atomically, write_json
+
+__all__ = ["count_per_key", "count_vectorised", "keycount_flow", "main"]
+
+STEP = "count"
+SINK = "latest"
+
+
+@rs.keyed_batches(name=STEP, state=rs.ValueState(int, default=0))
+def count_vectorised(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    """All keys of a batch at once: one multi-get, one WriteBatch."""
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    return batch.output({"count": new})
+
+
+@rs.keyed(name=STEP, state=rs.ValueState(int, default=0))
+def count_per_key(key: Any, records: pa.RecordBatch, state: Any) -> Any:
+    """One call per key and batch (the simple form)."""
+    state.value += len(records)
+    yield key, {"count": state.value}
+
+
+FORMS = {"vectorised": count_vectorised, "per-key": count_per_key}
+
+
+def keycount_flow(source: Any, form: str, num_key_groups: int = 128) -> rs.Dataflow:
+    flow = rs.Dataflow("bench-keycount", num_key_groups=num_key_groups)
+    flow.source(source).key_by("key").apply(FORMS[form]).sink(LatestCountSink(), name=SINK)
+    return flow
+
+
+# --------------------------------------------------------------------------------------------
+# option checks (before anything runs or is written)
+
+
+def _check_input(path: Path) -> pa.Schema:
+    """The input's schema; a click error (exit 2) unless Parquet with an int/string ``key``."""
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as exc:
+        msg = f"{str(path)!r} is not a readable Parquet file ({exc})"
+        raise click.BadParameter(msg, param_hint="'--input'") from None
+    if "key" not in schema.names:
+        msg = (
+            f"{str(path)!r} has no column 'key' (columns: {schema.names}); expected a column "
+            "'key' of integers or strings"
+        )
+        raise click.BadParameter(msg, param_hint="'--input'")
+    t = schema.field("key").type
+    if not (pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)):
+        msg = f"column 'key' of {str(path)!r} has type {t}; expected an integer or string type"
+        raise click.BadParameter(msg, param_hint="'--input'")
+    return schema
+
+
+def _check_writable(path: Path | None, option: str) -> None:
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        msg = f"{str(path)!r} is a directory; expected a file path"
+        raise click.BadParameter(msg, param_hint=f"'{option}'")
+    if not parent.is_dir():
+        msg = f"directory {str(parent)!r} does not exist; create it first"
+        raise click.BadParameter(msg, param_hint=f"'{option}'")
+    if not os.access(parent, os.W_OK):
+        msg = f"directory {str(parent)!r} is not writable"
+        raise click.BadParameter(msg, param_hint=f"'{option}'")
+
+
+def _connect_ray() -> bool:
+    """Connect to Ray (``RAY_ADDRESS`` if set, else a new local one); True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    kwargs: dict[str, Any] = {
+        "namespace": "raystream",
+        "log_to_driver": True,
+        "logging_level": "warning",
+    }
+    if address == "local":
+        kwargs["include_dashboard"] = False
+    ray.init(address=address, **kwargs)
+    return True
+
+
+def _pickle_by_value() -> None:
+    """Ray workers need not import ``bench`` (it is not installed): ship our code by value."""
+    from ray import cloudpickle
+
+    for name in ("bench.keycount", "bench._latest"):
+        module = sys.modules.get(name)
+        if module is not None:
+            cloudpickle.register_pickle_by_value(module)
+
+
+def _run(flow: rs.Dataflow, parallelism: int, timeout_s: float, **config: Any) -> rs.JobResult:
+    """``rs.run``, spelled out: start, wait, stop if still running. (``rs.run`` itself turns a
+    failed job's JobFailedError into a Ray ActorDiedError at the moment.)"""
+    job = rs.start(flow, parallelism={STEP: parallelism}, **config)
+    try:
+        result = job.wait(timeout_s)
+    except rs.RaystreamError:
+        raise
+    except BaseException:
+        _stop(job)
+        raise
+    if result.state == "running":
+        _stop(job)
+        msg = f"the job did not finish within {timeout_s} s (--timeout); it was stopped"
+        raise rs.JobFailedError(msg)
+    return result
+
+
+def _stop(job: rs.Job) -> None:
+    with contextlib.suppress(Exception):  # the job already ended
+        job.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# the command
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--events", type=click.IntRange(min=1), default=1_000_000, help="Events to generate.")
+@click.option(
+    "--keys", type=click.IntRange(min=1), default=1_000_000, help="Distinct keys of the generator."
+)
+@click.option(
+    "--zipf",
+    type=click.FloatRange(min=0),
+    default=1.1,
+    help="Zipf exponent of key popularity (0 = uniform).",
+)
+@click.option("--seed", type=int, default=0, help="Generator seed.")
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Source rate in events/s (0 = unthrottled).",
+)
+@click.option(
+    "--parallelism",
+    type=click.IntRange(min=1),
+    default=2,
+    help="Instances of the keyed count step.",
+)
+@click.option(
+    "--key-type", type=click.Choice(["int", "str"]), default="int", help="Generator key type."
+)
+@click.option(
+    "--hot-key-fraction",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    help="Share of events that go to one hot key.",
+)
+@click.option(
+    "--input",
+    "input_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Parquet file with a 'key' column (int or string); replaces the generator.",
+)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the final counts (key, count) to this Parquet file.",
+)
+@click.option(
+    "--report", type=click.Path(path_type=Path), default=None, help="Write a JSON report here."
+)
+@click.option(
+    "--batch-rows",
+    type=click.IntRange(min=1),
+    default=100_000,
+    help="Rows per batch (source reads and channel batches).",
+)
+@click.option(
+    "--linger-ms",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    help="Longest a partial batch waits before it is sent.",
+)
+@click.option(
+    "--form",
+    type=click.Choice(["vectorised", "per-key"]),
+    default="vectorised",
+    help="Operator form: @rs.keyed_batches or @rs.keyed.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1),
+    default=3600.0,
+    help="Give up (and stop the job) after this many seconds.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
+def main(
+    events: int,
+    keys: int,
+    zipf: float,
+    seed: int,
+    rate: float,
+    parallelism: int,
+    key_type: str,
+    hot_key_fraction: float,
+    input_path: Path | None,
+    output: Path | None,
+    report: Path | None,
+    batch_rows: int,
+    linger_ms: float,
+    form: str,
+    timeout_s: float,
+    quiet: bool,
+) -> None:
+    """Key-count on raystream: events per key, counted in RocksDB keyed state."""
+    num_key_groups = 128
+    if parallelism > num_key_groups:
+        msg = f"at most {num_key_groups} (the number of key groups), got {parallelism}"
+        raise click.BadParameter(msg, param_hint="'--parallelism'")
+    _check_writable(output, "--output")
+    _check_writable(report, "--report")
+    if input_path is not None:
+        _check_input(input_path)
+        try:
+            source: Any = rs.sources.parquet(input_path, batch_rows=batch_rows, rate_eps=rate)
+        except rs.RaystreamError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--input'") from None
+    else:
+        source = rs.sources.generator(
+            events=events,
+            keys=keys,
+            zipf=zipf,
+            seed=seed,
+            rate_eps=rate,
+            key_type=key_type,
+            hot_key_fraction=hot_key_fraction,
+        )
+    config = {
+        "events": events,
+        "keys": keys,
+        "zipf": zipf,
+        "seed": seed,
+        "rate": rate,
+        "parallelism": parallelism,
+        "key_type": key_type,
+        "hot_key_fraction": hot_key_fraction,
+        "input": str(input_path) if input_path else None,
+        "output": str(output) if output else None,
+        "batch_rows": batch_rows,
+        "linger_ms": linger_ms,
+        "form": form,
+        "source": source.describe(),
+        "num_key_groups": num_key_groups,
+    }
+    flow = keycount_flow(source, form, num_key_groups)
+
+    started_ray = _connect_ray()
+    try:
+        _pickle_by_value()
+        t0 = time.perf_counter()
+        try:
+            result = _run(
+                flow,
+                parallelism,
+                timeout_s,
+                batch_rows=batch_rows,
+                source_batch_rows=batch_rows,
+                linger_ms=linger_ms,
+            )
+        except rs.RaystreamError as exc:
+            click.echo(f"Error: the key-count job failed: {exc}", err=True)
+            sys.exit(1)
+        wall_s = time.perf_counter() - t0
+        parts = [t for t in result.results.get(SINK, []) if t is not None]
+        final = latest_counts(pa.concat_tables(parts)) if parts else None
+        keys_out = final.num_rows if final is not None else 0
+        data = build_report(
+            result,
+            step=STEP,
+            config=config,
+            extra={"keys_out": keys_out, "wall_s": round(wall_s, 3)},
+        )
+        total = int(np.asarray(final["count"]).sum()) if final is not None else 0
+        if total != data["events_in"]:  # every event counted once, and every count reported
+            click.echo(
+                f"Error: the final counts add up to {total:,}, but the count step took in "
+                f"{data['events_in']:,} events; not writing results",
+                err=True,
+            )
+            sys.exit(1)
+        if output is not None:
+            table = (
+                final
+                if final is not None
+                else pa.table({"key": pa.array([], pa.int64()), "count": pa.array([], pa.int64())})
+            )
+            write_atomically(output, lambda tmp: pq.write_table(table, tmp))
+        if report is not None:
+            write_json(report, data)
+        if not quiet:
+            print_summary(data)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Operators under test and independent oracles (DuckDB) for the integration tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+import raystream as rs
+
+# ------------------------------------------------------------------------------------------
+# the key-count operator, in both forms
+
+
+@rs.keyed_batches(state=rs.ValueState(int, default=0))
+def count_vec(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    return batch.output({"count": new})
+
+
+@rs.keyed(state=rs.ValueState(int, default=0))
+def count_pk(key: Any, records: pa.RecordBatch, state: Any) -> Any:
+    state.value += len(records)
+    yield key, state.value  # -> columns key, value
+
+
+COUNT_OPS = {"vectorised": count_vec, "per-key": count_pk}
+COUNT_COLUMN = {"vectorised": "count", "per-key": "value"}
+
+
+def keycount_flow(
+    name: str, source: Any, form: str = "vectorised", **source_kw: Any
+) -> rs.Dataflow:
+    flow = rs.Dataflow(name, num_key_groups=128, sub_groups=16)
+    (
+        flow.source(source, **source_kw)
+        .key_by("key")
+        .apply(COUNT_OPS[form], name="count")
+        .sink(rs.sinks.collect(), name="out")
+    )
+    return flow
+
+
+# ------------------------------------------------------------------------------------------
+# oracles
+
+
+def oracle_counts(events: pa.Table, key: str = "key") -> dict[Any, int]:
+    """Events per key, by DuckDB (independent of raystream and of pyarrow's group_by)."""
+    con = duckdb.connect()
+    try:
+        con.register("events", events.select([key]))
+        rows = con.execute(f'SELECT "{key}", count(*) FROM events GROUP BY "{key}"').fetchall()
+    finally:
+        con.close()
+    return {k: int(n) for k, n in rows}
+
+
+def last_counts(out: pa.Table, count_col: str = "count", key: str = "key") -> dict[Any, int]:
+    """The last count emitted per key (in the order the sink received them), after checking that
+    per key the emitted counts strictly grow (no update lost or replayed out of order)."""
+    n = out.num_rows
+    if n == 0:
+        return {}
+    t = pa.table({"k": out[key], "c": out[count_col], "i": pa.array(np.arange(n))})
+    s = t.take(pc.sort_indices(t, sort_keys=[("k", "ascending"), ("i", "ascending")]))
+    k = s["k"].combine_chunks()
+    c = s["c"].to_numpy()
+    same = pc.equal(k.slice(1), k.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero(same & (c[1:] <= c[:-1]))
+    assert bad.size == 0, (
+        f"per key, emitted counts must strictly grow; key {k[int(bad[0])].as_py()!r} went "
+        f"{c[bad[0]]} -> {c[bad[0] + 1]}"
+    )
+    last = np.append(~same, True)
+    return dict(zip(k.filter(pa.array(last)).to_pylist(), c[last].tolist(), strict=True))
+
+
+def assert_counts_equal(got: dict[Any, int], expected: dict[Any, int]) -> None:
+    missing = expected.keys() - got.keys()
+    extra = got.keys() - expected.keys()
+    wrong = {
+        k: (got[k], expected[k]) for k in expected.keys() & got.keys() if got[k] != expected[k]
+    }
+    assert not (missing or extra or wrong), (
+        f"{len(missing)} key(s) missing (e.g. {sorted(missing, key=str)[:5]}), "
+        f"{len(extra)} unexpected (e.g. {sorted(extra, key=str)[:5]}), "
+        f"{len(wrong)} wrong (got, expected) e.g. {dict(list(wrong.items())[:5])}; "
+        f"{len(expected)} keys expected"
+    )
+
+
+def step_metrics(metrics: list[dict[str, Any]], step: str) -> list[dict[str, Any]]:
+    return sorted((m for m in metrics if m.get("step") == step), key=lambda m: m["index"])
+
+
+@contextmanager
+def stop_on_error(job: rs.Job) -> Iterator[None]:
+    """Stop ``job`` if the block fails. (Not after a normal end: once ``wait()`` returned a
+    finished job its controller is gone, and ``Job.stop()`` would raise ActorDiedError.)"""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # already ended
+            job.stop()
+        raise
