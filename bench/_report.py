@@ -11,7 +11,13 @@ from typing import Any
 import ray
 
 import raystream as rs
-from raystream.metrics import DEFAULT_WINDOW_MS, LatencyRecorder, WindowedCounter, build_timeline
+from raystream.metrics import (
+    DEFAULT_WINDOW_MS,
+    LatencyRecorder,
+    WindowedCounter,
+    build_timeline,
+    rescale_impact,
+)
 
 __all__ = ["build_report", "print_summary", "write_atomically"]
 
@@ -43,6 +49,31 @@ def build_report(
         for t, eps, p50, p99, mx in build_timeline(counter.timeline(), lat.timeline(), window_ms)
     ]
     summary = lat.summary()
+    throughput = counter.timeline()
+    rescales = [
+        {
+            **{
+                k: r[k]
+                for k in (
+                    "from",
+                    "to",
+                    "strategy",
+                    "start_s",
+                    "end_s",
+                    "duration_s",
+                    "moved_key_groups",
+                    "moved_bytes",
+                    "moved_rows",
+                    "on_demand_fetches",
+                    "fetch_wait_ms",
+                    "steps",
+                )
+            },
+            **rescale_impact(lat, throughput, r["start_s"], r["end_s"], window_ms=window_ms),
+        }
+        for r in result.rescales
+    ]
+    final_parallelism = rescales[-1]["to"] if rescales else config.get("parallelism", len(insts))
     report: dict[str, Any] = {
         "benchmark": "keycount",
         "job": result.job,
@@ -59,7 +90,8 @@ def build_report(
         "latency_records": summary["count"],
         "window_ms": window_ms,
         "timeline": timeline,
-        "parallelism": len(insts),
+        "parallelism": final_parallelism,
+        "rescales": rescales,
         "state_backend": "rocksdb",
         "instances": [
             {
@@ -135,4 +167,14 @@ def print_summary(report: dict[str, Any]) -> None:
     )
     peak = max((row[1] for row in report["timeline"]), default=0.0)
     table.add_row("peak throughput (250 ms window)", f"{peak:,.0f} ev/s")
+    for r in report.get("rescales", []):
+        dip = r.get("throughput_dip")
+        table.add_row(
+            f"rescale {r['from']} -> {r['to']} ({r['strategy']}) at {r['start_s']:.1f} s",
+            f"{r['duration_s']:.2f} s, {r['moved_key_groups']} key groups, {r['moved_bytes']:,} B, "
+            f"{r['on_demand_fetches']} on-demand; latency peak {ms(r['peak_latency_ms'])}, "
+            f"p99 {ms(r['p99_latency_ms'])}; throughput dip {'-' if dip is None else f'{dip:.2f}'}",
+        )
+    for e in report.get("rescale_errors", []):
+        table.add_row("[red]rescale failed[/]", e)
     Console(stderr=False).print(table)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -128,12 +129,52 @@ def _pickle_by_value() -> None:
             cloudpickle.register_pickle_by_value(module)
 
 
-def _run(flow: rs.Dataflow, parallelism: int, timeout_s: float, **config: Any) -> rs.JobResult:
-    """``rs.run``, spelled out: start, wait, stop if still running. (``rs.run`` itself turns a
-    failed job's JobFailedError into a Ray ActorDiedError at the moment.)"""
-    job = rs.start(flow, parallelism={STEP: parallelism}, **config)
+def _parse_rescales(values: tuple[str, ...], num_key_groups: int) -> list[tuple[int, float]]:
+    out = []
+    for v in values:
+        p, sep, t = v.partition("@")
+        try:
+            target, at = int(p), float(t)
+        except ValueError:
+            target, at = -1, -1.0
+        if not sep or at < 0 or not 1 <= target <= num_key_groups:
+            msg = (
+                f"expected P@T: parallelism P in [1, {num_key_groups}] at T >= 0 seconds after the "
+                f"start, e.g. 4@5; got {v!r}"
+            )
+            raise click.BadParameter(msg, param_hint="'--rescale'")
+        out.append((target, at))
+    return sorted(out, key=lambda r: r[1])
+
+
+def _run(
+    flow: rs.Dataflow,
+    parallelism: int,
+    timeout_s: float,
+    rescales: list[tuple[int, float]] = (),  # type: ignore[assignment]
+    strategy: str = "meces",
+    errors: list[str] | None = None,
+    **config: Any,
+) -> rs.JobResult:
+    """Start, rescale at the given times (P@T, T seconds after the start), wait, stop if still
+    running. Rescale failures are appended to ``errors``."""
+    job = rs.start(flow, parallelism={STEP: parallelism}, migration=strategy, **config)
+    errors = errors if errors is not None else []
+
+    def drive() -> None:
+        t0 = time.monotonic()
+        for target, at in rescales:
+            time.sleep(max(0.0, at - (time.monotonic() - t0)))
+            try:
+                job.rescale(STEP, target, strategy)
+            except Exception as e:  # noqa: BLE001 - reported, the job keeps running
+                errors.append(f"rescale to {target} at {at} s: {e}")
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
     try:
         result = job.wait(timeout_s)
+        driver.join(timeout=60)
     except rs.RaystreamError:
         raise
     except BaseException:
@@ -229,6 +270,23 @@ def _stop(job: rs.Job) -> None:
     default=3600.0,
     help="Give up (and stop the job) after this many seconds.",
 )
+@click.option(
+    "--rescale",
+    "rescale_at",
+    multiple=True,
+    metavar="P@T",
+    help="Rescale the count step to parallelism P at T seconds after the start (repeatable).",
+)
+@click.option(
+    "--strategy",
+    default="meces",
+    help="Migration strategy: meces, all_at_once, fluid, batched, lazy, stop_restart or module:attr.",
+)
+@click.option(
+    "--migration-support/--no-migration-support",
+    default=True,
+    help="Off: no per-sub-group tracking (to measure its cost); rescales are refused.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
 def main(
     events: int,
@@ -246,6 +304,9 @@ def main(
     linger_ms: float,
     form: str,
     timeout_s: float,
+    rescale_at: tuple[str, ...],
+    strategy: str,
+    migration_support: bool,
     quiet: bool,
 ) -> None:
     """Key-count on raystream: events per key, counted in RocksDB keyed state."""
@@ -253,6 +314,17 @@ def main(
     if parallelism > num_key_groups:
         msg = f"at most {num_key_groups} (the number of key groups), got {parallelism}"
         raise click.BadParameter(msg, param_hint="'--parallelism'")
+    rescales = _parse_rescales(rescale_at, num_key_groups)
+    from raystream.errors import PluginNotFoundError
+    from raystream.plugins import MIGRATION_STRATEGIES, load
+
+    try:
+        load(MIGRATION_STRATEGIES, strategy)
+    except PluginNotFoundError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--strategy'") from None
+    if rescales and not migration_support:
+        msg = "--rescale needs migration support; drop --no-migration-support"
+        raise click.BadParameter(msg, param_hint="'--rescale'")
     _check_writable(output, "--output")
     _check_writable(report, "--report")
     if input_path is not None:
@@ -287,6 +359,9 @@ def main(
         "form": form,
         "source": source.describe(),
         "num_key_groups": num_key_groups,
+        "rescale": [f"{p}@{t:g}" for p, t in rescales],
+        "strategy": strategy,
+        "migration_support": migration_support,
     }
     flow = keycount_flow(source, form, num_key_groups)
 
@@ -294,11 +369,16 @@ def main(
     try:
         _pickle_by_value()
         t0 = time.perf_counter()
+        rescale_errors: list[str] = []
         try:
             result = _run(
                 flow,
                 parallelism,
                 timeout_s,
+                rescales,
+                strategy,
+                rescale_errors,
+                migration_support=migration_support,
                 batch_rows=batch_rows,
                 source_batch_rows=batch_rows,
                 linger_ms=linger_ms,
@@ -314,7 +394,11 @@ def main(
             result,
             step=STEP,
             config=config,
-            extra={"keys_out": keys_out, "wall_s": round(wall_s, 3)},
+            extra={
+                "keys_out": keys_out,
+                "wall_s": round(wall_s, 3),
+                "rescale_errors": rescale_errors,
+            },
         )
         total = int(np.asarray(final["count"]).sum()) if final is not None else 0
         if total != data["events_in"]:  # every event counted once, and every count reported

@@ -43,7 +43,10 @@ class AllAtOnce:
 
     def plan(self, ctx: RescaleContext) -> MigrationPlan:
         policy = FetchPolicy(
-            on_demand=False, background="all", hold="all_moved", chunk_bytes=self.chunk_bytes,
+            on_demand=False,
+            background="all",
+            hold="all_moved",
+            chunk_bytes=self.chunk_bytes,
             chunk_sub_groups=1 << 20,
         )
         return MigrationPlan(self.name, _one_step(ctx), policy)
@@ -56,7 +59,9 @@ class Fluid:
     name: str = "fluid"
 
     def plan(self, ctx: RescaleContext) -> MigrationPlan:
-        policy = FetchPolicy(on_demand=False, background="all", hold="all_moved", chunk_sub_groups=1 << 20)
+        policy = FetchPolicy(
+            on_demand=False, background="all", hold="all_moved", chunk_sub_groups=1 << 20
+        )
         return MigrationPlan(self.name, steps_moving(ctx, 1), policy)
 
 
@@ -68,7 +73,9 @@ class Batched:
     batch_size: int = 8
 
     def plan(self, ctx: RescaleContext) -> MigrationPlan:
-        policy = FetchPolicy(on_demand=False, background="all", hold="all_moved", chunk_sub_groups=1 << 20)
+        policy = FetchPolicy(
+            on_demand=False, background="all", hold="all_moved", chunk_sub_groups=1 << 20
+        )
         return MigrationPlan(self.name, steps_moving(ctx, max(1, self.batch_size)), policy)
 
 
@@ -94,6 +101,10 @@ class StopRestart:
 
     def plan(self, ctx: RescaleContext) -> MigrationPlan:
         policy = FetchPolicy(
-            on_demand=False, background="none", hold="all_moved", pause_sources=True, full_restore=True
+            on_demand=False,
+            background="none",
+            hold="all_moved",
+            pause_sources=True,
+            full_restore=True,
         )
         return MigrationPlan(self.name, _one_step(ctx), policy)

@@ -35,7 +35,11 @@ def rebalance(
        fills the gap moves to the least loaded instance, as long as that lowers the maximum.
     """
     n = table.num_key_groups
-    if not isinstance(parallelism, (int, np.integer)) or isinstance(parallelism, bool) or not 1 <= parallelism <= n:
+    if (
+        not isinstance(parallelism, (int, np.integer))
+        or isinstance(parallelism, bool)
+        or not 1 <= parallelism <= n
+    ):
         msg = (
             f"cannot rescale to parallelism {parallelism!r}: it must be an int in [1, {n}] "
             f"(1 .. the number of key groups)"
@@ -47,7 +51,9 @@ def rebalance(
         raise RescaleError(msg)
     w = np.maximum(w, 0) + max(w.mean(), 1e-9) * 0.01
     owners = table.owners.astype(np.int64).copy()
-    totals = np.bincount(owners[owners < parallelism], weights=w[owners < parallelism], minlength=parallelism)[:parallelism]
+    totals = np.bincount(
+        owners[owners < parallelism], weights=w[owners < parallelism], minlength=parallelism
+    )[:parallelism]
 
     # 1. orphans of retired instances, heaviest first, to the least loaded instance
     orphans = np.flatnonzero(owners >= parallelism)
@@ -78,4 +84,6 @@ def rebalance(
         owners[g] = lo
         totals[hi] -= w[g]
         totals[lo] += w[g]
-    return RoutingTable(epoch=table.epoch + 1, owners=owners.astype(np.int32), parallelism=parallelism)
+    return RoutingTable(
+        epoch=table.epoch + 1, owners=owners.astype(np.int32), parallelism=parallelism
+    )

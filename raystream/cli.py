@@ -85,7 +85,9 @@ def main() -> None:
 @click.argument("job_file")
 @click.option("--parallelism", "-p", multiple=True, help="STEP=N, repeatable")
 @click.option("--flow", "flow_name", default=None, help="which Dataflow of the file to run")
-@click.option("--strategy", default="meces", show_default=True, help="migration strategy for rescales")
+@click.option(
+    "--strategy", default="meces", show_default=True, help="migration strategy for rescales"
+)
 def run(job_file: str, parallelism: tuple[str, ...], flow_name: str | None, strategy: str) -> None:
     """Run JOB_FILE (a Python file that builds a Dataflow) until its sources are exhausted."""
     import raystream as rs
@@ -117,29 +119,50 @@ def status(job: str, as_json: bool) -> None:
         click.echo(json.dumps(st, default=str, indent=1))
         return
     table = Table(title=f"job {st['job']!r}: {st['state']}, parallelism {st['parallelism']}")
-    for col in ("step", "index", "records in", "records out", "busy s", "rate in/s", "backlog", "migration"):
+    for col in (
+        "step",
+        "index",
+        "records in",
+        "records out",
+        "busy s",
+        "rate in/s",
+        "backlog",
+        "migration",
+    ):
         table.add_column(col)
     for m in sorted(st["instances"], key=lambda m: (m.get("step", ""), m.get("index", 0))):
         up = max(m.get("uptime_s", 0.0), 1e-9)
         mig = m.get("migration")
         table.add_row(
-            str(m.get("step")), str(m.get("index")), f"{m.get('records_in', 0):,}",
-            f"{m.get('records_out', 0):,}", f"{m.get('busy_s', 0):.2f}",
-            f"{m.get('records_in', 0) / up:,.0f}", str(m.get("backlog", 0)),
-            "" if not mig else ("done" if mig.get("done") else f"{mig.get('arrived')}/{mig.get('incoming')} in"),
+            str(m.get("step")),
+            str(m.get("index")),
+            f"{m.get('records_in', 0):,}",
+            f"{m.get('records_out', 0):,}",
+            f"{m.get('busy_s', 0):.2f}",
+            f"{m.get('records_in', 0) / up:,.0f}",
+            str(m.get("backlog", 0)),
+            ""
+            if not mig
+            else ("done" if mig.get("done") else f"{mig.get('arrived')}/{mig.get('incoming')} in"),
         )
     console = Console()
     console.print(table)
     if st.get("latency"):
         lat = st["latency"]
-        console.print(f"latency p50 {lat['p50_ms']} ms  p99 {lat['p99_ms']} ms  max {lat['max_ms']} ms")
+        console.print(
+            f"latency p50 {lat['p50_ms']} ms  p99 {lat['p99_ms']} ms  max {lat['max_ms']} ms"
+        )
 
 
 @main.command()
 @click.argument("job")
 @click.argument("step")
 @click.argument("parallelism", type=int)
-@click.option("--strategy", default=None, help="meces (default), all_at_once, fluid, batched, lazy, stop_restart, or module:attr")
+@click.option(
+    "--strategy",
+    default=None,
+    help="meces (default), all_at_once, fluid, batched, lazy, stop_restart, or module:attr",
+)
 def rescale(job: str, step: str, parallelism: int, strategy: str | None) -> None:
     """Change the parallelism of keyed STEP of the running JOB to PARALLELISM."""
     import raystream as rs

@@ -9,24 +9,22 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import ray
-
-from dataclasses import replace
-
 import numpy as np
+import ray
 
 from raystream.assignment import rebalance
 from raystream.dataflow import Dataflow
 from raystream.errors import JobFailedError, RaystreamError, RescaleError
 from raystream.keys import RoutingTable
+from raystream.metrics import LatencyRecorder
+from raystream.plan import PhysicalPlan, physical_plan
 from raystream.plugins import MIGRATION_STRATEGIES
 from raystream.plugins import load as load_plugin
 from raystream.rescale import FetchPolicy, RescaleContext
-from raystream.metrics import LatencyRecorder
-from raystream.plan import PhysicalPlan, physical_plan
 from raystream.runtime.instance import RuntimeConfig
 from raystream.runtime.messages import Barrier, ChannelId
 
@@ -50,7 +48,9 @@ class Controller:
         self.state_dir = state_dir
         self.cleanup_state = cleanup_state
         self.origin_ns = time.time_ns()
-        self.plan: PhysicalPlan = physical_plan(flow, parallelism, config, self.origin_ns, state_dir)
+        self.plan: PhysicalPlan = physical_plan(
+            flow, parallelism, config, self.origin_ns, state_dir
+        )
         self.handles: dict[ChannelId, Any] = {}
         self.run_refs: dict[ChannelId, Any] = {}
         self.outcomes: dict[ChannelId, dict[str, Any]] = {}
@@ -77,9 +77,9 @@ class Controller:
 
         self._self = self_handle
         for iid, spec in self.plan.instances.items():
-            self.handles[iid] = InstanceActor.options(
-                name=None, max_concurrency=10_000
-            ).remote(spec)
+            self.handles[iid] = InstanceActor.options(name=None, max_concurrency=10_000).remote(
+                spec
+            )
         await asyncio.gather(*(h.ping.remote() for h in self.handles.values()))
         await asyncio.gather(
             *(
@@ -113,7 +113,9 @@ class Controller:
         while True:
             pending = {i: f for i, f in self._run_futures.items() if i not in self.outcomes}
             if pending:
-                await asyncio.wait(list(pending.values()), timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    list(pending.values()), timeout=0.25, return_when=asyncio.FIRST_COMPLETED
+                )
             for iid, fut in pending.items():
                 if not fut.done():
                     continue
@@ -148,7 +150,9 @@ class Controller:
             "error": self.error,
             "elapsed_s": ((self.ended_at or time.time()) - (self.started_at or time.time())),
             "results": {
-                iid: out.get("result") for iid, out in self.outcomes.items() if iid in self.plan.sinks
+                iid: out.get("result")
+                for iid, out in self.outcomes.items()
+                if iid in self.plan.sinks
             },
             "rescales": list(self.rescales),
             "metrics": [out.get("metrics", {}) for out in self.outcomes.values()],
@@ -186,11 +190,15 @@ class Controller:
         """Aligned checkpoint: sources inject a barrier; every keyed instance snapshots its
         RocksDB into ``directory/<step>/<index>`` when the barrier passed all its inputs."""
         Path(directory).mkdir(parents=True, exist_ok=True)
-        acks = await self.inject(Barrier(self._next_epoch(), "checkpoint", {"directory": directory}), timeout_s)
+        acks = await self.inject(
+            Barrier(self._next_epoch(), "checkpoint", {"directory": directory}), timeout_s
+        )
         return {
             "epoch": acks[0]["epoch"] if acks else None,
             "directory": directory,
-            "source_offsets": {str(a["instance"]): a["source_offset"] for a in acks if "source_offset" in a},
+            "source_offsets": {
+                str(a["instance"]): a["source_offset"] for a in acks if "source_offset" in a
+            },
             "snapshots": {
                 str(a["instance"]): {"path": a["snapshot"], "key_groups": a["key_groups"]}
                 for a in acks
@@ -211,7 +219,9 @@ class Controller:
             raise ConfigError(msg)
         self._barrier_acks[barrier.epoch] = []
         self._barrier_done[barrier.epoch] = asyncio.Event()
-        await asyncio.gather(*(self.handles[s].inject_barrier.remote(barrier) for s in self.plan.sources))
+        await asyncio.gather(
+            *(self.handles[s].inject_barrier.remote(barrier) for s in self.plan.sources)
+        )
         done = self._barrier_done[barrier.epoch]
         deadline = time.monotonic() + timeout_s
         try:
@@ -248,7 +258,9 @@ class Controller:
             self._barrier_done[epoch].set()
 
     # ---- rescaling -------------------------------------------------------------------------
-    async def rescale(self, step: str, parallelism: int, strategy: Any = None, **strategy_args: Any) -> dict[str, Any]:
+    async def rescale(
+        self, step: str, parallelism: int, strategy: Any = None, **strategy_args: Any
+    ) -> dict[str, Any]:
         """Change the parallelism of keyed step ``step`` while the job runs; returns the
         migration's statistics once all state settled. A rescale requested while one runs waits
         for it (queued, in order)."""
@@ -279,7 +291,9 @@ class Controller:
         finally:
             self._queued = max(0, self._queued)
 
-    def _check_rescale(self, step: str, parallelism: Any, strategy: Any, args: dict[str, Any]) -> Any:
+    def _check_rescale(
+        self, step: str, parallelism: Any, strategy: Any, args: dict[str, Any]
+    ) -> Any:
         steps = self.plan.steps
         if step not in steps:
             msg = f"cannot rescale {step!r}: no such step; the steps are {list(steps)}"
@@ -289,7 +303,11 @@ class Controller:
             msg = f"cannot rescale {step!r}: it is a {steps[step].kind} step; keyed steps can be rescaled: {keyed}"
             raise RescaleError(msg)
         n = self.flow.key_space.num_key_groups
-        if not isinstance(parallelism, int) or isinstance(parallelism, bool) or not 1 <= parallelism <= n:
+        if (
+            not isinstance(parallelism, int)
+            or isinstance(parallelism, bool)
+            or not 1 <= parallelism <= n
+        ):
             msg = (
                 f"cannot rescale {step!r} to parallelism {parallelism!r}: it must be an int in "
                 f"[1, {n}] (1 .. the number of key groups)"
@@ -306,7 +324,8 @@ class Controller:
         s = self.flow.key_space.sub_groups
         live = [i for i in range(old.parallelism)]
         heat = np.sum(
-            await asyncio.gather(*(self.handles[(step, i)].sub_group_load.remote() for i in live)), axis=0
+            await asyncio.gather(*(self.handles[(step, i)].sub_group_load.remote() for i in live)),
+            axis=0,
         )
         kg_load = heat.reshape(-1, s).sum(axis=1)
         target = rebalance(old, parallelism, kg_load)
@@ -328,15 +347,21 @@ class Controller:
             final = k == len(plan.steps) - 1
             tasks = _migration_tasks(current, table, width, s, heat, policy, epoch)
             moved.update(current.moved_key_groups(table).tolist())
-            await asyncio.gather(*(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(width)))
+            await asyncio.gather(
+                *(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(width))
+            )
             if policy.pause_sources:
                 await asyncio.gather(*(self.handles[i].pause.remote() for i in self.plan.sources))
             barrier = Barrier(epoch, "rescale", {"step": step, "table": table, "final": final})
             if policy.full_restore:
                 await self._stop_and_restore(step, barrier, table, width, peers)
             else:
-                await asyncio.gather(*(self.handles[i].inject_barrier.remote(barrier) for i in self.plan.sources))
-            stats += await asyncio.gather(*(peers[i].migration_done.remote(epoch) for i in range(width)))
+                await asyncio.gather(
+                    *(self.handles[i].inject_barrier.remote(barrier) for i in self.plan.sources)
+                )
+            stats += await asyncio.gather(
+                *(peers[i].migration_done.remote(epoch) for i in range(width))
+            )
             if policy.pause_sources:
                 await asyncio.gather(*(self.handles[i].resume.remote() for i in self.plan.sources))
             current = table
@@ -380,7 +405,11 @@ class Controller:
             replace(o, routing=self.routing.get(o.step), parallelism=self.parallelism[o.step])
             for o in template.outputs
         )
-        upstream = [iid for iid in self.specs if iid[0] in template.step.upstream and iid not in self.retired]
+        upstream = [
+            iid
+            for iid in self.specs
+            if iid[0] in template.step.upstream and iid not in self.retired
+        ]
         new: dict[ChannelId, Any] = {}
         for i in indexes:
             spec = replace(
@@ -394,19 +423,25 @@ class Controller:
             self.specs[(step, i)] = spec
             self.handles[(step, i)] = InstanceActor.options(max_concurrency=10_000).remote(spec)
             new[(step, i)] = self.handles[(step, i)]
-        await asyncio.gather(*(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new))
+        await asyncio.gather(
+            *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
+        )
         downstream = {(o.step, j) for o in outputs for j in range(o.parallelism)}
         await asyncio.gather(*(self.handles[d].add_inputs.remote(list(new)) for d in downstream))
         await asyncio.gather(*(self.handles[u].add_receivers.remote(new) for u in upstream))
         for iid in new:
             self._run(iid)
 
-    async def _stop_and_restore(self, step: str, barrier: Barrier, table: RoutingTable, width: int, peers: dict[int, Any]) -> None:
+    async def _stop_and_restore(
+        self, step: str, barrier: Barrier, table: RoutingTable, width: int, peers: dict[int, Any]
+    ) -> None:
         """Stop-and-restart: (sources paused) drain behind the barrier, snapshot every instance,
         restore each new owner's key groups into a fresh RocksDB from all snapshots."""
         await self.inject(barrier, timeout_s=600)
         directory = str(Path(self.state_dir) / "_restart" / f"e{barrier.epoch}")
-        snaps = await asyncio.gather(*(peers[i].snapshot_state.remote(directory) for i in range(width)))
+        snaps = await asyncio.gather(
+            *(peers[i].snapshot_state.remote(directory) for i in range(width))
+        )
         paths = [sn["path"] for sn in snaps]
         await asyncio.gather(
             *(
@@ -435,7 +470,11 @@ class Controller:
     async def metrics(self) -> dict[str, Any]:
         """Live metrics of every running instance, plus the job's latency summary so far."""
         live = {iid: h for iid, h in self.handles.items() if iid not in self.outcomes}
-        snaps = list(await asyncio.gather(*(h.metrics.remote() for h in live.values()), return_exceptions=True))
+        snaps = list(
+            await asyncio.gather(
+                *(h.metrics.remote() for h in live.values()), return_exceptions=True
+            )
+        )
         snaps = [s for s in snaps if isinstance(s, dict)]
         snaps += [o.get("metrics", {}) for o in self.outcomes.values()]
         lat = [s["latency"] for s in snaps if s.get("latency")]
@@ -472,7 +511,8 @@ def _migration_tasks(
 ) -> dict[int, dict[str, Any]]:
     """Per instance index: which sub-groups come in (and from whom) and which go out."""
     tasks: dict[int, dict[str, Any]] = {
-        i: {"epoch": epoch, "policy": policy, "incoming": {}, "outgoing": [], "heat": {}} for i in range(width)
+        i: {"epoch": epoch, "policy": policy, "incoming": {}, "outgoing": [], "heat": {}}
+        for i in range(width)
     }
     for kg in current.moved_key_groups(table).tolist():
         src, dst = int(current.owners[kg]), int(table.owners[kg])

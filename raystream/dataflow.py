@@ -216,12 +216,16 @@ class Stream:
                     f"RecordBatch, or a record with per_record=True), got {key!r}"
                 )
                 raise DataflowDefinitionError(msg)
-            return Stream(self._flow, self.step, self.schema, KeySpec(fn=key, per_record=per_record))
+            return Stream(
+                self._flow, self.step, self.schema, KeySpec(fn=key, per_record=per_record)
+            )
         msg = f"key_by expects a column name or a function, got {type(key).__name__}: {key!r}"
         raise DataflowDefinitionError(msg)
 
     # ---- operators ------------------------------------------------------------------------
-    def apply(self, op: Operator, *, name: str | None = None, parallelism: int | None = None) -> Stream:
+    def apply(
+        self, op: Operator, *, name: str | None = None, parallelism: int | None = None
+    ) -> Stream:
         """Add a decorated operator downstream of this stream."""
         if not isinstance(op, Operator):
             msg = (
@@ -300,7 +304,9 @@ class Dataflow:
     def __repr__(self) -> str:
         return f"Dataflow({self.name!r}, steps={list(self.steps)})"
 
-    def source(self, source: Any, *, name: str = "source", parallelism: int | None = None) -> Stream:
+    def source(
+        self, source: Any, *, name: str = "source", parallelism: int | None = None
+    ) -> Stream:
         """Start a stream from a source (``rs.sources.generator(...)``, ``rs.sources.parquet(...)``)."""
         if not (hasattr(source, "open") and callable(source.open)):
             msg = (
@@ -335,7 +341,9 @@ class Dataflow:
         parallelism = dict(parallelism or {})
         unknown = sorted(set(parallelism) - set(self.steps))
         if unknown:
-            msg = f"parallelism given for unknown step(s) {unknown}; the steps are {list(self.steps)}"
+            msg = (
+                f"parallelism given for unknown step(s) {unknown}; the steps are {list(self.steps)}"
+            )
             raise DataflowDefinitionError(msg)
         if not any(s.kind == "sink" for s in self.steps.values()):
             msg = f"dataflow {self.name!r} has no sink; end a stream with .sink(rs.sinks.collect())"

@@ -56,7 +56,9 @@ def main(events: int = 1_500_000, keys: int = 100_000, rate_eps: int = 200_000) 
     order = np.lexsort((counts_out, keys_out))
     last = np.r_[keys_out[order][1:] != keys_out[order][:-1], True]
     final_keys, final_counts = keys_out[order][last], counts_out[order][last]
-    oracle_keys, oracle_counts = np.unique(source.generate_all().column("key").to_numpy(), return_counts=True)  # type: ignore[attr-defined]
+    oracle_keys, oracle_counts = np.unique(
+        source.generate_all().column("key").to_numpy(), return_counts=True
+    )  # type: ignore[attr-defined]
     exact = np.array_equal(final_keys, oracle_keys) and np.array_equal(final_counts, oracle_counts)
 
     lat = result.latency()
@@ -65,7 +67,10 @@ def main(events: int = 1_500_000, keys: int = 100_000, rate_eps: int = 200_000) 
     t_out.add_column("metric")
     t_out.add_column("value")
     t_out.add_row("events", f"{events:,} in {result.elapsed_s:.2f} s")
-    t_out.add_row("latency p50 / p99 / max", f"{summary.get('p50_ms')} / {summary.get('p99_ms')} / {summary.get('max_ms')} ms")
+    t_out.add_row(
+        "latency p50 / p99 / max",
+        f"{summary.get('p50_ms')} / {summary.get('p99_ms')} / {summary.get('max_ms')} ms",
+    )
     if stats:
         t_out.add_row(
             "rescale 2 -> 4 (meces)",

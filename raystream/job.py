@@ -90,7 +90,9 @@ class Job:
     def checkpoint(self, directory: str) -> dict[str, Any]:
         return ray.get(self.controller.checkpoint.remote(directory))  # type: ignore[no-any-return]
 
-    def rescale(self, step: str, parallelism: int, strategy: Any = None, **strategy_args: Any) -> dict[str, Any]:
+    def rescale(
+        self, step: str, parallelism: int, strategy: Any = None, **strategy_args: Any
+    ) -> dict[str, Any]:
         """Change the parallelism of keyed step ``step`` now; returns the migration's stats once
         all state settled (see ``migration/`` for strategies: meces, all_at_once, fluid, batched,
         lazy, stop_restart, or a ``"module:attr"`` of your own)."""
@@ -112,10 +114,15 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
             msg = f"job {out['job']!r} failed in instance {err['instance']}: {err['error']}"
             raise JobFailedError(msg)
         results: dict[str, list[Any]] = {}
-        for (step, index), res in sorted(out["results"].items()):
+        for (step, _index), res in sorted(out["results"].items()):
             results.setdefault(step, []).append(res)
         return JobResult(
-            out["job"], out["state"], out["elapsed_s"], results, out["metrics"], out["origin_ns"],
+            out["job"],
+            out["state"],
+            out["elapsed_s"],
+            results,
+            out["metrics"],
+            out["origin_ns"],
             out.get("rescales", []),
         )
     finally:
@@ -150,7 +157,9 @@ def start(
     flow.with_parallelism(parallelism)  # validate here, in the caller's process
     ensure_ray()
     cleanup = state_dir is None
-    base = state_dir or tempfile.mkdtemp(prefix=f"raystream-{re.sub(r'[^A-Za-z0-9_-]', '_', flow.name)}-")
+    base = state_dir or tempfile.mkdtemp(
+        prefix=f"raystream-{re.sub(r'[^A-Za-z0-9_-]', '_', flow.name)}-"
+    )
     name = controller_name(flow.name)
     try:
         ray.get_actor(name, namespace=NAMESPACE)
@@ -159,9 +168,11 @@ def start(
     else:
         msg = f"a job named {flow.name!r} is already running; stop it first or use another name"
         raise ConfigError(msg)
-    controller = controller_actor_class().options(
-        name=name, namespace=NAMESPACE, max_concurrency=1000
-    ).remote(flow, parallelism, config, base, cleanup_state=cleanup)
+    controller = (
+        controller_actor_class()
+        .options(name=name, namespace=NAMESPACE, max_concurrency=1000)
+        .remote(flow, parallelism, config, base, cleanup_state=cleanup)
+    )
     ray.get(controller.start.remote(controller))
     return Job(flow.name, controller)
 

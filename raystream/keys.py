@@ -136,13 +136,21 @@ class KeySpace:
     sub_groups: int = 16
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_key_groups, int) or isinstance(self.num_key_groups, bool) or not 1 <= self.num_key_groups <= MAX_KEY_GROUPS:
+        if (
+            not isinstance(self.num_key_groups, int)
+            or isinstance(self.num_key_groups, bool)
+            or not 1 <= self.num_key_groups <= MAX_KEY_GROUPS
+        ):
             msg = (
                 f"num_key_groups must be an int in [1, {MAX_KEY_GROUPS}], got {self.num_key_groups!r}. "
                 "It bounds the maximum parallelism of every keyed operator; 128 is the default."
             )
             raise ConfigError(msg)
-        if not isinstance(self.sub_groups, int) or isinstance(self.sub_groups, bool) or not 1 <= self.sub_groups <= MAX_SUB_GROUPS:
+        if (
+            not isinstance(self.sub_groups, int)
+            or isinstance(self.sub_groups, bool)
+            or not 1 <= self.sub_groups <= MAX_SUB_GROUPS
+        ):
             msg = (
                 f"sub_groups must be an int in [1, {MAX_SUB_GROUPS}], got {self.sub_groups!r} "
                 "(the sub-group is one byte of the state key prefix)."
@@ -255,7 +263,11 @@ class RoutingTable:
         return np.flatnonzero(self.owners != new.owners)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "parallelism": self.parallelism, "owners": self.owners.tolist()}
+        return {
+            "epoch": self.epoch,
+            "parallelism": self.parallelism,
+            "owners": self.owners.tolist(),
+        }
 
     def __eq__(self, other: object) -> bool:
         return (

@@ -434,7 +434,10 @@ def rescale_impact(
     during = latency.summary_between(start_s, end_s + settle_s)
     per_window = {t: n for t, n in throughput}
     steady = [n for t, n in per_window.items() if 1.0 <= t < start_s]
-    inside = [per_window.get(_window_start(t, window_ms), 0) for t in np.arange(start_s, end_s + settle_s, window_ms / 1000)]
+    inside = [
+        per_window.get(_window_start(t, window_ms), 0)
+        for t in np.arange(start_s, end_s + settle_s, window_ms / 1000)
+    ]
     base = float(np.median(steady)) if steady else 0.0
     dip = (min(inside) / base) if base and inside else None
     return {

@@ -21,7 +21,9 @@ class PhysicalPlan:
     routing: dict[str, RoutingTable]  # keyed step -> its routing table
 
     def of_step(self, step: str) -> list[InstanceSpec]:
-        return sorted((s for s in self.instances.values() if s.step.name == step), key=lambda s: s.index)
+        return sorted(
+            (s for s in self.instances.values() if s.step.name == step), key=lambda s: s.index
+        )
 
     @property
     def sources(self) -> list[ChannelId]:

@@ -63,7 +63,10 @@ def load(group: str, spec: Any, **kwargs: Any) -> Any:
     elif spec in registry:
         target = _import(registry[spec], group)
     else:
-        label = {MIGRATION_STRATEGIES: "migration strategy", AUTOSCALER_POLICIES: "autoscaler policy"}
+        label = {
+            MIGRATION_STRATEGIES: "migration strategy",
+            AUTOSCALER_POLICIES: "autoscaler policy",
+        }
         msg = (
             f"unknown {label.get(group, group)} {spec!r}; known: "
             f"{sorted(registry)}, or give an import path 'package.module:attr'"

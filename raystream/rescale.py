@@ -93,7 +93,9 @@ class MigrationStrategy(Protocol):
     def plan(self, ctx: RescaleContext) -> MigrationPlan: ...
 
 
-def steps_moving(ctx: RescaleContext, groups_per_step: int, *, hottest_first: bool = True) -> tuple[RoutingTable, ...]:
+def steps_moving(
+    ctx: RescaleContext, groups_per_step: int, *, hottest_first: bool = True
+) -> tuple[RoutingTable, ...]:
     """Intermediate tables that move ``groups_per_step`` key groups at a time (Megaphone)."""
     moved = ctx.old.moved_key_groups(ctx.new)
     if hottest_first:
@@ -106,9 +108,19 @@ def steps_moving(ctx: RescaleContext, groups_per_step: int, *, hottest_first: bo
         owners = owners.copy()
         owners[chunk] = ctx.new.owners[chunk]
         epoch += 1
-        steps.append(RoutingTable(epoch=epoch, owners=owners, parallelism=max(ctx.new.parallelism, ctx.old.parallelism)))
+        steps.append(
+            RoutingTable(
+                epoch=epoch,
+                owners=owners,
+                parallelism=max(ctx.new.parallelism, ctx.old.parallelism),
+            )
+        )
     if not steps:
-        return (RoutingTable(epoch=ctx.old.epoch + 1, owners=ctx.new.owners, parallelism=ctx.new.parallelism),)
+        return (
+            RoutingTable(
+                epoch=ctx.old.epoch + 1, owners=ctx.new.owners, parallelism=ctx.new.parallelism
+            ),
+        )
     last = steps[-1]
     steps[-1] = RoutingTable(epoch=last.epoch, owners=last.owners, parallelism=ctx.new.parallelism)
     return tuple(steps)

@@ -41,7 +41,9 @@ class InstanceActor:
 
     def _send(self, receiver: ChannelId, payload: tuple[ChannelId, int, Any]) -> Any:
         channel, seq, item = payload
-        return asyncio.wrap_future(self._receivers[receiver].push.remote(channel, seq, item).future())
+        return asyncio.wrap_future(
+            self._receivers[receiver].push.remote(channel, seq, item).future()
+        )
 
     def _report(self, event: str, info: dict[str, Any]) -> None:
         if event == "barrier" and self._controller is not None:
@@ -75,7 +77,9 @@ class InstanceActor:
         """``task``: epoch, policy, incoming {sub-group: owner}, outgoing [sub-groups], heat."""
 
         def fetch(owner: int, epoch: int, groups: list[int], max_bytes: int) -> Any:
-            return asyncio.wrap_future(peers[owner].serve_state.remote(epoch, groups, max_bytes).future())
+            return asyncio.wrap_future(
+                peers[owner].serve_state.remote(epoch, groups, max_bytes).future()
+            )
 
         self._instance.prepare_migration(
             MigrationTask(
@@ -100,7 +104,9 @@ class InstanceActor:
     async def snapshot_state(self, directory: str) -> dict[str, Any]:
         return self._instance.snapshot_state(directory)
 
-    async def restore_state(self, epoch: int, snapshots: list[str], key_groups: list[int], state_path: str) -> dict[str, Any]:
+    async def restore_state(
+        self, epoch: int, snapshots: list[str], key_groups: list[int], state_path: str
+    ) -> dict[str, Any]:
         return self._instance.restore_state(epoch, snapshots, key_groups, state_path)
 
     async def pause(self) -> None:

@@ -220,7 +220,9 @@ def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
     try:
         return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
     except pa.ArrowInvalid:
-        table = pa.concat_tables([pa.Table.from_batches([b]) for b in batches], promote_options="permissive")
+        table = pa.concat_tables(
+            [pa.Table.from_batches([b]) for b in batches], promote_options="permissive"
+        )
         return table.combine_chunks().to_batches()[0]
 
 

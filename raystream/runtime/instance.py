@@ -104,7 +104,10 @@ class OperatorInstance:
         self.reader: Any = None
         if self.role == "operator":
             self.processor = make_processor(
-                spec.step, spec.key_space, spec.state_path, spec.owned_key_groups,
+                spec.step,
+                spec.key_space,
+                spec.state_path,
+                spec.owned_key_groups,
                 track=spec.config.migration_support,
             )
         self.outputs: list[tuple[Any, list[OutputChannel]]] = []
@@ -126,7 +129,6 @@ class OperatorInstance:
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
         """Build output channels; ``sender(receiver_id, item)`` pushes one item to a receiver."""
-        cfg = self.spec.config
         self._report = report
         self._sender = sender
         self.outputs = []
@@ -172,7 +174,9 @@ class OperatorInstance:
         engine.fetcher = fetcher
         engine.prepare(task)
 
-    async def serve_state(self, epoch: int, groups: list[int], max_bytes: int) -> tuple[list[int], list[pa.RecordBatch]]:
+    async def serve_state(
+        self, epoch: int, groups: list[int], max_bytes: int
+    ) -> tuple[list[int], list[pa.RecordBatch]]:
         engine = self.engine
         assert engine is not None
         return await engine.serve(epoch, groups, max_bytes)
@@ -197,7 +201,9 @@ class OperatorInstance:
         path = self.processor.backend.snapshot(Path(directory) / f"{self.spec.index}")
         return {"path": str(path), "key_groups": self.processor.owned_key_groups}
 
-    def restore_state(self, epoch: int, snapshots: list[str], key_groups: list[int], state_path: str) -> dict[str, Any]:
+    def restore_state(
+        self, epoch: int, snapshots: list[str], key_groups: list[int], state_path: str
+    ) -> dict[str, Any]:
         """Stop-and-restart: a fresh RocksDB holding ``key_groups`` restored from ``snapshots``."""
         proc = self.processor
         assert isinstance(proc, KeyedProcessor)
@@ -263,7 +269,9 @@ class OperatorInstance:
         if self.latency is not None:
             snap["latency"] = self.latency.snapshot()
         if self.engine is not None and self.engine.task is not None:
-            snap["migration"] = {k: v for k, v in self.engine.stats().items() if k != "fetch_wait_ms"}
+            snap["migration"] = {
+                k: v for k, v in self.engine.stats().items() if k != "fetch_wait_ms"
+            }
         snap["inputs"] = len(self.inputs)
         snap["eos"] = len(self._eos)
         snap["rescale_barriers_seen"] = {e: len(v) for e, v in self._rescale_seen.items()}
@@ -298,7 +306,9 @@ class OperatorInstance:
         self.reader = src.open(self.spec.index, self.spec.source_parallelism)
         rate = float(getattr(src, "rate_eps", 0) or 0) / self.spec.source_parallelism
         # at a fixed rate a source emits every linger_ms: small batches, low latency
-        chunk = cfg.source_batch_rows if rate <= 0 else max(1, int(rate * max(cfg.linger_ms, 1) / 1000))
+        chunk = (
+            cfg.source_batch_rows if rate <= 0 else max(1, int(rate * max(cfg.linger_ms, 1) / 1000))
+        )
         started = time.monotonic()
         started_ns = time.time_ns()
         warm = rate <= 0
@@ -326,7 +336,9 @@ class OperatorInstance:
                 if rate > 0:
                     # open loop: a record's ingest time is when the schedule says it arrives, so
                     # a stalled pipeline (or paused source) shows up as latency
-                    ingest = started_ns + ((self.rows_emitted + np.arange(batch.num_rows)) * (1e9 / rate)).astype(np.int64)
+                    ingest = started_ns + (
+                        (self.rows_emitted + np.arange(batch.num_rows)) * (1e9 / rate)
+                    ).astype(np.int64)
                 else:
                     ingest = np.full(batch.num_rows, time.time_ns(), np.int64)
                 batch = _stamp(batch, ingest)
@@ -356,8 +368,12 @@ class OperatorInstance:
                 await self._forward_barrier(barrier)
             self._report(
                 "barrier",
-                {"instance": self.spec.id, "epoch": barrier.epoch, "kind": barrier.kind,
-                 "source_offset": self.rows_emitted},
+                {
+                    "instance": self.spec.id,
+                    "epoch": barrier.epoch,
+                    "kind": barrier.kind,
+                    "source_offset": self.rows_emitted,
+                },
             )
 
     async def _run_receiver(self) -> None:
@@ -442,7 +458,11 @@ class OperatorInstance:
             self.inbox.block(channel)  # aligned: hold this channel until all delivered
         if seen >= self.inputs - self._eos:
             del self._barrier_seen[barrier.epoch]
-            info: dict[str, Any] = {"instance": self.spec.id, "epoch": barrier.epoch, "kind": barrier.kind}
+            info: dict[str, Any] = {
+                "instance": self.spec.id,
+                "epoch": barrier.epoch,
+                "kind": barrier.kind,
+            }
             if barrier.kind == "checkpoint" and isinstance(self.processor, KeyedProcessor):
                 base = barrier.payload.get("directory")
                 if base:
@@ -469,7 +489,9 @@ class OperatorInstance:
         if seen >= self.inputs - self._eos:
             if mine and engine is not None:
                 engine.seal(barrier.epoch)
-            self._report("barrier", {"instance": self.spec.id, "epoch": barrier.epoch, "kind": "rescale"})
+            self._report(
+                "barrier", {"instance": self.spec.id, "epoch": barrier.epoch, "kind": "rescale"}
+            )
 
     async def _switch(self, barrier: Barrier) -> None:
         """Send what was routed by the old table, forward the barrier everywhere, route by the new
@@ -479,7 +501,10 @@ class OperatorInstance:
         table: RoutingTable = barrier.payload["table"]
         if barrier.payload.get("final"):
             for part, channels in self.outputs:
-                if isinstance(part, ByKeyGroup) and channels[0].receiver[0] == barrier.payload["step"]:
+                if (
+                    isinstance(part, ByKeyGroup)
+                    and channels[0].receiver[0] == barrier.payload["step"]
+                ):
                     for c in channels[table.parallelism :]:
                         await c.push(EndOfStream())
                         await c.drain()
@@ -501,7 +526,9 @@ class OperatorInstance:
                     await channels[receiver].add(piece)
 
     def _next_deadline(self) -> float | None:
-        deadlines = [c.deadline for _, chans in self.outputs for c in chans if c.deadline is not None]
+        deadlines = [
+            c.deadline for _, chans in self.outputs for c in chans if c.deadline is not None
+        ]
         return min(deadlines) if deadlines else None
 
     async def _flush_due(self) -> None:

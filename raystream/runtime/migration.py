@@ -110,7 +110,9 @@ class MigrationEngine:
         unknown = [g for g in set(missing.tolist()) if g not in task.incoming]
         if unknown:
             bad = sorted({g // self.sub_groups for g in unknown})[:10]
-            msg = f"records of key group(s) {bad} are neither held nor incoming at epoch {task.epoch}"
+            msg = (
+                f"records of key group(s) {bad} are neither held nor incoming at epoch {task.epoch}"
+            )
             raise StateError(msg)
         rest = batch.filter(pa.array(~ok))
         order = np.argsort(missing, kind="stable")
@@ -193,8 +195,12 @@ class MigrationEngine:
         task = self.task
         if task is None or task.done.is_set() or not task.active:
             return
-        if not task.outgoing and len(task.arrived) == len(task.incoming) and not self._releasable \
-                and not any(g in self.pending for g in task.incoming):
+        if (
+            not task.outgoing
+            and len(task.arrived) == len(task.incoming)
+            and not self._releasable
+            and not any(g in self.pending for g in task.incoming)
+        ):
             if task.sealed.is_set() or not task.outgoing:
                 task.finished_at = time.monotonic()
                 task.done.set()
@@ -216,7 +222,9 @@ class MigrationEngine:
         assert self.fetcher is not None
         remaining = list(groups)
         while remaining:
-            served, chunks = await self.fetcher(owner, task.epoch, remaining, task.policy.chunk_bytes)
+            served, chunks = await self.fetcher(
+                owner, task.epoch, remaining, task.policy.chunk_bytes
+            )
             if not served:
                 msg = f"instance {owner} served none of sub-groups {remaining[:5]}..."
                 raise StateError(msg)
@@ -245,7 +253,9 @@ class MigrationEngine:
             return
         sem = asyncio.Semaphore(policy.fetch_concurrency)
         for start in range(0, len(order), policy.chunk_sub_groups):
-            chunk = [g for g in order[start : start + policy.chunk_sub_groups] if g not in task.requested]
+            chunk = [
+                g for g in order[start : start + policy.chunk_sub_groups] if g not in task.requested
+            ]
             if not chunk:
                 continue
             await sem.acquire()
@@ -269,7 +279,9 @@ class MigrationEngine:
             self._spawn(run())
 
     # ---- old owner: serving -----------------------------------------------------------------
-    async def serve(self, epoch: int, groups: list[int], max_bytes: int) -> tuple[list[int], list[pa.RecordBatch]]:
+    async def serve(
+        self, epoch: int, groups: list[int], max_bytes: int
+    ) -> tuple[list[int], list[pa.RecordBatch]]:
         """Hand out sub-groups (at least one, then up to ``max_bytes``) once sealed."""
         task = self.task
         if task is None or task.epoch != epoch:
@@ -321,7 +333,9 @@ class MigrationEngine:
             "bytes_out": t.bytes_out,
             "rows_in": t.rows_in,
             "fetch_wait_ms": list(t.fetch_wait_ms),
-            "duration_s": (t.finished_at - t.activated_at) if t.finished_at and t.activated_at else None,
+            "duration_s": (t.finished_at - t.activated_at)
+            if t.finished_at and t.activated_at
+            else None,
         }
 
     def _spawn(self, coro: Any) -> None:

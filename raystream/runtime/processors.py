@@ -166,7 +166,9 @@ class KeyedBatch:
         return pa.RecordBatch.from_pydict(data)
 
 
-def group_by_key(batch: pa.RecordBatch, keys: pa.Array, key_space: KeySpace, key_column: str) -> KeyedBatch:
+def group_by_key(
+    batch: pa.RecordBatch, keys: pa.Array, key_space: KeySpace, key_column: str
+) -> KeyedBatch:
     """Sort a batch by key (stable) and find each distinct key's run of records."""
     n = batch.num_rows
     if keys.type == pa.int64():
@@ -196,7 +198,13 @@ class KeyedProcessor:
     """A keyed operator instance: its RocksDB state, the sub-groups it holds, its user function."""
 
     def __init__(
-        self, step: Step, key_space: KeySpace, state_path: str | Path, owned: Iterable[int], *, track: bool = True
+        self,
+        step: Step,
+        key_space: KeySpace,
+        state_path: str | Path,
+        owned: Iterable[int],
+        *,
+        track: bool = True,
     ) -> None:
         assert step.key is not None
         self.track = track
@@ -234,7 +242,9 @@ class KeyedProcessor:
 
     def _run_user(self, kb: KeyedBatch) -> list[pa.RecordBatch]:
         if self.step.kind == "keyed_batches":
-            out = self.step.fn(kb, self.states.vectorised()) if self.step.state else self.step.fn(kb)
+            out = (
+                self.step.fn(kb, self.states.vectorised()) if self.step.state else self.step.fn(kb)
+            )
             return _to_batches(out, self.step.name)
         return self._per_key(kb)
 
@@ -243,7 +253,9 @@ class KeyedProcessor:
         held = self.engine.held.reshape(-1, self.key_space.sub_groups)
         return np.flatnonzero(held.any(axis=1)).tolist()
 
-    def restore_fresh(self, snapshots: list[str], key_groups: list[int], state_path: str | Path) -> int:
+    def restore_fresh(
+        self, snapshots: list[str], key_groups: list[int], state_path: str | Path
+    ) -> int:
         """Stop-and-restart: replace this instance's RocksDB by a fresh one holding exactly
         ``key_groups``, read from ``snapshots``. Returns the rows restored."""
         fresh = RocksStateBackend(state_path)

@@ -61,7 +61,11 @@ class VectorValueState:
     """A value state read and written for many keys at once."""
 
     def __init__(
-        self, backend: RocksStateBackend, state_id: int, spec: ValueState | ListState, key_space: KeySpace
+        self,
+        backend: RocksStateBackend,
+        state_id: int,
+        spec: ValueState | ListState,
+        key_space: KeySpace,
     ) -> None:
         self._backend = backend
         self._state_id = state_id

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
-from rocksdict import AccessType, Checkpoint, Options, ReadOptions, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, Checkpoint, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
 
 from raystream.errors import StateError
 from raystream.state.layout import key_group_bounds, sub_group_bounds
@@ -76,16 +76,14 @@ class RocksStateBackend:
     def get(self, key: bytes) -> bytes | None:
         return self.multi_get([key])[0]
 
-    def write(
-        self, keys: list[bytes], values: list[bytes], deletes: Iterable[bytes] = ()
-    ) -> None:
+    def write(self, keys: list[bytes], values: list[bytes], deletes: Iterable[bytes] = ()) -> None:
         """Put ``keys[i] = values[i]`` and delete ``deletes`` (atomically in RocksDB, through the
         cache when it is on)."""
         if len(keys) != len(values):
             msg = f"write() got {len(keys)} keys and {len(values)} values; pass one value per key"
             raise ValueError(msg)
         if self.cache_entries:
-            self._cache.update(zip(keys, values))
+            self._cache.update(zip(keys, values, strict=True))
             self._dirty.update(keys)
             for k in deletes:
                 self._cache[k] = None
@@ -94,7 +92,9 @@ class RocksStateBackend:
             return
         self._write_through(keys, values, deletes)
 
-    def _write_through(self, keys: Iterable[bytes], values: Iterable[bytes | None], deletes: Iterable[bytes] = ()) -> None:
+    def _write_through(
+        self, keys: Iterable[bytes], values: Iterable[bytes | None], deletes: Iterable[bytes] = ()
+    ) -> None:
         wb = WriteBatch(raw_mode=True)
         for k, v in zip(keys, values, strict=True):
             if v is None:
@@ -154,13 +154,17 @@ class RocksStateBackend:
             yield _chunk(keys, values)
 
     def export_sub_group(self, key_group: int, sub_group: int) -> pa.RecordBatch:
-        chunks = list(self.export_ranges([sub_group_bounds(key_group, sub_group)], chunk_bytes=1 << 62))
+        chunks = list(
+            self.export_ranges([sub_group_bounds(key_group, sub_group)], chunk_bytes=1 << 62)
+        )
         return chunks[0] if chunks else _chunk([], [])
 
     def export_key_groups(
         self, key_groups: Iterable[int], *, chunk_bytes: int = 4 << 20
     ) -> Iterator[pa.RecordBatch]:
-        return self.export_ranges((key_group_bounds(int(g)) for g in key_groups), chunk_bytes=chunk_bytes)
+        return self.export_ranges(
+            (key_group_bounds(int(g)) for g in key_groups), chunk_bytes=chunk_bytes
+        )
 
     def import_chunk(self, chunk: pa.RecordBatch | pa.Table) -> int:
         """Write exported rows (columns key, value) into this instance. Returns the row count."""

@@ -46,7 +46,9 @@ class Codec:
     def decode_many(self, raws: list[bytes | None], default: Any) -> Any:
         """Decode a multi-get result; missing entries (None) become ``default``."""
         if self.numpy_dtype is not None:
-            fill = np.asarray(default if default is not None else 0, dtype=self.numpy_dtype).tobytes()
+            fill = np.asarray(
+                default if default is not None else 0, dtype=self.numpy_dtype
+            ).tobytes()
             joined = bytearray(b"".join(r if r is not None else fill for r in raws))
             return np.frombuffer(joined, self.numpy_dtype)  # writable: callers may update in place
         return [pickle.loads(r) if r is not None else copy.deepcopy(default) for r in raws]
@@ -111,7 +113,9 @@ def check_state_specs(state: Any, step: str) -> dict[str, StateSpec]:
     if isinstance(state, (ValueState, MapState, ListState)):
         return {"": state}
     if isinstance(state, dict) and state:
-        bad = {k: v for k, v in state.items() if not isinstance(v, (ValueState, MapState, ListState))}
+        bad = {
+            k: v for k, v in state.items() if not isinstance(v, (ValueState, MapState, ListState))
+        }
         if bad or not all(isinstance(k, str) and k.isidentifier() for k in state):
             msg = (
                 f"step {step!r}: state= must map identifier names to ValueState/MapState/"
