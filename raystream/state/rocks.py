@@ -7,6 +7,7 @@ scan on the old owner, a ``WriteBatch`` on the new one and a ``delete_range`` to
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -43,9 +44,12 @@ class RocksStateBackend:
     is in RocksDB, and a range that changed below the cache can never be read stale.
     """
 
-    def __init__(self, path: str | Path, *, cache_entries: int = 500_000) -> None:
+    def __init__(
+        self, path: str | Path, *, cache_entries: int = 500_000, max_dirty: int = 8192
+    ) -> None:
         self.path = Path(path)
         self.cache_entries = cache_entries
+        self.max_dirty = max_dirty
         self._cache: dict[bytes, bytes | None] = {}
         self._dirty: set[bytes] = set()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,16 +111,26 @@ class RocksStateBackend:
             self._db.write(wb, self._write_opt)
 
     def _bound(self) -> None:
+        """Keep the cache bounded without long stalls: dirty entries go to RocksDB in small sorted
+        batches; when full, the oldest quarter (dicts keep insertion order) is evicted."""
+        if len(self._dirty) >= self.max_dirty:
+            self._write_dirty()
         if len(self._cache) > self.cache_entries:
-            self.flush_cache()
+            self._write_dirty()
+            cache = self._cache
+            for k in list(itertools.islice(cache, len(cache) - self.cache_entries * 3 // 4)):
+                del cache[k]
 
-    def flush_cache(self) -> None:
-        """Write dirty entries to RocksDB (sorted, one WriteBatch) and empty the cache."""
+    def _write_dirty(self) -> None:
         if self._dirty:
             keys = sorted(self._dirty)
             cache = self._cache
             self._write_through(keys, [cache[k] for k in keys])
             self._dirty.clear()
+
+    def flush_cache(self) -> None:
+        """Write dirty entries to RocksDB (sorted, one WriteBatch) and empty the cache."""
+        self._write_dirty()
         self._cache.clear()
 
     def scan(self, lower: bytes, upper: bytes) -> Iterator[tuple[bytes, bytes]]:
