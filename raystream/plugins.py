@@ -11,7 +11,7 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any
 
-from raystream.errors import PluginNotFoundError
+from raystream.errors import ConfigError, PluginNotFoundError
 
 __all__ = ["MIGRATION_STRATEGIES", "AUTOSCALER_POLICIES", "known", "load"]
 
@@ -56,6 +56,9 @@ def load(group: str, spec: Any, **kwargs: Any) -> Any:
     """The plugin ``spec`` of ``group``: an instance is returned as is; a class or factory found
     by name or path is called with ``kwargs``."""
     if not isinstance(spec, str):
+        if kwargs:
+            msg = f"options {sorted(kwargs)} cannot be applied to the plugin object {spec!r}; set them when you create it"
+            raise ConfigError(msg)
         return spec
     registry = known(group)
     if ":" in spec:
@@ -72,4 +75,13 @@ def load(group: str, spec: Any, **kwargs: Any) -> Any:
             f"{sorted(registry)}, or give an import path 'package.module:attr'"
         )
         raise PluginNotFoundError(msg)
-    return target(**kwargs) if callable(target) and isinstance(target, type) else target
+    if not (callable(target) and isinstance(target, type)):
+        if kwargs:
+            msg = f"options {sorted(kwargs)} cannot be applied to {spec!r}: it is not a class"
+            raise ConfigError(msg)
+        return target
+    try:
+        return target(**kwargs)
+    except TypeError as e:
+        msg = f"bad options for {group.rsplit('.', 1)[-1]} {spec!r}: {e}"
+        raise ConfigError(msg) from e

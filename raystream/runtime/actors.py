@@ -29,6 +29,8 @@ class InstanceActor:
     """An operator instance as an async Ray actor."""
 
     def __init__(self, spec: InstanceSpec) -> None:
+        import pandas  # noqa: F401 - pyarrow's to_numpy imports it lazily: pay that here, not mid-stream
+
         self._instance = OperatorInstance(spec)
         self._receivers: dict[ChannelId, Any] = {}
         self._events: list[tuple[str, dict[str, Any]]] = []

@@ -211,6 +211,7 @@ class OperatorInstance:
         engine = proc.engine
         if engine.task is not None and engine.task.epoch == epoch:
             engine.task.rows_in = rows
+            engine.task.bytes_in = proc.restored_bytes
             engine.task.arrived.update(engine.task.incoming)
             engine.task.outgoing.clear()
             engine.task.finished_at = time.monotonic()

@@ -260,6 +260,7 @@ class KeyedProcessor:
         ``key_groups``, read from ``snapshots``. Returns the rows restored."""
         fresh = RocksStateBackend(state_path)
         rows = sum(fresh.restore_key_groups(snap, key_groups) for snap in snapshots)
+        self.restored_bytes = fresh.bytes_restored
         old = self.backend
         self.backend = fresh
         self.states = KeyedStates(fresh, self.step.state, self.key_space)

@@ -52,6 +52,7 @@ class RocksStateBackend:
         self.max_dirty = max_dirty
         self._cache: dict[bytes, bytes | None] = {}
         self._dirty: set[bytes] = set()
+        self.bytes_restored = 0  # bytes copied in by restore_key_groups
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = Rdict(str(self.path), _options())
         self._write_opt = WriteOptions()
@@ -231,6 +232,7 @@ class RocksStateBackend:
             rows = 0
             for chunk in reader.export_key_groups(key_groups):
                 rows += self.import_chunk(chunk)
+                self.bytes_restored += chunk.nbytes
             return rows
         finally:
             src.close()

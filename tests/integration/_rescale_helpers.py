@@ -13,6 +13,7 @@ oracle is a ``collections.Counter`` over the exact prefix of the generator's str
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import tempfile
@@ -35,10 +36,25 @@ RATE_EPS = 25_000
 RUNTIME = {"linger_ms": 20.0}
 
 
-@rs.keyed(state={"count": rs.ValueState(int, default=0), "last": rs.ValueState(int, default=-1)})
+STATE = {"count": rs.ValueState(int, default=0), "last": rs.ValueState(int, default=-1)}
+
+
+@rs.keyed(state=STATE)
 def count(key: Any, records: pa.RecordBatch, state: Any) -> Any:
     """Count per key; fail the job if a key's ``seq`` does not continue where it stopped (a
     record out of order, lost, applied twice, or state that started afresh)."""
+    yield from _count(key, records, state)
+
+
+@rs.keyed(state=STATE)
+def slow_count(key: Any, records: pa.RecordBatch, state: Any) -> Any:
+    """``count`` at about 0.5 ms per key and batch: instances fall behind, so an old owner
+    still has records queued from before the rescale barrier when its new owners ask for state."""
+    time.sleep(0.0005)
+    yield from _count(key, records, state)
+
+
+def _count(key: Any, records: pa.RecordBatch, state: Any) -> Any:
     seqs = records.column("seq").to_pylist()
     last = state.last.value
     expected = list(range(last + 1, last + 1 + len(seqs)))
@@ -54,13 +70,18 @@ def count(key: Any, records: pa.RecordBatch, state: Any) -> Any:
     yield key, {"count": state.count.value, "seq": seqs[-1]}
 
 
-def keycount_flow(name: str, source: Any, *, sub_groups: int = SUB_GROUPS) -> rs.Dataflow:
+def keycount_flow(
+    name: str, source: Any, *, sub_groups: int = SUB_GROUPS, slow: bool = False
+) -> rs.Dataflow:
     flow = rs.Dataflow(name, num_key_groups=NUM_KEY_GROUPS, sub_groups=sub_groups)
-    flow.source(source).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
+    op = slow_count if slow else count
+    flow.source(source).key_by("key").apply(op, name=STEP).sink(rs.sinks.collect(), name="out")
     return flow
 
 
-def generator(key_type: str, skewed: bool, seed: int, *, hot_key_fraction: float = 0.5, keys: int = 128) -> Any:
+def generator(
+    key_type: str, skewed: bool, seed: int, *, hot_key_fraction: float = 0.5, keys: int = 128
+) -> Any:
     """A rate-limited key-count generator, long enough (a minute) never to end by itself here."""
     return rs.sources.generator(
         events=RATE_EPS * 60,
@@ -155,36 +176,59 @@ class LiveJob:
         self.job = job
         self.gate = gate
 
-    def rescale(self, parallelism: int, strategy: Any = None, **strategy_args: Any) -> dict[str, Any]:
+    def wait_flowing(self, records: int = RATE_EPS // 2, timeout_s: float = 30.0) -> None:
+        """Wait until ``records`` events reached the count step (state to move, load measured)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (
+                sum(m["records_in"] for m in step_metrics(self.job.metrics()["instances"]))
+                >= records
+            ):
+                return
+            time.sleep(0.05)
+        msg = f"fewer than {records} records reached {STEP!r} within {timeout_s} s"
+        raise AssertionError(msg)
+
+    def rescale(
+        self, parallelism: int, strategy: Any = None, **strategy_args: Any
+    ) -> dict[str, Any]:
         """``job.rescale`` of the count step; also checks the stream still runs afterwards."""
         stats = self.job.rescale(STEP, parallelism, strategy, **strategy_args)
-        assert not source_finished(self.job.status()), "the stream ended before the rescale returned"
+        assert not source_finished(self.job.status()), (
+            "the stream ended before the rescale returned"
+        )
         return stats
 
     def finish(self, timeout_s: float = 120) -> tuple[rs.JobResult, int]:
-        """Let the stream end; wait for the job; returns its result and how many events were sent."""
+        """Let the stream end, wait for the job; returns its result and the number of events."""
         with open(self.gate, "w"):
             pass
         result = self.job.wait(timeout_s=timeout_s)
-        assert result.state == "finished", f"job {self.job.name!r} did not finish in time: {result.state}"
+        assert result.state == "finished", (
+            f"job {self.job.name!r} did not finish in time: {result.state}"
+        )
         with open(self.gate + ".events") as f:
             return result, int(f.read())
 
 
 @contextmanager
-def live_job(name: str, gen: Any, parallelism: int, *, sub_groups: int = SUB_GROUPS) -> Iterator[LiveJob]:
+def live_job(
+    name: str, gen: Any, parallelism: int, *, sub_groups: int = SUB_GROUPS, slow: bool = False
+) -> Iterator[LiveJob]:
     """Start the key-count job; stop it if the block fails."""
     gate_dir = tempfile.mkdtemp(prefix="rs-gate-")
     gate = os.path.join(gate_dir, "enough")
     source = UntilGate(gen, gate)
-    job = rs.start(keycount_flow(name, source, sub_groups=sub_groups), parallelism={STEP: parallelism}, **RUNTIME)
+    job = rs.start(
+        keycount_flow(name, source, sub_groups=sub_groups, slow=slow),
+        parallelism={STEP: parallelism},
+        **RUNTIME,
+    )
     try:
         yield LiveJob(job, gate)
     except BaseException:
-        try:
+        with contextlib.suppress(Exception):  # already ended
             job.stop()
-        except Exception:  # noqa: BLE001, S110 - already ended
-            pass
         raise
     finally:
         shutil.rmtree(gate_dir, ignore_errors=True)
@@ -209,15 +253,14 @@ def run_with_rescales(
     targets: list[int],
     strategy: Any,
     *,
-    first_after_s: float = 0.5,
     strategy_args: dict[str, Any] | None = None,
 ) -> RescaleRun:
-    """Start the key-count job, rescale ``count`` to each of ``targets`` in turn (the first after
-    ``first_after_s``), then let the stream end and wait for the job."""
+    """Start the key-count job, rescale ``count`` to each of ``targets`` in turn (the first once
+    the stream is flowing), then let the stream end and wait for the job."""
     t0 = time.monotonic()
     with live_job(name, gen, start_parallelism) as live:
         before = live.job.status()
-        time.sleep(first_after_s)
+        live.wait_flowing()
         stats: list[dict[str, Any]] = []
         after: list[dict[str, Any]] = []
         for p in targets:
@@ -267,14 +310,18 @@ def assert_exact(out: pa.Table, expected: collections.Counter[Any], events: int)
     got = final_counts(out)
     missing = expected.keys() - got.keys()
     extra = got.keys() - expected.keys()
-    wrong = {k: (got[k]["count"], n) for k, n in expected.items() if k in got and got[k]["count"] != n}
+    wrong = {
+        k: (got[k]["count"], n) for k, n in expected.items() if k in got and got[k]["count"] != n
+    }
     assert not (missing or extra or wrong), (
         f"{len(missing)} key(s) missing (e.g. {sorted(missing, key=str)[:5]}), {len(extra)} "
         f"unexpected (e.g. {sorted(extra, key=str)[:5]}), {len(wrong)} with a wrong final count "
         f"(got, expected), e.g. {dict(list(wrong.items())[:5])}; {len(expected)} keys expected"
     )
     bad_seq = {k: v["seq"] for k, v in got.items() if v["seq"] != v["count"] - 1}
-    assert not bad_seq, f"max seq != count - 1 for {len(bad_seq)} keys, e.g. {dict(list(bad_seq.items())[:5])}"
+    assert not bad_seq, (
+        f"max seq != count - 1 for {len(bad_seq)} keys, e.g. {dict(list(bad_seq.items())[:5])}"
+    )
     dup = {k: (v["rows"], v["distinct"]) for k, v in got.items() if v["rows"] != v["distinct"]}
     assert not dup, (
         f"{len(dup)} key(s) emitted the same count twice (rows, distinct counts), e.g. "
@@ -288,12 +335,18 @@ def step_metrics(metrics: list[dict[str, Any]], step: str = STEP) -> list[dict[s
     return sorted((m for m in metrics if m.get("step") == step), key=lambda m: m["index"])
 
 
-def records_between(metrics: list[dict[str, Any]], start_s: float, end_s: float, step: str = STEP) -> int:
+def records_between(
+    metrics: list[dict[str, Any]], start_s: float, end_s: float, step: str = STEP
+) -> int:
     """Records that reached ``step`` in throughput windows lying wholly inside
     ``[start_s, end_s]`` (seconds after the job's origin, the clock of the rescale stats)."""
     n = 0
     for m in step_metrics(metrics, step):
         tp = m["throughput"]
         win = tp["window_ms"] / 1000
-        n += sum(c for w, c in tp["counts"].items() if int(w) * win >= start_s and (int(w) + 1) * win <= end_s)
+        n += sum(
+            c
+            for w, c in tp["counts"].items()
+            if int(w) * win >= start_s and (int(w) + 1) * win <= end_s
+        )
     return n
