@@ -67,6 +67,8 @@ class Controller:
         self._rescale_lock = asyncio.Lock()
         self._queued = 0
         self._run_futures: dict[ChannelId, asyncio.Future[Any]] = {}
+        self._run_handles: dict[ChannelId, Any] = {}
+        self._history: list[dict[str, Any]] = []  # outcomes of retired instances whose id came back
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
 
@@ -98,6 +100,7 @@ class Controller:
     def _run(self, iid: ChannelId) -> None:
         self.run_refs[iid] = self.handles[iid].run.remote()
         self._run_futures[iid] = asyncio.ensure_future(_outcome(self.run_refs[iid], iid))
+        self._run_handles[iid] = self.handles[iid]
 
     def _receivers_of(self, iid: ChannelId) -> dict[ChannelId, Any]:
         spec = self.specs[iid]
@@ -127,7 +130,7 @@ class Controller:
                     self.state = "failed"
                     return
                 if iid in self.retired:
-                    ray.kill(self.handles[iid], no_restart=True)
+                    ray.kill(self._run_handles[iid], no_restart=True)
             if all(i in self.outcomes for i in self._run_futures):
                 break
         self.state = "finished"
@@ -155,7 +158,7 @@ class Controller:
                 if iid in self.plan.sinks
             },
             "rescales": list(self.rescales),
-            "metrics": [out.get("metrics", {}) for out in self.outcomes.values()],
+            "metrics": [o.get("metrics", {}) for o in [*self._history, *self.outcomes.values()]],
             "origin_ns": self.origin_ns,
         }
 
@@ -190,6 +193,10 @@ class Controller:
         """Aligned checkpoint: sources inject a barrier; every keyed instance snapshots its
         RocksDB into ``directory/<step>/<index>`` when the barrier passed all its inputs."""
         Path(directory).mkdir(parents=True, exist_ok=True)
+        async with self._rescale_lock:  # never a checkpoint barrier in the middle of a move
+            return await self._checkpoint(directory, timeout_s)
+
+    async def _checkpoint(self, directory: str, timeout_s: float) -> dict[str, Any]:
         acks = await self.inject(
             Barrier(self._next_epoch(), "checkpoint", {"directory": directory}), timeout_s
         )
@@ -350,20 +357,25 @@ class Controller:
             await asyncio.gather(
                 *(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(width))
             )
+            payload = {"step": step, "table": table, "final": final, "aligned": policy.full_restore}
+            barrier = Barrier(epoch, "rescale", payload)
             if policy.pause_sources:
                 await asyncio.gather(*(self.handles[i].pause.remote() for i in self.plan.sources))
-            barrier = Barrier(epoch, "rescale", {"step": step, "table": table, "final": final})
-            if policy.full_restore:
-                await self._stop_and_restore(step, barrier, table, width, peers)
-            else:
-                await asyncio.gather(
-                    *(self.handles[i].inject_barrier.remote(barrier) for i in self.plan.sources)
+            try:
+                if policy.full_restore:
+                    await self._stop_and_restore(step, barrier, table, width, peers)
+                else:
+                    await asyncio.gather(
+                        *(self.handles[i].inject_barrier.remote(barrier) for i in self.plan.sources)
+                    )
+                stats += await asyncio.gather(
+                    *(peers[i].migration_done.remote(epoch) for i in range(width))
                 )
-            stats += await asyncio.gather(
-                *(peers[i].migration_done.remote(epoch) for i in range(width))
-            )
-            if policy.pause_sources:
-                await asyncio.gather(*(self.handles[i].resume.remote() for i in self.plan.sources))
+            finally:
+                if policy.pause_sources:
+                    await asyncio.gather(
+                        *(_quietly(self.handles[i].resume.remote()) for i in self.plan.sources)
+                    )
             current = table
             self.routing[step] = table
         self.parallelism[step] = parallelism
@@ -400,6 +412,18 @@ class Controller:
         """Start new instances of ``step`` (empty state) and wire them to both neighbours."""
         from raystream.runtime.actors import InstanceActor
 
+        for i in indexes:  # an index retired by an earlier scale-in comes back: let the old go
+            iid = (step, i)
+            if iid in self.retired:
+                deadline = time.monotonic() + 60
+                while iid not in self.outcomes:
+                    if time.monotonic() > deadline:
+                        msg = f"instance {iid} retired earlier has not finished handing over"
+                        raise RescaleError(msg)
+                    await asyncio.sleep(0.01)
+                self._history.append(self.outcomes.pop(iid))
+                self.retired.discard(iid)
+                self._run_futures.pop(iid, None)
         template = self.specs[(step, 0)]
         outputs = tuple(
             replace(o, routing=self.routing.get(o.step), parallelism=self.parallelism[o.step])
@@ -408,7 +432,8 @@ class Controller:
         upstream = [
             iid
             for iid in self.specs
-            if iid[0] in template.step.upstream and iid not in self.retired
+            # a finished upstream instance never sends on a new channel: leave it out
+            if iid[0] in template.step.upstream and iid not in self.retired and iid not in self.outcomes
         ]
         new: dict[ChannelId, Any] = {}
         for i in indexes:

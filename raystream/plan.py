@@ -37,7 +37,8 @@ class PhysicalPlan:
 def _partitioning(up: Step, down: Step) -> str:
     if down.is_keyed:
         return "key_group"
-    if up.parallelism == down.parallelism:
+    if up.parallelism == down.parallelism and not up.is_keyed:
+        # a keyed step's parallelism changes on rescale, so its outputs never forward 1:1
         return "forward"
     return "rebalance"
 

@@ -52,6 +52,17 @@ class Inbox:
             self._next_seq[channel] = 0
             self._order.append(channel)
 
+    def reset_channel(self, channel: ChannelId) -> None:
+        """(Re)open ``channel`` at sequence 0; a known channel must have nothing left unread."""
+        if channel in self._queues:
+            if self._queues[channel]:
+                msg = f"channel {channel} reopened with {len(self._queues[channel])} unread items"
+                raise RuntimeError(msg)
+            self._next_seq[channel] = 0
+            self._blocked.discard(channel)
+        else:
+            self.add_channel(channel)
+
     def remove_channel(self, channel: ChannelId) -> None:
         q = self._queues.pop(channel, None)
         if q:

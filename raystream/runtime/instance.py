@@ -113,7 +113,7 @@ class OperatorInstance:
         self.outputs: list[tuple[Any, list[OutputChannel]]] = []
         self._pending_barriers: list[Barrier] = []
         self._barrier_seen: dict[int, set[ChannelId]] = {}
-        self._rescale_seen: dict[int, set[ChannelId]] = {}
+        self._open_barriers: dict[int, Barrier] = {}
         self._holding = False
         self._eos: set[ChannelId] = set()
         self._report: Reporter = lambda event, info: None
@@ -163,10 +163,12 @@ class OperatorInstance:
         return self.processor.engine if isinstance(self.processor, KeyedProcessor) else None
 
     def add_inputs(self, channels: list[ChannelId]) -> None:
-        """New upstream instances (a scale-out of the step before this one)."""
+        """New upstream instances (a scale-out of the step before this one). A channel id can
+        come back after a scale-in retired it: it starts over at sequence 0, open again."""
         for ch in channels:
-            self.inbox.add_channel(ch)
+            self.inbox.reset_channel(ch)
             self.inputs.add(ch)
+            self._eos.discard(ch)
 
     def prepare_migration(self, task: MigrationTask, fetcher: Any) -> None:
         engine = self.engine
@@ -212,10 +214,7 @@ class OperatorInstance:
         if engine.task is not None and engine.task.epoch == epoch:
             engine.task.rows_in = rows
             engine.task.bytes_in = proc.restored_bytes
-            engine.task.arrived.update(engine.task.incoming)
-            engine.task.outgoing.clear()
-            engine.task.finished_at = time.monotonic()
-            engine.task.done.set()
+            engine.restored(list(engine.task.incoming))
         self.inbox.poke()
         return {"rows": rows}
 
@@ -275,7 +274,7 @@ class OperatorInstance:
             }
         snap["inputs"] = len(self.inputs)
         snap["eos"] = len(self._eos)
-        snap["rescale_barriers_seen"] = {e: len(v) for e, v in self._rescale_seen.items()}
+        snap["barriers_open"] = {e: len(v) for e, v in self._barrier_seen.items()}
         return snap
 
     # ---- the loop -------------------------------------------------------------------------
@@ -395,6 +394,7 @@ class OperatorInstance:
                     await self._on_barrier(channel, item)
                 elif isinstance(item, EndOfStream):
                     self._eos.add(channel)
+                    await self._complete_barriers()
                     if self._eos >= self.inputs:
                         break
             await self._flush_due()
@@ -416,10 +416,10 @@ class OperatorInstance:
         if released:
             with self.metrics.busy():
                 for piece in released:
-                    await self._emit(self.processor.process(piece))
+                    await self._emit(self.processor.process(piece, count=False))
         task = engine.task
         if task is not None and engine.migrating and engine.over_limit:
-            for ch in self._rescale_seen.get(task.epoch, set()):
+            for ch in self._barrier_seen.get(task.epoch, set()):
                 self.inbox.block(ch)
             self._holding = True
         elif self._holding:
@@ -450,49 +450,52 @@ class OperatorInstance:
                 await self._emit(outs)
 
     async def _on_barrier(self, channel: ChannelId, barrier: Barrier) -> None:
-        if barrier.kind == "rescale":
-            await self._on_rescale_barrier(channel, barrier)
-            return
+        """Count a barrier per input channel. Checkpoint barriers (and rescale barriers of a
+        stop-and-restart, ``payload["aligned"]``) hold each channel that delivered them until all
+        have; other rescale barriers never block: they switch on their first arrival."""
         seen = self._barrier_seen.setdefault(barrier.epoch, set())
+        first = not seen
         seen.add(channel)
-        if barrier.kind == "checkpoint":
-            self.inbox.block(channel)  # aligned: hold this channel until all delivered
-        if seen >= self.inputs - self._eos:
-            del self._barrier_seen[barrier.epoch]
-            info: dict[str, Any] = {
-                "instance": self.spec.id,
-                "epoch": barrier.epoch,
-                "kind": barrier.kind,
-            }
-            if barrier.kind == "checkpoint" and isinstance(self.processor, KeyedProcessor):
-                base = barrier.payload.get("directory")
-                if base:
-                    path = Path(base) / self.step.name / str(self.spec.index)
+        self._open_barriers[barrier.epoch] = barrier
+        aligned = barrier.kind == "checkpoint" or barrier.payload.get("aligned", False)
+        if aligned:
+            self.inbox.block(channel)
+        elif first and barrier.kind == "rescale":
+            await self._switch(barrier)
+            engine = self.engine
+            if barrier.payload["step"] == self.step.name and engine is not None:
+                engine.activate(barrier.epoch)
+        await self._complete_barriers()
+
+    async def _complete_barriers(self) -> None:
+        """Finish every barrier seen on all live inputs. Called on each barrier and on each
+        EndOfStream (a channel that ended no longer owes a barrier)."""
+        live = self.inputs - self._eos
+        for epoch in sorted(self._open_barriers):
+            barrier = self._open_barriers[epoch]
+            if not self._barrier_seen.get(epoch, set()) >= live:
+                continue
+            del self._open_barriers[epoch]
+            self._barrier_seen.pop(epoch, None)
+            info: dict[str, Any] = {"instance": self.spec.id, "epoch": epoch, "kind": barrier.kind}
+            engine = self.engine
+            mine = barrier.kind == "rescale" and barrier.payload["step"] == self.step.name
+            if barrier.kind == "checkpoint":
+                if isinstance(self.processor, KeyedProcessor) and barrier.payload.get("directory"):
+                    path = Path(barrier.payload["directory"]) / self.step.name / str(self.spec.index)
                     self.processor.backend.snapshot(path)
                     info["snapshot"] = str(path)
                     info["key_groups"] = self.processor.owned_key_groups
-            await self._forward_barrier(barrier)
-            self.inbox.unblock_all()
+                await self._forward_barrier(barrier)
+                self.inbox.unblock_all()
+            elif barrier.payload.get("aligned"):
+                await self._switch(barrier)
+                if mine and engine is not None:
+                    engine.activate(epoch)
+                self.inbox.unblock_all()
+            if mine and engine is not None:
+                engine.seal(epoch)
             self._report("barrier", info)
-
-    async def _on_rescale_barrier(self, channel: ChannelId, barrier: Barrier) -> None:
-        """Never blocks a channel. First arrival: switch routing, forward, start the migration.
-        Arrival on every input: seal (outgoing state may now be handed out) and acknowledge."""
-        seen = self._rescale_seen.setdefault(barrier.epoch, set())
-        first = not seen
-        seen.add(channel)
-        engine = self.engine
-        mine = barrier.payload["step"] == self.step.name
-        if first:
-            await self._switch(barrier)
-            if mine and engine is not None:
-                engine.activate(barrier.epoch)
-        if seen >= self.inputs - self._eos:
-            if mine and engine is not None:
-                engine.seal(barrier.epoch)
-            self._report(
-                "barrier", {"instance": self.spec.id, "epoch": barrier.epoch, "kind": "rescale"}
-            )
 
     async def _switch(self, barrier: Barrier) -> None:
         """Send what was routed by the old table, forward the barrier everywhere, route by the new

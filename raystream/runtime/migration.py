@@ -186,6 +186,18 @@ class MigrationEngine:
         self._spawn(self._background(task))
         self._check_done()
 
+    def restored(self, groups: list[int]) -> None:
+        """Stop-and-restart: the state of ``groups`` is here (restored from snapshots) and
+        nothing is handed out any more; buffered records, if any, are released in order."""
+        task = self.task
+        assert task is not None
+        task.arrived.update(groups)
+        task.requested.update(groups)
+        task.outgoing.clear()
+        self._releasable.extend(groups)
+        self._check_done()
+        self.poke()
+
     def seal(self, epoch: int) -> None:
         if self.task is not None and self.task.epoch == epoch:
             self.task.sealed.set()

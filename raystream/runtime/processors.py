@@ -218,8 +218,9 @@ class KeyedProcessor:
         )
         self.key_kind: str | None = None
 
-    def process(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
-        """Process the rows whose sub-groups are here; buffer (and fetch) the others."""
+    def process(self, batch: pa.RecordBatch, *, count: bool = True) -> list[pa.RecordBatch]:
+        """Process the rows whose sub-groups are here; buffer (and fetch) the others.
+        ``count=False`` for buffered records released later (their heat was counted already)."""
         batch, keys = materialise_key(batch, self.step.key)  # type: ignore[arg-type]
         self.key_kind = self.key_kind or key_kind(keys)
         if not self.track:  # migration support off: only check ownership per distinct key
@@ -230,7 +231,7 @@ class KeyedProcessor:
         h = stable_hash(keys)
         ks = self.key_space
         sub_group = ks.key_group(h).astype(np.int64) * ks.sub_groups + ks.sub_group(h)
-        ready = self.engine.split(batch, sub_group)
+        ready = self.engine.split(batch, sub_group, count=count)
         if ready is None:
             return []
         if ready is not batch:

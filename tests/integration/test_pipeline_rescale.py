@@ -80,3 +80,35 @@ def test_rescale_keyed_steps_inside_a_pipeline() -> None:
     assert out.to_numpy().tolist() == expected.tolist()
     counted = sum(m["records_in"] for m in result.step_metrics("count"))
     assert counted == len(keys), "every event reached the count step exactly once"
+
+
+def test_scale_in_and_out_again_with_a_multi_input_step_before_the_keyed_one() -> None:
+    """Instance ids come back after a scale-in (3 -> 2 -> 3 ...); two sources feed one map, so the
+    map sees the rescale barrier on one input while records of the other are still coming (the
+    case stop-and-restart must align); the keyed step feeds a sink of equal parallelism."""
+    flow = rs.Dataflow("reuse-ids", num_key_groups=32, sub_groups=8)
+    gen = rs.sources.generator(events=900_000, keys=20_000, zipf=1.0, seed=5, rate_eps=90_000)
+    (
+        flow.source(gen, parallelism=2)
+        .apply(rs.map_batches(lambda b: b, name="ident"))
+        .key_by("key")
+        .apply(count)
+        .sink(rs.sinks.collect(), name="out", parallelism=2)
+    )
+    job = rs.start(flow, parallelism={"count": 3, "ident": 1})
+    done: list[dict] = []
+
+    def drive() -> None:
+        for target, strategy in ((2, "meces"), (3, "stop_restart"), (2, "stop_restart"), (3, "meces")):
+            time.sleep(0.6)
+            done.append(job.rescale("count", target, strategy))
+
+    t = threading.Thread(target=drive)
+    t.start()
+    result = job.wait(timeout_s=180)
+    t.join()
+    assert [(d["from"], d["to"]) for d in done] == [(3, 2), (2, 3), (3, 2), (2, 3)]
+    keys, expected = np.unique(gen.generate_all().column("key").to_numpy(), return_counts=True)
+    out = result.table("out").to_pandas().groupby("key")["count"].max()
+    assert out.index.tolist() == keys.tolist()
+    assert out.to_numpy().tolist() == expected.tolist()
