@@ -82,6 +82,13 @@ def test_rescale_keyed_steps_inside_a_pipeline() -> None:
     assert counted == len(keys), "every event reached the count step exactly once"
 
 
+@rs.keyed_batches(state=rs.ValueState(int, default=0))
+def plain_count(batch: rs.KeyedBatch, state) -> pa.RecordBatch:  # noqa: ANN001
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    return batch.output({"count": new})
+
+
 def test_scale_in_and_out_again_with_a_multi_input_step_before_the_keyed_one() -> None:
     """Instance ids come back after a scale-in (3 -> 2 -> 3 ...); two sources feed one map, so the
     map sees the rescale barrier on one input while records of the other are still coming (the
@@ -92,7 +99,7 @@ def test_scale_in_and_out_again_with_a_multi_input_step_before_the_keyed_one() -
         flow.source(gen, parallelism=2)
         .apply(rs.map_batches(lambda b: b, name="ident"))
         .key_by("key")
-        .apply(count)
+        .apply(plain_count, name="count")
         .sink(rs.sinks.collect(), name="out", parallelism=2)
     )
     job = rs.start(flow, parallelism={"count": 3, "ident": 1})
@@ -103,10 +110,10 @@ def test_scale_in_and_out_again_with_a_multi_input_step_before_the_keyed_one() -
             time.sleep(0.6)
             done.append(job.rescale("count", target, strategy))
 
-    t = threading.Thread(target=drive)
+    t = threading.Thread(target=drive, daemon=True)
     t.start()
     result = job.wait(timeout_s=180)
-    t.join()
+    t.join(timeout=30)
     assert [(d["from"], d["to"]) for d in done] == [(3, 2), (2, 3), (3, 2), (2, 3)]
     keys, expected = np.unique(gen.generate_all().column("key").to_numpy(), return_counts=True)
     out = result.table("out").to_pandas().groupby("key")["count"].max()
