@@ -68,7 +68,9 @@ class Controller:
         self._queued = 0
         self._run_futures: dict[ChannelId, asyncio.Future[Any]] = {}
         self._run_handles: dict[ChannelId, Any] = {}
-        self._history: list[dict[str, Any]] = []  # outcomes of retired instances whose id came back
+        self._history: list[dict[str, Any]] = []
+        self._standby: list[Any] = []
+        self._standby_filling = False  # outcomes of retired instances whose id came back
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
 
@@ -95,6 +97,8 @@ class Controller:
         self.state = "running"
         self.started_at = time.time()
         asyncio.get_running_loop().create_task(self._watch())
+        if self.config.migration_support and any(s.is_keyed for s in self.plan.steps.values()):
+            asyncio.get_running_loop().create_task(self._fill_standby())
         return self.describe()
 
     def _run(self, iid: ChannelId) -> None:
@@ -180,7 +184,8 @@ class Controller:
         await self._release()
 
     async def _release(self) -> None:
-        for h in self.handles.values():
+        standby, self._standby = self._standby, []
+        for h in [*self.handles.values(), *standby]:
             try:
                 ray.kill(h, no_restart=True)
             except Exception:  # noqa: BLE001, S110 - already gone
@@ -379,6 +384,7 @@ class Controller:
             current = table
             self.routing[step] = table
         self.parallelism[step] = parallelism
+        asyncio.get_running_loop().create_task(self._fill_standby())
         for i in range(parallelism, old.parallelism):
             self.retired.add((step, i))
         t1 = time.time()
@@ -404,6 +410,24 @@ class Controller:
         }
         self.rescales.append(record)
         return record
+
+    async def _fill_standby(self) -> None:
+        """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs."""
+        from raystream.runtime.actors import InstanceActor
+
+        if self._standby_filling:
+            return
+        self._standby_filling = True
+        try:
+            while len(self._standby) < self.config.standby_instances and self.state == "running":
+                h = InstanceActor.options(max_concurrency=10_000).remote(None)
+                await h.ping.remote()
+                if self.state != "running":  # the job ended meanwhile: do not leak it
+                    ray.kill(h, no_restart=True)
+                    break
+                self._standby.append(h)
+        finally:
+            self._standby_filling = False
 
     def _sources_done(self) -> bool:
         return all(i in self.outcomes for i in self.plan.sources)
@@ -446,8 +470,13 @@ class Controller:
                 state_path=str(Path(self.state_dir) / step / f"{i}-e{self._epoch + 1}"),
             )
             self.specs[(step, i)] = spec
-            self.handles[(step, i)] = InstanceActor.options(max_concurrency=10_000).remote(spec)
-            new[(step, i)] = self.handles[(step, i)]
+            if self._standby:
+                handle = self._standby.pop()
+                await handle.configure.remote(spec)
+            else:
+                handle = InstanceActor.options(max_concurrency=10_000).remote(spec)
+            self.handles[(step, i)] = handle
+            new[(step, i)] = handle
         await asyncio.gather(
             *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
         )

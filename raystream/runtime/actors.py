@@ -28,13 +28,18 @@ def controller_name(job: str) -> str:
 class InstanceActor:
     """An operator instance as an async Ray actor."""
 
-    def __init__(self, spec: InstanceSpec) -> None:
+    def __init__(self, spec: InstanceSpec | None) -> None:
+        """``spec=None`` makes a warm standby: process started and imports done; a scale-out
+        gives it its spec with :meth:`configure` instead of waiting for a new process."""
         import pandas  # noqa: F401 - pyarrow's to_numpy imports it lazily: pay that here, not mid-stream
 
-        self._instance = OperatorInstance(spec)
+        self._instance = OperatorInstance(spec) if spec is not None else None  # type: ignore[assignment]
         self._receivers: dict[ChannelId, Any] = {}
         self._events: list[tuple[str, dict[str, Any]]] = []
         self._controller: Any = None
+
+    async def configure(self, spec: InstanceSpec) -> None:
+        self._instance = OperatorInstance(spec)
 
     async def connect(self, receivers: dict[ChannelId, Any], controller: Any) -> None:
         self._receivers = receivers

@@ -42,6 +42,7 @@ class RuntimeConfig:
     source_batch_rows: int = 100_000  # rows a source reads at once when unthrottled
     migration: str = "meces"  # default migration strategy for rescales
     migration_support: bool = True  # False: no per-sub-group tracking, rescale refused
+    standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
 
     def __post_init__(self) -> None:
         from raystream.errors import ConfigError
