@@ -43,6 +43,7 @@ class RuntimeConfig:
     migration: str = "meces"  # default migration strategy for rescales
     migration_support: bool = True  # False: no per-sub-group tracking, rescale refused
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
+    state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
 
     def __post_init__(self) -> None:
         from raystream.errors import ConfigError
@@ -110,6 +111,7 @@ class OperatorInstance:
                 spec.state_path,
                 spec.owned_key_groups,
                 track=spec.config.migration_support,
+                cache_entries=spec.config.state_cache_entries,
             )
         self.outputs: list[tuple[Any, list[OutputChannel]]] = []
         self._pending_barriers: list[Barrier] = []

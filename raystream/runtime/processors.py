@@ -205,13 +205,15 @@ class KeyedProcessor:
         owned: Iterable[int],
         *,
         track: bool = True,
+        cache_entries: int = 500_000,
     ) -> None:
         assert step.key is not None
         self.track = track
         self.step = step
         self.key_space = key_space
         self.key_column = step.key.key_column
-        self.backend = RocksStateBackend(state_path)
+        self.cache_entries = cache_entries
+        self.backend = RocksStateBackend(state_path, cache_entries=cache_entries)
         self.states = KeyedStates(self.backend, step.state, key_space)
         self.engine = MigrationEngine(
             self.backend, key_space.num_key_groups, key_space.sub_groups, owned
@@ -259,7 +261,7 @@ class KeyedProcessor:
     ) -> int:
         """Stop-and-restart: replace this instance's RocksDB by a fresh one holding exactly
         ``key_groups``, read from ``snapshots``. Returns the rows restored."""
-        fresh = RocksStateBackend(state_path)
+        fresh = RocksStateBackend(state_path, cache_entries=self.cache_entries)
         rows = sum(fresh.restore_key_groups(snap, key_groups) for snap in snapshots)
         self.restored_bytes = fresh.bytes_restored
         old = self.backend
@@ -327,6 +329,7 @@ def make_processor(
     owned: Iterable[int] = (),
     *,
     track: bool = True,
+    cache_entries: int = 500_000,
 ) -> Any:
     if step.kind in ("map", "filter", "flat_map"):
         return MapProcessor(step)
@@ -334,6 +337,6 @@ def make_processor(
         return MapBatchesProcessor(step)
     if step.kind in ("keyed", "keyed_batches"):
         assert state_path is not None
-        return KeyedProcessor(step, key_space, state_path, owned, track=track)
+        return KeyedProcessor(step, key_space, state_path, owned, track=track, cache_entries=cache_entries)
     msg = f"no processor for step kind {step.kind!r}"
     raise ValueError(msg)
