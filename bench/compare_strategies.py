@@ -55,6 +55,8 @@ def _one(
         errors,
         migration_support=migration_support,
         linger_ms=5.0,
+        # runs without a rescale start no warm standby actors (they would compete for the 2 cores)
+        standby_instances=2 if strategy else 0,
     )
     config = {
         "strategy": strategy,
