@@ -14,7 +14,22 @@ import numpy as np
 from raystream.errors import RescaleError
 from raystream.keys import RoutingTable
 
-__all__ = ["rebalance"]
+__all__ = ["check_rescale_parallelism", "rebalance"]
+
+
+def check_rescale_parallelism(parallelism: object, num_key_groups: int, step: str = "") -> None:
+    """A rescale target must be an int in [1, num_key_groups]; RescaleError otherwise."""
+    if (
+        not isinstance(parallelism, (int, np.integer))
+        or isinstance(parallelism, bool)
+        or not 1 <= parallelism <= num_key_groups
+    ):
+        what = f"{step!r} " if step else ""
+        msg = (
+            f"cannot rescale {what}to parallelism {parallelism!r}: it must be an int in "
+            f"[1, {num_key_groups}] (1 .. the number of key groups)"
+        )
+        raise RescaleError(msg)
 
 
 def rebalance(
@@ -35,16 +50,7 @@ def rebalance(
        fills the gap moves to the least loaded instance, as long as that lowers the maximum.
     """
     n = table.num_key_groups
-    if (
-        not isinstance(parallelism, (int, np.integer))
-        or isinstance(parallelism, bool)
-        or not 1 <= parallelism <= n
-    ):
-        msg = (
-            f"cannot rescale to parallelism {parallelism!r}: it must be an int in [1, {n}] "
-            f"(1 .. the number of key groups)"
-        )
-        raise RescaleError(msg)
+    check_rescale_parallelism(parallelism, n)
     w = np.ones(n) if load is None else np.asarray(load, dtype=np.float64).copy()
     if w.shape != (n,):
         msg = f"load must have one entry per key group ({n}), got shape {w.shape}"

@@ -76,7 +76,24 @@ def _load_flow(path: str, flow_name: str | None) -> Any:
     return next(iter(flows.values()))
 
 
-@click.group()
+class _RaystreamError(click.ClickException):
+    exit_code = 2
+
+
+class _Group(click.Group):
+    """Turns raystream's own errors (also when Ray wraps them) into a one-line message, exit 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from raystream.errors import RaystreamError
+
+        try:
+            return super().invoke(ctx)
+        except RaystreamError as e:
+            lines = [line for line in str(e).strip().splitlines() if line.strip()]
+            raise _RaystreamError(lines[-1] if lines else type(e).__name__) from None
+
+
+@click.group(cls=_Group)
 def main() -> None:
     """raystream: elastic, stateful stream processing on Ray."""
 
@@ -193,13 +210,3 @@ def demo() -> None:
     from raystream.demo import main as demo_main
 
     demo_main()
-
-
-def entry() -> None:  # pragma: no cover - console script wrapper
-    from raystream.errors import RaystreamError
-
-    try:
-        main(standalone_mode=True)
-    except RaystreamError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)

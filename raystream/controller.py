@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from raystream.assignment import rebalance
+from raystream.assignment import check_rescale_parallelism, rebalance
 from raystream.dataflow import Dataflow
 from raystream.errors import JobFailedError, RaystreamError, RescaleError
 from raystream.keys import RoutingTable
@@ -314,17 +314,7 @@ class Controller:
             keyed = [n for n, s in steps.items() if s.is_keyed]
             msg = f"cannot rescale {step!r}: it is a {steps[step].kind} step; keyed steps can be rescaled: {keyed}"
             raise RescaleError(msg)
-        n = self.flow.key_space.num_key_groups
-        if (
-            not isinstance(parallelism, int)
-            or isinstance(parallelism, bool)
-            or not 1 <= parallelism <= n
-        ):
-            msg = (
-                f"cannot rescale {step!r} to parallelism {parallelism!r}: it must be an int in "
-                f"[1, {n}] (1 .. the number of key groups)"
-            )
-            raise RescaleError(msg)
+        check_rescale_parallelism(parallelism, self.flow.key_space.num_key_groups, step)
         if not self.config.migration_support:
             msg = "this job runs with migration_support=False; restart it with it on to rescale"
             raise RescaleError(msg)
