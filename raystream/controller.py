@@ -460,6 +460,9 @@ class Controller:
                 state_path=str(Path(self.state_dir) / step / f"{i}-e{self._epoch + 1}"),
             )
             self.specs[(step, i)] = spec
+            deadline = time.monotonic() + 15
+            while not self._standby and self._standby_filling and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # one is starting: cheaper than starting another process
             if self._standby:
                 handle = self._standby.pop()
                 await handle.configure.remote(spec)
@@ -486,18 +489,17 @@ class Controller:
         snaps = await asyncio.gather(
             *(peers[i].snapshot_state.remote(directory) for i in range(width))
         )
-        paths = [sn["path"] for sn in snaps]
-        await asyncio.gather(
-            *(
-                peers[i].restore_state.remote(
-                    barrier.epoch,
-                    paths,
-                    table.key_groups_of(i).tolist() if i < table.parallelism else [],
-                    str(Path(self.state_dir) / step / f"{i}-restored-e{barrier.epoch}"),
-                )
-                for i in range(width)
-            )
-        )
+        held = [(i, sn["path"], set(sn["key_groups"])) for i, sn in enumerate(snaps)]
+
+        def sources(mine: list[int]) -> list[tuple[int, str, list[int]]]:
+            return [(i, path, sorted(kgs & set(mine))) for i, path, kgs in held if kgs & set(mine)]
+
+        calls = []
+        for i in range(width):
+            mine = table.key_groups_of(i).tolist() if i < table.parallelism else []
+            state_path = str(Path(self.state_dir) / step / f"{i}-restored-e{barrier.epoch}")
+            calls.append(peers[i].restore_state.remote(barrier.epoch, sources(mine), mine, state_path))
+        await asyncio.gather(*calls)
         shutil.rmtree(directory, ignore_errors=True)
 
     # ---- observation ----------------------------------------------------------------------

@@ -83,6 +83,8 @@ class InstanceActor:
     async def prepare_migration(self, task: dict[str, Any], peers: dict[int, Any]) -> None:
         """``task``: epoch, policy, incoming {sub-group: owner}, outgoing [sub-groups], heat."""
 
+        self._peers = peers
+
         def fetch(owner: int, epoch: int, groups: list[int], max_bytes: int) -> Any:
             return asyncio.wrap_future(
                 peers[owner].serve_state.remote(epoch, groups, max_bytes).future()
@@ -112,9 +114,21 @@ class InstanceActor:
         return self._instance.snapshot_state(directory)
 
     async def restore_state(
-        self, epoch: int, snapshots: list[str], key_groups: list[int], state_path: str
+        self,
+        epoch: int,
+        sources: list[tuple[int, str, list[int]]],
+        key_groups: list[int],
+        state_path: str,
     ) -> dict[str, Any]:
-        return self._instance.restore_state(epoch, snapshots, key_groups, state_path)
+        peers = self._peers
+
+        def read(owner: int, path: str, groups: list[int]) -> Any:
+            return asyncio.wrap_future(peers[owner].read_snapshot.remote(path, groups).future())
+
+        return await self._instance.restore_state(epoch, sources, key_groups, state_path, read)
+
+    async def read_snapshot(self, path: str, key_groups: list[int]) -> Any:
+        return self._instance.read_snapshot(path, key_groups)
 
     async def pause(self) -> None:
         self._instance.pause()

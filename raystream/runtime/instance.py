@@ -200,23 +200,44 @@ class OperatorInstance:
         assert isinstance(self.processor, KeyedProcessor)
         return self.processor.engine.heat.copy()
 
+    def read_snapshot(self, path: str, key_groups: list[int]) -> list[pa.RecordBatch]:
+        """Rows of ``key_groups`` from a snapshot this instance took (for a restoring peer)."""
+        from raystream.state.rocks import read_snapshot_key_groups
+
+        return read_snapshot_key_groups(path, key_groups)
+
     def snapshot_state(self, directory: str) -> dict[str, Any]:
         """Stop-and-restart: a snapshot of this instance's whole state."""
         assert isinstance(self.processor, KeyedProcessor)
         path = self.processor.backend.snapshot(Path(directory) / f"{self.spec.index}")
         return {"path": str(path), "key_groups": self.processor.owned_key_groups}
 
-    def restore_state(
-        self, epoch: int, snapshots: list[str], key_groups: list[int], state_path: str
+    async def restore_state(
+        self,
+        epoch: int,
+        sources: list[tuple[int, str, list[int]]],
+        key_groups: list[int],
+        state_path: str,
+        read: Callable[[int, str, list[int]], Awaitable[list[pa.RecordBatch]]],
     ) -> dict[str, Any]:
-        """Stop-and-restart: a fresh RocksDB holding ``key_groups`` restored from ``snapshots``."""
+        """Stop-and-restart: a fresh RocksDB holding ``key_groups``. ``sources`` says which
+        instance's snapshot holds which of them; ``read`` pulls one key group at a time from that
+        instance through Ray (actor to actor, bounded), never through a shared filesystem."""
         proc = self.processor
         assert isinstance(proc, KeyedProcessor)
-        rows = proc.restore_fresh(snapshots, key_groups, state_path)
+        fresh = proc.fresh_backend(state_path)
+        rows = 0
+        nbytes = 0
+        for owner, path, groups in sources:
+            for kg in groups:
+                for chunk in await read(owner, path, [kg]):
+                    rows += fresh.import_chunk(chunk)
+                    nbytes += chunk.nbytes
+        proc.swap_backend(fresh, key_groups)
         engine = proc.engine
         if engine.task is not None and engine.task.epoch == epoch:
             engine.task.rows_in = rows
-            engine.task.bytes_in = proc.restored_bytes
+            engine.task.bytes_in = nbytes
             engine.restored(list(engine.task.incoming))
         self.inbox.poke()
         return {"rows": rows}

@@ -256,14 +256,13 @@ class KeyedProcessor:
         held = self.engine.held.reshape(-1, self.key_space.sub_groups)
         return np.flatnonzero(held.any(axis=1)).tolist()
 
-    def restore_fresh(
-        self, snapshots: list[str], key_groups: list[int], state_path: str | Path
-    ) -> int:
-        """Stop-and-restart: replace this instance's RocksDB by a fresh one holding exactly
-        ``key_groups``, read from ``snapshots``. Returns the rows restored."""
-        fresh = RocksStateBackend(state_path, cache_entries=self.cache_entries)
-        rows = sum(fresh.restore_key_groups(snap, key_groups) for snap in snapshots)
-        self.restored_bytes = fresh.bytes_restored
+    def fresh_backend(self, state_path: str | Path) -> RocksStateBackend:
+        """An empty RocksDB for a stop-and-restart restore (swapped in by :meth:`swap_backend`)."""
+        return RocksStateBackend(state_path, cache_entries=self.cache_entries)
+
+    def swap_backend(self, fresh: RocksStateBackend, key_groups: list[int]) -> None:
+        """Stop-and-restart: ``fresh`` (holding exactly ``key_groups``) replaces this instance's
+        RocksDB, which is deleted."""
         old = self.backend
         self.backend = fresh
         self.states = KeyedStates(fresh, self.step.state, self.key_space)
@@ -274,7 +273,6 @@ class KeyedProcessor:
             held[kg * s : (kg + 1) * s] = True
         self.engine.held = held
         old.destroy()
-        return rows
 
     def key_group_load(self) -> np.ndarray:
         """Records processed per key group since the start (the heat that assignment uses)."""

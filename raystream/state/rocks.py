@@ -18,7 +18,7 @@ from rocksdict import AccessType, Checkpoint, Options, Rdict, ReadOptions, Write
 from raystream.errors import StateError
 from raystream.state.layout import key_group_bounds, sub_group_bounds
 
-__all__ = ["STATE_CHUNK_SCHEMA", "RocksStateBackend"]
+__all__ = ["STATE_CHUNK_SCHEMA", "RocksStateBackend", "read_snapshot_key_groups"]
 
 STATE_CHUNK_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary())])
 
@@ -268,3 +268,22 @@ def _prefix_upper_bound(prefix: bytes) -> bytes:
         return b"\xff" * (len(prefix) + 8)
     b[-1] += 1
     return bytes(b)
+
+
+def read_snapshot_key_groups(
+    snapshot_dir: str | Path, key_groups: Iterable[int], *, chunk_bytes: int = 4 << 20
+) -> list[pa.RecordBatch]:
+    """The rows of ``key_groups`` in a snapshot, as state chunks (opened read-only)."""
+    snapshot_dir = Path(snapshot_dir)
+    if not (snapshot_dir / "CURRENT").exists():
+        msg = f"{snapshot_dir} is not a raystream state snapshot (no RocksDB CURRENT file)"
+        raise StateError(msg)
+    src = Rdict(str(snapshot_dir), _options(), access_type=AccessType.read_only())
+    try:
+        reader = RocksStateBackend.__new__(RocksStateBackend)
+        reader._db = src  # noqa: SLF001 - a read-only view for export_ranges
+        reader._cache, reader._dirty = {}, set()
+        reader.max_dirty = 1
+        return list(reader.export_key_groups(key_groups, chunk_bytes=chunk_bytes))
+    finally:
+        src.close()

@@ -39,7 +39,7 @@ def per_bucket(batch: rs.KeyedBatch, state) -> pa.RecordBatch:  # noqa: ANN001
 
 def test_rescale_keyed_steps_inside_a_pipeline() -> None:
     flow = rs.Dataflow("pipeline-rescale", num_key_groups=32, sub_groups=8)
-    gen = rs.sources.generator(events=600_000, keys=20_000, zipf=1.0, seed=2, rate_eps=80_000)
+    gen = rs.sources.generator(events=1_600_000, keys=20_000, zipf=1.0, seed=2, rate_eps=80_000)
     (
         flow.source(gen)
         .apply(tag)
