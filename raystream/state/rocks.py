@@ -18,7 +18,7 @@ from rocksdict import AccessType, Checkpoint, Options, Rdict, ReadOptions, Write
 from raystream.errors import StateError
 from raystream.state.layout import key_group_bounds, sub_group_bounds
 
-__all__ = ["STATE_CHUNK_SCHEMA", "RocksStateBackend", "read_snapshot_key_groups"]
+__all__ = ["STATE_CHUNK_SCHEMA", "RocksStateBackend", "read_snapshot_key_groups", "snapshot_chunks"]
 
 STATE_CHUNK_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary())])
 
@@ -220,22 +220,11 @@ class RocksStateBackend:
 
     def restore_key_groups(self, snapshot_dir: str | Path, key_groups: Iterable[int]) -> int:
         """Copy the given key groups from a snapshot into this instance. Returns rows copied."""
-        snapshot_dir = Path(snapshot_dir)
-        if not (snapshot_dir / "CURRENT").exists():
-            msg = f"{snapshot_dir} is not a raystream state snapshot (no RocksDB CURRENT file)"
-            raise StateError(msg)
-        src = Rdict(str(snapshot_dir), _options(), access_type=AccessType.read_only())
-        try:
-            reader = RocksStateBackend.__new__(RocksStateBackend)
-            reader._db = src  # noqa: SLF001 - a read-only view for export_ranges
-            reader._cache, reader._dirty = {}, set()
-            rows = 0
-            for chunk in reader.export_key_groups(key_groups):
-                rows += self.import_chunk(chunk)
-                self.bytes_restored += chunk.nbytes
-            return rows
-        finally:
-            src.close()
+        rows = 0
+        for chunk in snapshot_chunks(snapshot_dir, key_groups):
+            rows += self.import_chunk(chunk)
+            self.bytes_restored += chunk.nbytes
+        return rows
 
     # ---- lifecycle ----------------------------------------------------------------------
     def flush(self) -> None:
@@ -270,10 +259,10 @@ def _prefix_upper_bound(prefix: bytes) -> bytes:
     return bytes(b)
 
 
-def read_snapshot_key_groups(
+def snapshot_chunks(
     snapshot_dir: str | Path, key_groups: Iterable[int], *, chunk_bytes: int = 4 << 20
-) -> list[pa.RecordBatch]:
-    """The rows of ``key_groups`` in a snapshot, as state chunks (opened read-only)."""
+) -> Iterator[pa.RecordBatch]:
+    """The rows of ``key_groups`` in a snapshot (opened read-only), as bounded state chunks."""
     snapshot_dir = Path(snapshot_dir)
     if not (snapshot_dir / "CURRENT").exists():
         msg = f"{snapshot_dir} is not a raystream state snapshot (no RocksDB CURRENT file)"
@@ -283,7 +272,13 @@ def read_snapshot_key_groups(
         reader = RocksStateBackend.__new__(RocksStateBackend)
         reader._db = src  # noqa: SLF001 - a read-only view for export_ranges
         reader._cache, reader._dirty = {}, set()
-        reader.max_dirty = 1
-        return list(reader.export_key_groups(key_groups, chunk_bytes=chunk_bytes))
+        yield from reader.export_key_groups(key_groups, chunk_bytes=chunk_bytes)
     finally:
         src.close()
+
+
+def read_snapshot_key_groups(
+    snapshot_dir: str | Path, key_groups: Iterable[int], *, chunk_bytes: int = 4 << 20
+) -> list[pa.RecordBatch]:
+    """:func:`snapshot_chunks` as a list (what a restoring peer receives in one Ray call)."""
+    return list(snapshot_chunks(snapshot_dir, key_groups, chunk_bytes=chunk_bytes))
