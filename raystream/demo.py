@@ -28,7 +28,7 @@ def build(events: int, keys: int, rate_eps: int) -> tuple[rs.Dataflow, object]:
     return flow, source
 
 
-def main(events: int = 1_500_000, keys: int = 100_000, rate_eps: int = 200_000) -> None:
+def main(events: int = 1_200_000, keys: int = 100_000, rate_eps: int = 100_000) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -36,13 +36,13 @@ def main(events: int = 1_500_000, keys: int = 100_000, rate_eps: int = 200_000) 
     flow, source = build(events, keys, rate_eps)
     console.print(
         f"[bold]raystream demo[/]: key-count of {events:,} events over {keys:,} keys (Zipf 1.1) at "
-        f"{rate_eps:,} events/s, parallelism 2, live rescale to 4 (meces) after 2 s"
+        f"{rate_eps:,} events/s, parallelism 2, live rescale to 4 (meces) after 4 s"
     )
     job = rs.start(flow, parallelism={"count": 2})
     stats: dict[str, object] = {}
 
     def rescale() -> None:
-        time.sleep(2.0)
+        time.sleep(4.0)
         stats.update(job.rescale("count", 4, "meces"))
 
     t = threading.Thread(target=rescale)
