@@ -52,7 +52,6 @@ class Controller:
             flow, parallelism, config, self.origin_ns, state_dir
         )
         self.handles: dict[ChannelId, Any] = {}
-        self.run_refs: dict[ChannelId, Any] = {}
         self.outcomes: dict[ChannelId, dict[str, Any]] = {}
         self.state = "created"
         self.started_at: float | None = None
@@ -102,8 +101,7 @@ class Controller:
         return self.describe()
 
     def _run(self, iid: ChannelId) -> None:
-        self.run_refs[iid] = self.handles[iid].run.remote()
-        self._run_futures[iid] = asyncio.ensure_future(_outcome(self.run_refs[iid], iid))
+        self._run_futures[iid] = asyncio.ensure_future(_outcome(self.handles[iid].run.remote(), iid))
         self._run_handles[iid] = self.handles[iid]
 
     def _receivers_of(self, iid: ChannelId) -> dict[ChannelId, Any]:

@@ -10,7 +10,7 @@ import asyncio
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,6 @@ class InstanceSpec:
     state_path: str | None = None
     owned_key_groups: tuple[int, ...] = ()
     source_parallelism: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def id(self) -> ChannelId:

@@ -274,10 +274,6 @@ class KeyedProcessor:
         self.engine.held = held
         old.destroy()
 
-    def key_group_load(self) -> np.ndarray:
-        """Records processed per key group since the start (the heat that assignment uses)."""
-        return self.engine.heat.reshape(-1, self.key_space.sub_groups).sum(axis=1)
-
     def _per_key(self, kb: KeyedBatch) -> list[pa.RecordBatch]:
         fn = self.step.fn
         has_state = bool(self.step.state)
