@@ -1,0 +1,293 @@
+"""Push ingest: a bounded, deduplicating buffer that outside writers (Spark tasks) fill and a
+source instance drains. No Ray here; the actor edge exposes :meth:`IngestBuffer.offer`.
+
+Exactly-once hand-off. Every push names the *piece* of input it belongs to with a token
+``(stream, batch_id, partition)`` and the row offset of its first row inside that piece. The
+buffer remembers, per token, how many rows it accepted, and takes only rows past that mark:
+
+* a retried Spark task re-sends its partition from offset 0; the prefix the failed attempt
+  already delivered is skipped, the rest is taken;
+* a replayed micro-batch (same stream, same batch id) is recognised and skipped;
+* pushes of one writer that Ray delivers out of order wait until the rows before them arrived.
+
+This relies on what Spark's own exactly-once sinks rely on: a partition of a (micro-)batch holds
+the same rows in the same order when it is computed again (replayable, deterministic input).
+
+Backpressure: :meth:`offer` waits while the buffer holds ``capacity_rows`` rows, so a writer
+blocks while the dataflow is behind.
+
+Example::
+
+    >>> import asyncio, pyarrow as pa
+    >>> buf = IngestBuffer(pa.schema([("key", pa.int64())]), capacity_rows=10)
+    >>> b = pa.record_batch({"key": [1, 2, 3]})
+    >>> async def demo():
+    ...     first = await buf.offer(("q", 0, 0), 0, b)
+    ...     again = await buf.offer(("q", 0, 0), 0, b)      # a retry: skipped
+    ...     await buf.end()
+    ...     out = await buf.read(100, timeout_s=0.1)
+    ...     return first, again, out.num_rows, await buf.read(100, timeout_s=0.1)
+    >>> asyncio.run(demo())
+    ({'accepted': 3, 'duplicate': 0}, {'accepted': 0, 'duplicate': 3}, 3, None)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import pyarrow as pa
+
+from raystream.errors import ConfigError, SchemaError, SourceError
+
+__all__ = [
+    "FeedContext",
+    "Feeder",
+    "IngestBuffer",
+    "PushReader",
+    "PushSource",
+    "Token",
+    "push",
+]
+
+Token = tuple[Hashable, ...]  # (stream, batch_id, partition)
+
+
+class IngestBuffer:
+    """Bounded FIFO of record batches with per-token row offsets (see the module doc)."""
+
+    def __init__(
+        self, schema: pa.Schema, *, capacity_rows: int, order_wait_s: float = 600.0
+    ) -> None:
+        if not isinstance(capacity_rows, int) or capacity_rows < 1:
+            msg = f"capacity_rows must be an int >= 1, got {capacity_rows!r}"
+            raise ConfigError(msg)
+        self.schema = schema
+        self.capacity_rows = capacity_rows
+        self.order_wait_s = order_wait_s
+        self._queue: deque[pa.RecordBatch] = deque()
+        self._rows = 0
+        self._accepted: dict[Token, int] = {}
+        self._changed = asyncio.Condition()
+        self._ended = False
+        self._error: str | None = None
+        self.rows_accepted = 0
+        self.rows_duplicate = 0
+        self.waits = 0  # offers that had to wait for room (backpressure reached the writer)
+
+    # ---- writers --------------------------------------------------------------------------
+    async def offer(self, token: Token, offset: int, batch: pa.RecordBatch) -> dict[str, int]:
+        """Take the rows of ``batch`` (rows ``offset ..`` of piece ``token``) not taken before;
+        waits for room and for earlier rows of the same piece. Returns accepted/duplicate rows."""
+        batch = self._conform(batch)
+        n = batch.num_rows
+        deadline = time.monotonic() + self.order_wait_s
+        waited = False
+        async with self._changed:
+            while True:
+                if self._error is not None:
+                    msg = f"ingest into this source failed: {self._error}"
+                    raise SourceError(msg)
+                done = self._accepted.get(token, 0)
+                if offset + n <= done:
+                    self.rows_duplicate += n
+                    return {"accepted": 0, "duplicate": n}
+                if self._ended:
+                    msg = (
+                        f"rows {offset}..{offset + n} of {token} arrived after the end of input "
+                        "was declared; the job's source no longer takes rows"
+                    )
+                    raise SourceError(msg)
+                in_order = offset <= done
+                has_room = self._rows == 0 or self._rows + n <= self.capacity_rows
+                if in_order and has_room:
+                    break
+                waited = waited or not has_room
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    msg = (
+                        f"push of rows {offset}..{offset + n} of {token} waited {self.order_wait_s} s "
+                        f"for {'rows ' + str(done) + '..' + str(offset) + ' to arrive' if not in_order else 'room'}"
+                    )
+                    raise SourceError(msg)
+                try:
+                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+                except TimeoutError:
+                    pass
+            skip = done - offset
+            fresh = batch.slice(skip) if skip else batch
+            self._accepted[token] = offset + n
+            if fresh.num_rows:
+                self._queue.append(fresh)
+                self._rows += fresh.num_rows
+            self.rows_accepted += fresh.num_rows
+            self.rows_duplicate += skip
+            self.waits += int(waited)
+            self._changed.notify_all()
+            return {"accepted": fresh.num_rows, "duplicate": skip}
+
+    def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        if not isinstance(batch, pa.RecordBatch):
+            msg = f"ingest expects a pyarrow.RecordBatch, got {type(batch).__name__}"
+            raise SchemaError(msg)
+        if batch.schema.names != self.schema.names:
+            msg = (
+                f"ingested batch has columns {batch.schema.names}, expected {self.schema.names} "
+                "(the schema the source was defined with)"
+            )
+            raise SchemaError(msg)
+        if not batch.schema.equals(self.schema):
+            try:
+                batch = batch.cast(self.schema)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                msg = f"ingested batch has schema {batch.schema}, which does not cast to {self.schema}: {e}"
+                raise SchemaError(msg) from e
+        return batch
+
+    async def end(self) -> None:
+        """No more rows: the reader drains what is queued, then sees the end."""
+        async with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    async def fail(self, reason: str) -> None:
+        """The writer side failed: the reader raises ``SourceError(reason)``."""
+        async with self._changed:
+            self._error = reason
+            self._changed.notify_all()
+
+    # ---- the reader (the source instance) ---------------------------------------------------
+    async def read(self, max_rows: int, timeout_s: float) -> pa.RecordBatch | None:
+        """Up to ``max_rows`` queued rows; an empty batch if none arrived within ``timeout_s``;
+        ``None`` once the input ended and everything was read."""
+        async with self._changed:
+            if not self._queue and not self._ended and self._error is None:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout_s)
+                except TimeoutError:
+                    pass
+            if self._error is not None:
+                msg = f"ingest into this source failed: {self._error}"
+                raise SourceError(msg)
+            if not self._queue:
+                return None if self._ended else _empty(self.schema)
+            parts: list[pa.RecordBatch] = []
+            got = 0
+            while self._queue and got < max_rows:
+                head = self._queue[0]
+                take = min(head.num_rows, max_rows - got)
+                if take == head.num_rows:
+                    parts.append(self._queue.popleft())
+                else:
+                    parts.append(head.slice(0, take))
+                    self._queue[0] = head.slice(take)
+                got += take
+            self._rows -= got
+            self._changed.notify_all()
+            return parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "rows_accepted": self.rows_accepted,
+            "rows_duplicate": self.rows_duplicate,
+            "queued_rows": self._rows,
+            "pieces": len(self._accepted),
+            "backpressure_waits": self.waits,
+        }
+
+
+def _empty(schema: pa.Schema) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist([], schema=schema)
+
+
+# --------------------------------------------------------------------------------------------
+# the source spec and its reader
+
+
+class PushReader:
+    """The reader side of a push source: the source instance awaits :meth:`aread`."""
+
+    def __init__(self, buffer: IngestBuffer) -> None:
+        self.buffer = buffer
+
+    async def aread(self, max_rows: int, timeout_s: float) -> pa.RecordBatch | None:
+        return await self.buffer.read(max_rows, timeout_s)
+
+    def read(self, max_rows: int) -> pa.RecordBatch | None:  # the SourceReader protocol
+        msg = "a push source is read with aread() by its source instance"
+        raise SourceError(msg)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PushSource:
+    """A source whose rows outside writers push into the running job (see the module doc).
+
+    Each source instance is a named actor (:func:`raystream.runtime.actors.source_actor_name`)
+    with ``ingest(token, offset, batch)``, ``end_ingest()`` and ``fail_ingest(reason)``. The job
+    ends when every instance was told the input ended. Spark sources build on this.
+    """
+
+    arrow_schema: pa.Schema
+    capacity_rows: int = 400_000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.arrow_schema, pa.Schema):
+            msg = f"a push source needs a pyarrow.Schema, got {type(self.arrow_schema).__name__}"
+            raise ConfigError(msg)
+        if not isinstance(self.capacity_rows, int) or self.capacity_rows < 1:
+            msg = f"capacity_rows must be an int >= 1 (rows buffered per source instance), got {self.capacity_rows!r}"
+            raise ConfigError(msg)
+
+    def schema(self) -> pa.Schema:
+        return self.arrow_schema
+
+    def open(self, index: int, parallelism: int) -> PushReader:
+        return PushReader(IngestBuffer(self.arrow_schema, capacity_rows=self.capacity_rows))
+
+    @property
+    def rate_eps(self) -> float:
+        return 0.0
+
+    def describe(self) -> str:
+        return f"rows pushed in ({', '.join(self.arrow_schema.names)})"
+
+
+def push(schema: pa.Schema, *, capacity_rows: int = 400_000) -> PushSource:
+    """A source fed by outside writers through the source actors' ``ingest`` calls."""
+    return PushSource(schema, capacity_rows)
+
+
+# --------------------------------------------------------------------------------------------
+# feeders: driver-side drivers of outside writers (a Spark job, a streaming query)
+
+
+@dataclass(frozen=True)
+class FeedContext:
+    """What a feeder needs to reach a running job's source instances."""
+
+    job: str
+    step: str
+    parallelism: int  # source instances; writer piece ``p`` goes to instance ``p % parallelism``
+    ray_address: str  # the GCS address writers connect to (``ray.init(address=...)``)
+    namespace: str
+    auth_mode: str | None = None  # the driver's RAY_AUTH_MODE; the token itself never travels
+
+
+@runtime_checkable
+class Feeder(Protocol):
+    """Feeds one push source from the driver; started by ``rs.start`` after the deploy."""
+
+    error: str | None
+
+    def stop(self) -> None:
+        """Stop feeding now (the job is stopping or failed)."""
+        ...
+
+    def join(self, timeout_s: float | None = None) -> None: ...

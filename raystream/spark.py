@@ -1,0 +1,515 @@
+"""PySpark ingest: Spark tasks push Arrow batches straight into a running job's source actors.
+
+* :func:`spark` - a batch DataFrame. When the job starts, the driver runs one Spark job over the
+  DataFrame whose ``mapInArrow`` tasks connect to the Ray cluster and push their partition's
+  batches to source instance ``partition % parallelism``; once the Spark job succeeded, every
+  source instance is told the input ended.
+* :func:`spark_stream` - a Structured Streaming DataFrame (file stream, rate, any source). Each
+  micro-batch is pushed the same way from ``foreachBatch``.
+
+Exactly-once hand-off: each push carries ``(stream, batch id, partition)`` and the row offset
+inside that partition; the source's :class:`~raystream.ingest.IngestBuffer` takes every row once,
+so a retried task or a replayed micro-batch is not counted twice. Backpressure reaches Spark: a
+push waits while the source's buffer is full, so the task waits while the dataflow is behind.
+
+Example (needs Java)::
+
+    spark = rs.spark.session()
+    df = spark.read.parquet("events.parquet")
+    flow.source(rs.sources.spark(df)).key_by("key").apply(count).sink(...)
+    rs.run(flow)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from raystream.errors import ConfigError, SchemaError, SourceError
+from raystream.ingest import FeedContext, PushSource
+
+__all__ = ["SparkSource", "SparkStreamSource", "check_spark", "session", "spark", "spark_stream"]
+
+RESULT_SCHEMA = "partition int, attempt int, rows long, accepted long, duplicate long"
+
+
+# --------------------------------------------------------------------------------------------
+# preconditions and the session helper
+
+
+def check_spark() -> None:
+    """Raise a clear error when PySpark cannot run here (not installed, or no Java)."""
+    try:
+        import pyspark  # noqa: F401
+    except ImportError as e:
+        msg = (
+            f"PySpark is not importable ({e}); install it with `pip install pyspark==4.3.0` "
+            "(or `pip install -e '.[test]'` in a raystream checkout)"
+        )
+        raise SourceError(msg) from None
+    java_home = os.environ.get("JAVA_HOME")
+    java = shutil.which("java") or (
+        str(Path(java_home) / "bin" / "java")
+        if java_home and (Path(java_home) / "bin" / "java").exists()
+        else None
+    )
+    if java is None:
+        msg = (
+            "Spark needs Java 17+ and none was found (no `java` on PATH, JAVA_HOME unset). "
+            "On Debian/Ubuntu: `sudo apt-get install openjdk-17-jre-headless`; on macOS: "
+            "`brew install openjdk@17`; or set JAVA_HOME to a JDK 17+."
+        )
+        raise SourceError(msg)
+
+
+def session(
+    app_name: str = "raystream",
+    *,
+    master: str = "local[2]",
+    arrow_batch_rows: int = 100_000,
+    conf: dict[str, str] | None = None,
+) -> Any:
+    """A SparkSession set up for pushing into raystream: Python workers run this interpreter,
+    Arrow batches of ``arrow_batch_rows`` rows, a quiet UI-less local master by default."""
+    check_spark()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.appName(app_name)
+        .master(master)
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(arrow_batch_rows))
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.ui.showConsoleProgress", "false")
+    )
+    for k, v in (conf or {}).items():
+        builder = builder.config(k, v)
+    spark_session = builder.getOrCreate()
+    spark_session.sparkContext.setLogLevel("ERROR")
+    return spark_session
+
+
+def _arrow_schema(df: Any) -> pa.Schema:
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    try:
+        schema = to_arrow_schema(df.schema)
+    except Exception as e:  # noqa: BLE001 - a Spark type Arrow cannot hold
+        msg = f"cannot push this DataFrame through Arrow: {e}"
+        raise SchemaError(msg) from e
+    # one string/binary flavour whatever Spark's large-var-types setting: tasks cast to it
+    fields = [
+        pa.field(f.name, pa.string() if pa.types.is_large_string(f.type) else f.type, f.nullable)
+        for f in schema
+    ]
+    return pa.schema(fields)
+
+
+def _check_dataframe(df: Any, *, streaming: bool) -> None:
+    check_spark()
+    from pyspark.sql import DataFrame
+
+    if not isinstance(df, DataFrame):
+        msg = f"expected a pyspark.sql.DataFrame, got {type(df).__name__}: {df!r}"
+        raise ConfigError(msg)
+    if df.isStreaming != streaming:
+        want, other = ("spark_stream", "spark") if df.isStreaming else ("spark", "spark_stream")
+        msg = (
+            f"rs.sources.{other}() got a {'streaming' if df.isStreaming else 'batch'} DataFrame; "
+            f"use rs.sources.{want}() for it"
+        )
+        raise ConfigError(msg)
+
+
+# --------------------------------------------------------------------------------------------
+# what runs inside a Spark task
+
+
+_RAY_LOCK = threading.Lock()
+
+
+def _connect(address: str, namespace: str, auth_mode: str | None) -> None:
+    """Attach this Spark Python worker to the job's Ray cluster (once per worker process). With
+    token auth on, the worker reads the token where Ray keeps it (``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` on the executor's machine)."""
+    import ray
+
+    if auth_mode and os.environ.get("RAY_AUTH_MODE") != auth_mode:
+        os.environ["RAY_AUTH_MODE"] = auth_mode
+        from ray._raylet import Config  # Ray caches its config: make it see the mode (as
+        # ray.init does when it turns token auth on for a local cluster)
+
+        Config.initialize("")
+
+    with _RAY_LOCK:
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            if ctx.gcs_address == address and ctx.namespace == namespace:
+                return
+            ray.shutdown()
+        ray.init(
+            address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR"
+        )
+
+
+def _coalesce(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
+    """Join Spark's Arrow batches up to ``rows`` rows: a push costs the same whatever its size."""
+    parts: list[pa.RecordBatch] = []
+    have = 0
+    for b in batches:
+        if b.num_rows == 0:
+            continue
+        parts.append(b)
+        have += b.num_rows
+        if have >= rows:
+            yield parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+            parts, have = [], 0
+    if parts:
+        yield parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+
+
+@dataclass(frozen=True)
+class _TaskPusher:
+    """The ``mapInArrow`` function: pushes one partition to its source instance, returns one
+    row of statistics. Pickled by reference to this module, so Spark workers import it."""
+
+    ctx: FeedContext
+    stream: str
+    batch_id: int
+    schema: pa.Schema
+    push_rows: int
+    max_inflight: int = 2
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import ray
+        from pyspark import TaskContext
+
+        from raystream.runtime.actors import source_actor_name
+
+        task = TaskContext.get()
+        partition, attempt = task.partitionId(), task.attemptNumber()
+        _connect(self.ctx.ray_address, self.ctx.namespace, self.ctx.auth_mode)
+        name = source_actor_name(self.ctx.job, self.ctx.step, partition % self.ctx.parallelism)
+        try:
+            actor = ray.get_actor(name, namespace=self.ctx.namespace)
+        except ValueError:
+            msg = f"source actor {name!r} is gone: job {self.ctx.job!r} is no longer running"
+            raise SourceError(msg) from None
+        token = (self.stream, self.batch_id, partition)
+        offset = accepted = duplicate = 0
+        inflight: list[Any] = []
+
+        def settle(refs: list[Any]) -> None:
+            nonlocal accepted, duplicate
+            for r in ray.get(refs):
+                accepted += r["accepted"]
+                duplicate += r["duplicate"]
+
+        for batch in _coalesce(batches, self.push_rows):
+            if not batch.schema.equals(self.schema):
+                batch = batch.cast(self.schema)
+            inflight.append(actor.ingest.remote(token, offset, batch))
+            offset += batch.num_rows
+            if len(inflight) >= self.max_inflight:
+                done, inflight = ray.wait(inflight, num_returns=1)
+                settle(done)
+        settle(inflight)
+        yield pa.record_batch(
+            {
+                "partition": pa.array([partition], pa.int32()),
+                "attempt": pa.array([attempt], pa.int32()),
+                "rows": pa.array([offset], pa.int64()),
+                "accepted": pa.array([accepted], pa.int64()),
+                "duplicate": pa.array([duplicate], pa.int64()),
+            }
+        )
+
+
+def push_dataframe(df: Any, ctx: FeedContext, *, stream: str, batch_id: int, schema: pa.Schema, push_rows: int) -> dict[str, int]:
+    """Run one Spark job pushing every partition of ``df``; the per-partition stats summed."""
+    pusher = _TaskPusher(ctx, stream, batch_id, schema, push_rows)
+    rows = df.mapInArrow(pusher, RESULT_SCHEMA).collect()
+    out = {"partitions": len(rows), "rows": 0, "accepted": 0, "duplicate": 0, "retried": 0}
+    for r in rows:
+        out["rows"] += r["rows"]
+        out["accepted"] += r["accepted"]
+        out["duplicate"] += r["duplicate"]
+        out["retried"] += int(r["attempt"] > 0)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# feeders (driver side)
+
+
+class _FeederBase(threading.Thread):
+    def __init__(self, ctx: FeedContext, df: Any, schema: pa.Schema, push_rows: int) -> None:
+        super().__init__(name=f"raystream-feed-{ctx.job}-{ctx.step}", daemon=True)
+        self.ctx = ctx
+        self.df = df
+        self.schema = schema
+        self.push_rows = push_rows
+        self.error: str | None = None
+        self.stats: dict[str, Any] = {"rows": 0, "accepted": 0, "duplicate": 0, "batches": 0}
+        self._stopping = threading.Event()
+
+    def _sources(self) -> list[Any]:
+        import ray
+
+        from raystream.runtime.actors import source_actor_name
+
+        return [
+            ray.get_actor(source_actor_name(self.ctx.job, self.ctx.step, i), namespace=self.ctx.namespace)
+            for i in range(self.ctx.parallelism)
+        ]
+
+    def _end_sources(self) -> None:
+        import ray
+
+        ray.get([a.end_ingest.remote() for a in self._sources()])
+
+    def _fail_sources(self, reason: str) -> None:
+        import ray
+
+        self.error = reason
+        try:
+            ray.get([a.fail_ingest.remote(reason) for a in self._sources()])
+        except Exception:  # noqa: BLE001, S110 - the job is already gone
+            pass
+
+    def run(self) -> None:
+        try:
+            self._feed()
+        except Exception as e:  # noqa: BLE001 - reported through the job's sources
+            if not self._stopping.is_set():
+                self._fail_sources(f"the Spark job feeding {self.ctx.step!r} failed: {_first_line(e)}")
+
+    def _feed(self) -> None:
+        raise NotImplementedError
+
+    def join(self, timeout_s: float | None = None) -> None:  # type: ignore[override]
+        super().join(timeout_s)
+
+
+class _BatchFeeder(_FeederBase):
+    def __init__(self, ctx: FeedContext, df: Any, schema: pa.Schema, push_rows: int) -> None:
+        super().__init__(ctx, df, schema, push_rows)
+        self.group = f"raystream-{ctx.job}-{ctx.step}-{uuid.uuid4().hex[:8]}"
+
+    def _feed(self) -> None:
+        sc = self.df.sparkSession.sparkContext
+        sc.setJobGroup(self.group, f"raystream job {self.ctx.job!r}: feed {self.ctx.step!r}", True)
+        stats = push_dataframe(
+            self.df, self.ctx, stream=self.group, batch_id=0, schema=self.schema, push_rows=self.push_rows
+        )
+        self.stats.update(stats, batches=1)
+        self._end_sources()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        try:
+            self.df.sparkSession.sparkContext.cancelJobGroup(self.group)
+        except Exception:  # noqa: BLE001, S110 - Spark already stopped
+            pass
+
+
+class _StreamFeeder(_FeederBase):
+    def __init__(self, ctx: FeedContext, source: SparkStreamSource) -> None:
+        super().__init__(ctx, source.dataframe, source.arrow_schema, source.push_rows)
+        self.source = source
+        self.query: Any = None
+        self._last_data = time.monotonic()
+
+    def _on_batch(self, batch_df: Any, batch_id: int) -> None:
+        stats = push_dataframe(
+            batch_df,
+            self.ctx,
+            stream=self.source.stream_key,
+            batch_id=batch_id,
+            schema=self.schema,
+            push_rows=self.push_rows,
+        )
+        for k in ("rows", "accepted", "duplicate"):
+            self.stats[k] += stats[k]
+        self.stats["batches"] += 1
+        if stats["accepted"]:
+            self._last_data = time.monotonic()
+
+    def _feed(self) -> None:
+        src = self.source
+        writer = (
+            self.df.writeStream.queryName(f"raystream_{self.ctx.job}_{self.ctx.step}".replace("-", "_"))
+            .option("checkpointLocation", src.checkpoint_location)
+            .foreachBatch(self._on_batch)
+        )
+        if src.trigger:
+            writer = writer.trigger(**src.trigger)
+        self.query = writer.start()
+        self._last_data = time.monotonic()
+        try:
+            while not self._stopping.is_set() and self.query.isActive:
+                if src.max_rows is not None and self.stats["accepted"] >= src.max_rows:
+                    break
+                if src.idle_timeout_s is not None and time.monotonic() - self._last_data > src.idle_timeout_s:
+                    break
+                self.query.awaitTermination(0.1)
+        finally:
+            self.query.stop()
+        if self._stopping.is_set():
+            return
+        exc = self.query.exception()
+        if exc is not None:
+            raise RuntimeError(str(exc))
+        self._end_sources()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.query is not None:
+            try:
+                self.query.stop()
+            except Exception:  # noqa: BLE001, S110 - already stopped
+                pass
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    # Spark wraps Python errors in long Java traces; the Python error line says the most
+    for ln in lines:
+        if "Error:" in ln and "Traceback" not in ln and not ln.startswith("\tat "):
+            return f"{type(e).__name__}: {ln.strip()}"[:500]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+# --------------------------------------------------------------------------------------------
+# the source specs
+
+
+@dataclass(frozen=True)
+class SparkSource(PushSource):
+    """A batch DataFrame pushed in by Spark tasks; build it with :func:`spark`. The DataFrame
+    stays in the driver (it is not pickled with the dataflow)."""
+
+    dataframe: Any = field(default=None, repr=False, compare=False)
+    push_rows: int = 100_000
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["dataframe"] = None  # a DataFrame lives in its driver; actors never need it
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def describe(self) -> str:
+        return f"Spark DataFrame ({', '.join(self.arrow_schema.names)})"
+
+    def start_feeding(self, ctx: FeedContext) -> _FeederBase:
+        if self.dataframe is None:
+            msg = "this Spark source was unpickled away from its driver; start the job where the DataFrame was made"
+            raise SourceError(msg)
+        feeder = _BatchFeeder(ctx, self.dataframe, self.arrow_schema, self.push_rows)
+        feeder.start()
+        return feeder
+
+
+@dataclass(frozen=True)
+class SparkStreamSource(SparkSource):
+    """A Structured Streaming DataFrame pushed in micro-batch by micro-batch; see :func:`spark_stream`."""
+
+    checkpoint_location: str = ""
+    trigger: dict[str, Any] | None = None
+    max_rows: int | None = None
+    idle_timeout_s: float | None = None
+
+    @property
+    def stream_key(self) -> str:
+        """Names the query across restarts (its checkpoint), so replayed batches are known."""
+        return str(Path(self.checkpoint_location).resolve())
+
+    def describe(self) -> str:
+        return f"Spark Structured Streaming ({', '.join(self.arrow_schema.names)})"
+
+    def start_feeding(self, ctx: FeedContext) -> _FeederBase:
+        if self.dataframe is None:
+            msg = "this Spark source was unpickled away from its driver; start the job where the DataFrame was made"
+            raise SourceError(msg)
+        feeder = _StreamFeeder(ctx, self)
+        feeder.start()
+        return feeder
+
+
+def _check_common(push_rows: int, capacity_rows: int | None) -> int:
+    if not isinstance(push_rows, int) or push_rows < 1:
+        msg = f"push_rows must be an int >= 1 (rows per push from a Spark task), got {push_rows!r}"
+        raise ConfigError(msg)
+    return capacity_rows if capacity_rows is not None else 4 * push_rows
+
+
+def spark(dataframe: Any, *, push_rows: int = 100_000, capacity_rows: int | None = None) -> SparkSource:
+    """Read a batch Spark DataFrame: its tasks push Arrow batches of up to ``push_rows`` rows into
+    the job's source instances, each of which buffers at most ``capacity_rows`` (default
+    ``4 * push_rows``) before tasks wait. The job ends once the Spark job finished."""
+    _check_dataframe(dataframe, streaming=False)
+    capacity = _check_common(push_rows, capacity_rows)
+    return SparkSource(_arrow_schema(dataframe), capacity, dataframe, push_rows)
+
+
+def spark_stream(
+    dataframe: Any,
+    *,
+    checkpoint_location: str,
+    trigger: dict[str, Any] | None = None,
+    max_rows: int | None = None,
+    idle_timeout_s: float | None = None,
+    push_rows: int = 100_000,
+    capacity_rows: int | None = None,
+) -> SparkStreamSource:
+    """Read a Structured Streaming DataFrame (file, rate, any source) through ``foreachBatch``.
+
+    ``checkpoint_location`` is Spark's checkpoint and names the stream: a micro-batch Spark
+    replays (same location, same batch id) is not counted twice. ``trigger`` goes to
+    ``writeStream.trigger(**trigger)``, e.g. ``{"processingTime": "1 second"}``. The input
+    ends (and with it the job) after the micro-batch that brought ``max_rows`` rows, or when
+    no rows arrived for ``idle_timeout_s`` seconds; without either it runs until stopped.
+    """
+    _check_dataframe(dataframe, streaming=True)
+    capacity = _check_common(push_rows, capacity_rows)
+    if not isinstance(checkpoint_location, (str, os.PathLike)) or not str(checkpoint_location):
+        msg = f"checkpoint_location must be a directory path (Spark's checkpoint), got {checkpoint_location!r}"
+        raise ConfigError(msg)
+    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
+        msg = f"max_rows must be None or an int >= 1, got {max_rows!r}"
+        raise ConfigError(msg)
+    if idle_timeout_s is not None and (
+        not isinstance(idle_timeout_s, (int, float)) or idle_timeout_s <= 0
+    ):
+        msg = f"idle_timeout_s must be None or a number of seconds > 0, got {idle_timeout_s!r}"
+        raise ConfigError(msg)
+    if trigger is not None and not isinstance(trigger, dict):
+        msg = f"trigger must be a dict of writeStream.trigger() options, e.g. {{'processingTime': '1 second'}}, got {trigger!r}"
+        raise ConfigError(msg)
+    return SparkStreamSource(
+        _arrow_schema(dataframe),
+        capacity,
+        dataframe,
+        push_rows,
+        str(checkpoint_location),
+        trigger,
+        max_rows,
+        float(idle_timeout_s) if idle_timeout_s is not None else None,
+    )
