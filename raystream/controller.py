@@ -42,6 +42,7 @@ class Controller:
         state_dir: str,
         *,
         cleanup_state: bool = True,
+        autoscaler: tuple[Any, str, Any] | None = None,  # (policy, label, AutoscalerConfig)
     ) -> None:
         self.flow = flow
         self.config = config
@@ -72,6 +73,8 @@ class Controller:
         self._standby_filling = False  # outcomes of retired instances whose id came back
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
+        self._autoscaler_spec = autoscaler
+        self.autoscaler: Any = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, self_handle: Any) -> dict[str, Any]:
@@ -96,6 +99,13 @@ class Controller:
         self.state = "running"
         self.started_at = time.time()
         asyncio.get_running_loop().create_task(self._watch())
+        if self._autoscaler_spec is not None:
+            from raystream.autoscaling import Autoscaler
+
+            self.autoscaler = Autoscaler.for_controller(self, *self._autoscaler_spec)
+            asyncio.get_running_loop().create_task(
+                self.autoscaler.run(lambda: self.state == "running")
+            )
         if self.config.migration_support and any(s.is_keyed for s in self.plan.steps.values()):
             asyncio.get_running_loop().create_task(self._fill_standby())
         return self.describe()
@@ -160,6 +170,7 @@ class Controller:
                 if iid in self.plan.sinks
             },
             "rescales": list(self.rescales),
+            "autoscaling": list(self.autoscaler.history) if self.autoscaler else [],
             "metrics": [o.get("metrics", {}) for o in [*self._history, *self.outcomes.values()]],
             "origin_ns": self.origin_ns,
         }
@@ -509,6 +520,7 @@ class Controller:
             "routing_epochs": {n: t.epoch for n, t in self.routing.items()},
             "rescaling": self._rescale_lock.locked(),
             "queued_rescales": self._queued,
+            "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
         }
 
     async def metrics(self) -> dict[str, Any]:

@@ -43,6 +43,7 @@ class JobResult:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     origin_ns: int = 0
     rescales: list[dict[str, Any]] = field(default_factory=list)
+    autoscaling: list[dict[str, Any]] = field(default_factory=list)  # the autoscaler's decisions
 
     def table(self, sink: str | None = None) -> pa.Table:
         """The rows a collect sink received, as one table (all instances)."""
@@ -124,6 +125,7 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
             out["metrics"],
             out["origin_ns"],
             out.get("rescales", []),
+            out.get("autoscaling", []),
         )
     finally:
         if out["state"] in ("finished", "failed", "stopped"):
@@ -143,9 +145,16 @@ def start(
     parallelism: dict[str, int] | None = None,
     config: RuntimeConfig | None = None,
     state_dir: str | None = None,
+    autoscaler: Any = None,
+    autoscaler_config: Any = None,
     **config_overrides: Any,
 ) -> Job:
-    """Deploy ``flow`` on Ray and return at once with a :class:`Job`."""
+    """Deploy ``flow`` on Ray and return at once with a :class:`Job`.
+
+    ``autoscaler`` (``"ds2"``, ``"threshold"``, ``"schedule"``, ``"fixed"``, ``"module:attr"`` or
+    a policy object) lets the controller choose the parallelism of keyed steps; bounds, cooldown
+    and the rest go in ``autoscaler_config`` (see :class:`raystream.autoscaler.AutoscalerConfig`).
+    """
     if not isinstance(flow, Dataflow):
         msg = f"expected a raystream Dataflow, got {type(flow).__name__}: {flow!r}"
         raise ConfigError(msg)
@@ -154,7 +163,8 @@ def start(
     elif config_overrides:
         msg = f"pass either config= or keyword options, not both (got {sorted(config_overrides)})"
         raise ConfigError(msg)
-    flow.with_parallelism(parallelism)  # validate here, in the caller's process
+    steps = flow.with_parallelism(parallelism)  # validate here, in the caller's process
+    scaling = _autoscaler_spec(steps, autoscaler, autoscaler_config)
     ensure_ray()
     cleanup = state_dir is None
     base = state_dir or tempfile.mkdtemp(
@@ -171,10 +181,26 @@ def start(
     controller = (
         controller_actor_class()
         .options(name=name, namespace=NAMESPACE, max_concurrency=1000)
-        .remote(flow, parallelism, config, base, cleanup_state=cleanup)
+        .remote(flow, parallelism, config, base, cleanup_state=cleanup, autoscaler=scaling)
     )
     ray.get(controller.start.remote(controller))
     return Job(flow.name, controller)
+
+
+def _autoscaler_spec(steps: dict[str, Any], policy: Any, config: Any) -> Any:
+    """(policy object, label, AutoscalerConfig), checked in the caller's process; None: off."""
+    if policy is None:
+        if config is not None:
+            msg = "autoscaler_config was given without autoscaler=; name a policy, e.g. 'ds2'"
+            raise ConfigError(msg)
+        return None
+    from raystream.autoscaler.guard import AutoscalerConfig
+    from raystream.autoscaling import resolve_policy
+
+    cfg = AutoscalerConfig.of(config)
+    cfg.check_operators({n: s.kind for n, s in steps.items() if s.is_keyed})
+    obj, label = resolve_policy(policy, cfg)
+    return obj, label, cfg
 
 
 def run(flow: Dataflow, *, timeout_s: float | None = None, **kwargs: Any) -> JobResult:

@@ -28,7 +28,12 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "lazy": "raystream.migration.strategies:Lazy",
         "stop_restart": "raystream.migration.strategies:StopRestart",
     },
-    AUTOSCALER_POLICIES: {},
+    AUTOSCALER_POLICIES: {
+        "ds2": "raystream.autoscaler.policies:DS2",
+        "threshold": "raystream.autoscaler.policies:Threshold",
+        "schedule": "raystream.autoscaler.policies:Schedule",
+        "fixed": "raystream.autoscaler.policies:Fixed",
+    },
 }
 
 

@@ -118,6 +118,80 @@ def _check_partition(index: int, parallelism: int) -> None:
         raise ConfigError(msg)
 
 
+def _check_rate_schedule(schedule: object, rate_eps: float) -> tuple[tuple[float, float], ...]:
+    """``[(t_s, eps), ...]`` as a tuple of float pairs, checked."""
+    if isinstance(schedule, (str, bytes)) or not isinstance(schedule, Sequence):
+        msg = f"rate_schedule must be a list of (t_s, eps) pairs, got {schedule!r}"
+        raise ConfigError(msg)
+    out: list[tuple[float, float]] = []
+    for item in schedule:
+        if not isinstance(item, Sequence) or len(item) != 2:
+            msg = f"rate_schedule entries are (t_s, eps) pairs, got {item!r}"
+            raise ConfigError(msg)
+        t_s, eps = item
+        ok_t = not isinstance(t_s, bool) and isinstance(t_s, (int, float, np.number)) and t_s >= 0
+        ok_r = not isinstance(eps, bool) and isinstance(eps, (int, float, np.number)) and eps > 0
+        if not (ok_t and ok_r and math.isfinite(t_s) and math.isfinite(eps)):
+            msg = f"rate_schedule: expected (t_s >= 0, eps > 0), got {item!r}"
+            raise ConfigError(msg)
+        if out and t_s <= out[-1][0]:
+            msg = f"rate_schedule times must increase, got {t_s} after {out[-1][0]}"
+            raise ConfigError(msg)
+        out.append((float(t_s), float(eps)))
+    if out and out[0][0] > 0 and rate_eps <= 0:
+        msg = (
+            f"rate_schedule starts at {out[0][0]} s: set rate_eps for the time before it, or "
+            "start the schedule at 0"
+        )
+        raise ConfigError(msg)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RateSchedule:
+    """A piecewise-constant rate: from ``starts_s[i]`` (seconds after the source starts) on,
+    ``rates_eps[i]`` events/s. ``time_of_row(n)`` is when row ``n`` is due (vectorised).
+
+    Example::
+
+        >>> r = RateSchedule((0.0, 2.0), (10.0, 40.0))
+        >>> r.time_of_row(np.array([0, 20, 60])).tolist(), r.rows_by(3.0), r.rate_at(5.0)
+        ([0.0, 2.0, 3.0], 60.0, 40.0)
+    """
+
+    starts_s: tuple[float, ...]
+    rates_eps: tuple[float, ...]
+
+    @classmethod
+    def of(cls, source: object, parallelism: int = 1) -> RateSchedule | None:
+        """The pace of one of ``parallelism`` instances of ``source``; None when unthrottled."""
+        rate = float(getattr(source, "rate_eps", 0) or 0)
+        points = list(getattr(source, "rate_schedule", ()) or ())
+        if not points or points[0][0] > 0:
+            points.insert(0, (0.0, rate))
+        if points[0][1] <= 0:
+            return None
+        return cls(tuple(t for t, _ in points), tuple(r / parallelism for _, r in points))
+
+    def _rows_at_starts(self) -> np.ndarray:
+        starts, rates = np.asarray(self.starts_s), np.asarray(self.rates_eps)
+        return np.concatenate([[0.0], np.cumsum(np.diff(starts) * rates[:-1])])
+
+    def time_of_row(self, n: np.ndarray | float) -> np.ndarray:
+        rows = self._rows_at_starts()
+        n = np.asarray(n, dtype=np.float64)
+        i = np.searchsorted(rows, n, side="right") - 1
+        return np.asarray(self.starts_s)[i] + (n - rows[i]) / np.asarray(self.rates_eps)[i]
+
+    def rows_by(self, t_s: float) -> float:
+        i = max(0, int(np.searchsorted(self.starts_s, t_s, side="right")) - 1)
+        return float(self._rows_at_starts()[i] + (t_s - self.starts_s[i]) * self.rates_eps[i])
+
+    def rate_at(self, t_s: float) -> float:
+        i = max(0, int(np.searchsorted(self.starts_s, t_s, side="right")) - 1)
+        return self.rates_eps[i]
+
+
 def _check_max_rows(max_rows: int) -> None:
     if not _is_int(max_rows) or max_rows < 1:
         msg = f"read(max_rows) needs an int >= 1, got {max_rows!r}"
@@ -202,6 +276,7 @@ class KeyCountGenerator:
     key_type: str = "int"
     hot_key_fraction: float = 0.0
     chunk_rows: int = 65536
+    rate_schedule: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.events) or self.events < 0:
@@ -231,6 +306,8 @@ class KeyCountGenerator:
             )
             raise ConfigError(msg)
         _check_positive_int("chunk_rows", self.chunk_rows)
+        sched = _check_rate_schedule(self.rate_schedule, self.rate_eps)
+        object.__setattr__(self, "rate_schedule", sched)
 
     # -- the Source protocol ----------------------------------------------------------------
 
@@ -247,7 +324,8 @@ class KeyCountGenerator:
         return (
             f"generator(events={self.events}, keys={self.keys}, zipf={self.zipf}, "
             f"seed={self.seed}, key_type={self.key_type!r}, "
-            f"hot_key_fraction={self.hot_key_fraction}, rate_eps={self.rate_eps})"
+            f"hot_key_fraction={self.hot_key_fraction}, rate_eps={self.rate_eps}"
+            + (f", rate_schedule={list(self.rate_schedule)})" if self.rate_schedule else ")")
         )
 
     # -- oracle helpers ---------------------------------------------------------------------
@@ -379,11 +457,16 @@ def generator(
     key_type: str = "int",
     hot_key_fraction: float = 0.0,
     chunk_rows: int = 65536,
+    rate_schedule: Sequence[tuple[float, float]] = (),
 ) -> KeyCountGenerator:
     """A deterministic key-count stream of ``events`` events over ``keys`` distinct keys.
 
     See :class:`KeyCountGenerator` for the distribution and the columns. The events are the same
     whatever the parallelism; ``generate_all()`` gives the whole stream for an oracle.
+
+    ``rate_schedule=[(t_s, eps), ...]`` changes the total rate over time (a load step): from
+    ``t_s`` seconds after the source started on, it delivers ``eps`` events/s (``rate_eps``
+    applies before the first entry).
 
     Example::
 
@@ -403,6 +486,7 @@ def generator(
         key_type=key_type,
         hot_key_fraction=hot_key_fraction,
         chunk_rows=chunk_rows,
+        rate_schedule=tuple(rate_schedule),  # type: ignore[arg-type]
     )
 
 

@@ -24,6 +24,7 @@ from raystream.runtime.channels import ByKeyGroup, Forward, Inbox, OutputChannel
 from raystream.runtime.messages import Barrier, ChannelId, EndOfStream
 from raystream.runtime.migration import MigrationEngine, MigrationTask
 from raystream.runtime.processors import EVENT_TIME, INGEST_TS, KeyedProcessor, make_processor
+from raystream.sources import RateSchedule
 
 __all__ = ["InstanceSpec", "OutputSpec", "OperatorInstance", "RuntimeConfig"]
 
@@ -126,6 +127,7 @@ class OperatorInstance:
         self.result: Any = None
         self.error: str | None = None
         self.rows_emitted = 0  # sources: rows sent so far (offset in their partition)
+        self._pace: tuple[RateSchedule | None, float] = (None, 0.0)  # sources: schedule, start
         self._stop = False
 
     # ---- wiring ---------------------------------------------------------------------------
@@ -295,6 +297,11 @@ class OperatorInstance:
             snap["migration"] = {
                 k: v for k, v in self.engine.stats().items() if k != "fetch_wait_ms"
             }
+        pace, started = self._pace
+        if pace is not None and not self.finished:  # what the autoscaler sees as demand
+            t_s = time.monotonic() - started
+            snap["target_rate_eps"] = pace.rate_at(t_s)
+            snap["lag_rows"] = max(0, int(pace.rows_by(t_s)) - self.rows_emitted)
         snap["inputs"] = len(self.inputs)
         snap["eos"] = len(self._eos)
         snap["barriers_open"] = {e: len(v) for e, v in self._barrier_seen.items()}
@@ -327,21 +334,26 @@ class OperatorInstance:
         src = self.step.fn
         cfg = self.spec.config
         self.reader = src.open(self.spec.index, self.spec.source_parallelism)
-        rate = float(getattr(src, "rate_eps", 0) or 0) / self.spec.source_parallelism
+        pace = RateSchedule.of(src, self.spec.source_parallelism)  # None: unthrottled
+        rate = pace.rate_at(0.0) if pace is not None else 0.0
         # at a fixed rate a source emits every linger_ms: small batches, low latency
         chunk = (
             cfg.source_batch_rows if rate <= 0 else max(1, int(rate * max(cfg.linger_ms, 1) / 1000))
         )
         started = time.monotonic()
         started_ns = time.time_ns()
+        self._pace = (pace, started)
         warm = rate <= 0
         while not self._stop:
             await self._emit_pending_barriers()
             if self.paused:
                 await asyncio.sleep(0.001)
                 continue
-            if rate > 0:
-                due = started + (self.rows_emitted + chunk) / rate
+            if pace is not None:
+                # the rate may step (rate_schedule): batches follow the current rate
+                now_rate = pace.rate_at(time.monotonic() - started)
+                chunk = max(1, int(now_rate * max(cfg.linger_ms, 1) / 1000))
+                due = started + float(pace.time_of_row(self.rows_emitted + chunk))
                 wait = due - time.monotonic()
                 if wait > 0:
                     deadline = self._next_deadline()
@@ -356,12 +368,11 @@ class OperatorInstance:
             if batch.num_rows == 0:
                 continue
             with self.metrics.busy():
-                if rate > 0:
+                if pace is not None:
                     # open loop: a record's ingest time is when the schedule says it arrives, so
                     # a stalled pipeline (or paused source) shows up as latency
-                    ingest = started_ns + (
-                        (self.rows_emitted + np.arange(batch.num_rows)) * (1e9 / rate)
-                    ).astype(np.int64)
+                    rows = self.rows_emitted + np.arange(batch.num_rows)
+                    ingest = started_ns + (pace.time_of_row(rows) * 1e9).astype(np.int64)
                 else:
                     ingest = np.full(batch.num_rows, time.time_ns(), np.int64)
                 batch = _stamp(batch, ingest)
@@ -375,8 +386,10 @@ class OperatorInstance:
                     for c in channels:
                         await c.drain()
                 warm = True
-                started = time.monotonic() - self.rows_emitted / rate
-                started_ns = time.time_ns() - int(self.rows_emitted / rate * 1e9)
+                ahead_s = float(pace.time_of_row(self.rows_emitted))  # type: ignore[union-attr]
+                started = time.monotonic() - ahead_s
+                started_ns = time.time_ns() - int(ahead_s * 1e9)
+                self._pace = (pace, started)
             await asyncio.sleep(0)
         await self._emit_pending_barriers()
         self.reader.close()

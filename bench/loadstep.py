@@ -1,0 +1,309 @@
+"""Load-step benchmark: the input rate steps up 4x, then back down; the autoscaler follows.
+
+Run it from the repository root::
+
+    python -m bench.loadstep                       # ds2, 5k -> 20k -> 5k events/s
+    python -m bench.loadstep --policy threshold --high-s 30
+
+The dataflow is ``generator (rate schedule) -> key_by("key") -> count (keyed, RocksDB) -> sink``.
+The count step costs ``--cost-us`` microseconds of *sleeping* work per record, so one instance
+processes at most ~1e6/cost records per second whatever the number of cores: scaling out adds
+real capacity even on a small machine (a CPU-bound operator on 2 cores could not show that).
+
+Writes ``<out>.json`` (configuration, every autoscaler decision with its reason, every rescale,
+the timeline) and ``<out>.png``: offered and processed rate, parallelism, and sink p99 latency
+over time. The final counts are checked against the generator's own stream (numpy bincount).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import pyarrow as pa
+
+import raystream as rs
+from bench._latest import LatestCountSink
+from bench.keycount import _connect_ray, _stop
+from raystream.metrics import WindowedCounter, build_timeline
+
+__all__ = ["loadstep_flow", "main"]
+
+STEP = "count"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "loadstep"
+
+
+def slow_count_op(cost_s: float) -> Any:
+    @rs.keyed_batches(name=STEP, state=rs.ValueState(int, default=0))
+    def count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+        if cost_s > 0:
+            time.sleep(float(batch.counts.sum()) * cost_s)  # the per-record cost, off the CPU
+        new = state.get(batch.keys) + batch.counts
+        state.put(batch.keys, new)
+        return batch.output({"count": new})
+
+    return count
+
+
+def loadstep_flow(source: Any, cost_s: float) -> rs.Dataflow:
+    flow = rs.Dataflow("bench-loadstep", num_key_groups=128)
+    flow.source(source).key_by("key").apply(slow_count_op(cost_s), name=STEP).sink(
+        LatestCountSink(), name="latest"
+    )
+    return flow
+
+
+def _pickle_by_value() -> None:
+    from ray import cloudpickle
+
+    for name in ("bench.loadstep", "bench._latest"):
+        module = sys.modules.get(name)
+        if module is not None:
+            cloudpickle.register_pickle_by_value(module)
+
+
+def _parallelism_timeline(start: int, rescales: list[dict[str, Any]]) -> list[tuple[float, int]]:
+    """(t_s, parallelism) steps: a rescale counts from the moment it settled."""
+    points = [(0.0, start)]
+    for r in sorted(rescales, key=lambda r: r["end_s"]):
+        points.append((float(r["end_s"]), int(r["to"])))
+    return points
+
+
+def _plot(path: Path, report: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = report["timeline"]
+    t = [row[0] for row in tl]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    ax = axes[0]
+    sched = report["offered"]
+    ax.step(
+        [p[0] for p in sched],
+        [p[1] / 1000 for p in sched],
+        where="post",
+        label="offered (schedule)",
+        color="black",
+        lw=1.2,
+    )
+    ax.plot(t, [row[1] / 1000 for row in tl], label="processed by count", color="tab:blue", lw=0.9)
+    ax.set_ylabel("k events/s")
+    ax.legend(loc="upper right", fontsize=8)
+    ax = axes[1]
+    par = report["parallelism"] + [[t[-1] if t else 0, report["parallelism"][-1][1]]]
+    ax.step([p[0] for p in par], [p[1] for p in par], where="post", color="tab:green")
+    for r in report["rescales"]:
+        ax.axvspan(r["start_s"], r["end_s"], color="tab:orange", alpha=0.3, lw=0)
+    ax.set_ylabel("count instances")
+    ax.set_ylim(0, max(p[1] for p in par) + 1)
+    ax = axes[2]
+    ax.plot(t, [row[3] for row in tl], color="tab:red", lw=0.9)
+    ax.set_yscale("log")
+    ax.set_ylabel("sink p99 latency ms")
+    ax.set_xlabel("seconds since the job started (orange: rescale in progress)")
+    fig.suptitle(
+        f"load step x{report['config']['factor']:g} with autoscaler {report['config']['policy']!r}"
+        f" (count costs {report['config']['cost_us']:g} us/record)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option(
+    "--low-eps", type=click.FloatRange(min=1), default=5_000, help="Rate before and after the step."
+)
+@click.option(
+    "--factor",
+    type=click.FloatRange(min=1),
+    default=4.0,
+    help="The step: high rate = low x factor.",
+)
+@click.option(
+    "--low-s", type=click.FloatRange(min=1), default=8.0, help="Seconds at the low rate first."
+)
+@click.option(
+    "--high-s", type=click.FloatRange(min=1), default=20.0, help="Seconds at the high rate."
+)
+@click.option(
+    "--after-s", type=click.FloatRange(min=1), default=25.0, help="Seconds at the low rate after."
+)
+@click.option(
+    "--cost-us",
+    type=click.FloatRange(min=0),
+    default=100.0,
+    help="Per-record cost of count (sleep).",
+)
+@click.option("--keys", type=click.IntRange(min=1), default=20_000, help="Distinct keys.")
+@click.option("--policy", default="ds2", help="Autoscaler policy: name or module:attr.")
+@click.option(
+    "--parallelism", type=click.IntRange(min=1), default=1, help="Initial count instances."
+)
+@click.option("--max-parallelism", type=click.IntRange(min=1), default=8)
+@click.option("--interval-s", type=click.FloatRange(min=0.1), default=1.0)
+@click.option("--window-s", type=click.FloatRange(min=0.1), default=3.0)
+@click.option("--cooldown-s", type=click.FloatRange(min=0), default=3.0)
+@click.option("--stabilization-s", type=click.FloatRange(min=0), default=6.0)
+@click.option("--strategy", default="meces", help="Migration strategy of the rescales.")
+@click.option("--linger-ms", type=click.FloatRange(min=1), default=20.0)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_OUT,
+    help="Writes OUT.json and OUT.png.",
+)
+def main(
+    low_eps: float,
+    factor: float,
+    low_s: float,
+    high_s: float,
+    after_s: float,
+    cost_us: float,
+    keys: int,
+    policy: str,
+    parallelism: int,
+    max_parallelism: int,
+    interval_s: float,
+    window_s: float,
+    cooldown_s: float,
+    stabilization_s: float,
+    strategy: str,
+    linger_ms: float,
+    out: Path,
+) -> None:
+    """Step the input rate up by FACTOR and back down; record how the autoscaler follows."""
+    high = low_eps * factor
+    events = int(low_eps * low_s + high * high_s + low_eps * after_s)
+    schedule = [(low_s, high), (low_s + high_s, low_eps)]
+    source = rs.sources.generator(
+        events=events, keys=keys, seed=11, rate_eps=low_eps, rate_schedule=schedule
+    )
+    started_ray = _connect_ray()
+    _pickle_by_value()
+    try:
+        job = rs.start(
+            loadstep_flow(source, cost_us / 1e6),
+            parallelism={STEP: parallelism},
+            migration=strategy,
+            linger_ms=linger_ms,
+            autoscaler=policy,
+            autoscaler_config={
+                "interval_s": interval_s,
+                "window_s": window_s,
+                "cooldown_s": cooldown_s,
+                "stabilization_s": stabilization_s,
+                "max_parallelism": max_parallelism,
+            },
+        )
+        try:
+            result = job.wait(timeout_s=(low_s + high_s + after_s) * 3 + 60)
+        except BaseException:
+            _stop(job)
+            raise
+        if result.state == "running":
+            _stop(job)
+            raise click.ClickException("the job did not finish in time; it was stopped")
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+    # final counts against the generator's stream (numpy, independent of the job)
+    final = pa.concat_tables([r for r in result.results["latest"] if r is not None])
+    expected = np.bincount(source.generate_all()["key"].to_numpy(), minlength=keys)
+    got = np.zeros(keys, dtype=np.int64)
+    got[final["key"].to_numpy()] = final["count"].to_numpy()
+    exact = bool(np.array_equal(got, expected))
+
+    counts = [m["throughput"] for m in result.step_metrics(STEP) if m.get("throughput")]
+    tput = WindowedCounter.merge_snapshots(counts).timeline() if counts else []
+    lat = result.latency()
+    timeline = build_timeline(tput, lat.timeline() if lat else [])
+    # the schedule starts when the source's first batch went through: align it to the first
+    # processed window
+    t0 = next((row[0] for row in timeline if row[1] > 0), 0.0)
+    offered = [
+        (t0, low_eps),
+        (t0 + low_s, high),
+        (t0 + low_s + high_s, low_eps),
+        (t0 + low_s + high_s + after_s, low_eps),
+    ]
+    phases = {
+        "low": (t0 + 2, t0 + low_s),
+        "high": (t0 + low_s, t0 + low_s + high_s),
+        "after": (t0 + low_s + high_s, t0 + low_s + high_s + after_s),
+    }
+    decisions = [e for e in result.autoscaling if e["action"] in ("scale_out", "scale_in")]
+    report: dict[str, Any] = {
+        "config": {
+            "policy": policy,
+            "low_eps": low_eps,
+            "factor": factor,
+            "low_s": low_s,
+            "high_s": high_s,
+            "after_s": after_s,
+            "cost_us": cost_us,
+            "keys": keys,
+            "events": events,
+            "interval_s": interval_s,
+            "window_s": window_s,
+            "cooldown_s": cooldown_s,
+            "stabilization_s": stabilization_s,
+            "strategy": strategy,
+            "linger_ms": linger_ms,
+            "initial_parallelism": parallelism,
+        },
+        "exact": exact,
+        "elapsed_s": result.elapsed_s,
+        "offered": offered,
+        "parallelism": [list(p) for p in _parallelism_timeline(parallelism, result.rescales)],
+        "rescales": result.rescales,
+        "decisions": decisions,
+        "autoscaling": result.autoscaling,
+        "phases": {
+            name: {
+                "latency": lat.summary_between(a, b) if lat else None,
+                "rescales": [
+                    (r["from"], r["to"]) for r in result.rescales if a <= r["start_s"] < b
+                ],
+            }
+            for name, (a, b) in phases.items()
+        },
+        "timeline": timeline,
+    }
+    high_start = phases["high"][0]
+    outs = [r for r in result.rescales if r["to"] > r["from"] and r["start_s"] >= high_start - 1]
+    report["reaction_s"] = {
+        "first_scale_out_after_step": (outs[0]["start_s"] - high_start) if outs else None,
+        "scaled_out_settled_after_step": (outs[-1]["end_s"] - high_start) if outs else None,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
+    _plot(out.with_suffix(".png"), report)
+    click.echo(f"exact: {exact}; elapsed {result.elapsed_s:.1f} s; decisions:")
+    for e in decisions:
+        click.echo(f"  t={e['t_s']:.1f}s {e['operator']} {e['from']} -> {e['to']}: {e['reason']}")
+    for name, ph in report["phases"].items():
+        lat_ph = ph["latency"] or {}
+        click.echo(
+            f"  {name}: p99 {lat_ph.get('p99_ms')} ms, max {lat_ph.get('max_ms')} ms, rescales {ph['rescales']}"
+        )
+    click.echo(f"  reaction: {report['reaction_s']}")
+    click.echo(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    if not exact:
+        raise click.ClickException("final counts differ from the generator's stream")
+
+
+if __name__ == "__main__":
+    main()

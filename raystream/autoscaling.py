@@ -1,0 +1,282 @@
+"""The autoscaler loop the controller runs: sample signals, ask the policy, guard, rescale, log.
+
+A plain class over three injected functions (metrics, rescale, clock), so it runs under plain
+asyncio in unit tests with a fake clock. Every ``interval_s`` it samples the metrics of every
+instance into a :class:`~raystream.autoscaler.signals.SignalWindow`; once the window is full it
+asks the policy, passes the answer through the :class:`~raystream.autoscaler.guard.Guard` and
+carries out the changes one operator at a time with the configured migration strategy. After a
+rescale the window starts over (warm-up), as DS2 does. A policy that raises, or a rescale that
+fails, is logged and the job keeps running.
+
+Every decision (and every hold with a new reason) is logged on the ``raystream.autoscaler``
+logger and kept in :attr:`Autoscaler.history`, which ``Job.status()`` and the job result show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from raystream.autoscaler.guard import AutoscalerConfig, Change, Guard
+from raystream.autoscaler.policy import (
+    OperatorSignals,
+    ScalingContext,
+    as_decision,
+    policy_callable,
+)
+from raystream.autoscaler.signals import SignalWindow
+from raystream.errors import ConfigError
+from raystream.plugins import AUTOSCALER_POLICIES
+from raystream.plugins import load as load_plugin
+
+__all__ = ["Autoscaler", "resolve_policy"]
+
+log = logging.getLogger("raystream.autoscaler")
+
+MetricsFn = Callable[[], Awaitable[Mapping[str, Any]]]
+RescaleFn = Callable[[str, int], Awaitable[Mapping[str, Any]]]
+MAX_HISTORY = 1000
+
+
+def resolve_policy(spec: Any, config: AutoscalerConfig) -> tuple[Any, str]:
+    """The policy object for ``spec`` (a name, ``"module:attr"`` or an object) and its label.
+    Fails with the known names when a name is unknown."""
+    if spec is None or spec is False:
+        msg = "autoscaler: expected a policy name, 'module:attr' or an object, got None"
+        raise ConfigError(msg)
+    if isinstance(spec, str):
+        policy = load_plugin(AUTOSCALER_POLICIES, spec, **dict(config.policy_args))
+        label = spec
+    else:
+        if config.policy_args:
+            msg = (
+                f"autoscaler_config: policy_args {sorted(config.policy_args)} apply only to a "
+                f"policy given by name or import path; set them on the object {spec!r} instead"
+            )
+            raise ConfigError(msg)
+        policy = spec
+        label = getattr(spec, "__name__", None) or type(spec).__name__
+    policy_callable(policy)  # fails now if it cannot decide
+    return policy, label
+
+
+class Autoscaler:
+    """One job's autoscaler."""
+
+    def __init__(
+        self,
+        policy: Any,
+        config: AutoscalerConfig,
+        *,
+        kinds: Mapping[str, str],
+        upstream: Mapping[str, tuple[str, ...]],
+        rescalable: Mapping[str, str],
+        parallelism: Callable[[], Mapping[str, int]],
+        metrics: MetricsFn,
+        rescale: RescaleFn,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        busy: Callable[[], bool] = lambda: False,
+        label: str = "policy",
+        max_allowed: int | None = None,
+    ) -> None:
+        self.policy = policy
+        self._decide = policy_callable(policy)
+        self.label = label
+        self.config = config
+        self.kinds = dict(kinds)
+        self.upstream = {k: tuple(v) for k, v in upstream.items()}
+        self.guard = Guard(config, rescalable, operators=kinds, max_allowed=max_allowed)
+        self.window = SignalWindow(config.window_s)
+        self._parallelism = parallelism
+        self._metrics = metrics
+        self._rescale = rescale
+        self._clock = clock
+        self._sleep = sleep
+        self._busy = busy
+        self.started_s = clock()
+        self.history: list[dict[str, Any]] = []
+        self.decisions = 0  # rescales carried out
+        self.last_signals: dict[str, OperatorSignals] = {}
+        self._last_hold: dict[str, str] = {}
+        self._seen_parallelism = dict(parallelism())
+
+    # ---- the loop -------------------------------------------------------------------------
+    async def run(self, running: Callable[[], bool]) -> None:
+        """Tick every ``interval_s`` while ``running()``; never raises (errors are logged)."""
+        log.info("autoscaler %s started: %s", self.label, self.config)
+        while running():
+            try:
+                await self.tick()
+            except Exception as e:  # noqa: BLE001 - the job must keep running
+                log.warning("autoscaler tick failed: %s: %s", type(e).__name__, e, exc_info=True)
+                self._record({"action": "error", "reason": f"tick failed: {type(e).__name__}: {e}"})
+            await self._sleep(self.config.interval_s)
+
+    async def tick(self) -> list[dict[str, Any]]:
+        """One sample; once the window is full, one decision. Returns the entries it recorded."""
+        if self._busy():  # a rescale runs (e.g. one asked by hand): its signals mean nothing
+            self.window.reset()
+            return []
+        current = dict(self._parallelism())
+        if current != self._seen_parallelism:  # changed from outside: start the window over
+            self._seen_parallelism = current
+            self.window.reset()
+        snap = await self._metrics()
+        now = self._clock()
+        self.window.add(now, snap.get("instances", []))
+        if not self.window.ready():
+            return []
+        signals = self.window.signals(self.kinds, current)
+        self.last_signals = signals
+        ctx = ScalingContext(
+            now_s=now,
+            elapsed_s=now - self.started_s,
+            operators=signals,
+            upstream=self.upstream,
+            rescalable=frozenset(self.guard.rescalable),
+            min_parallelism={op: self.guard.bounds(op)[0] for op in self.guard.rescalable},
+            max_parallelism={op: self.guard.bounds(op)[1] for op in self.guard.rescalable},
+        )
+        try:
+            decision = as_decision(self._decide(ctx))
+        except Exception as e:  # noqa: BLE001 - a broken policy must not stop the job
+            log.warning(
+                "autoscaler %s: the policy raised %s: %s; no change",
+                self.label,
+                type(e).__name__,
+                e,
+            )
+            return [
+                self._record(
+                    {"action": "error", "reason": f"policy raised {type(e).__name__}: {e}"}
+                )
+            ]
+        entries = []
+        for change in self.guard.apply(decision, signals, now):
+            for w in change.warnings:
+                log.warning("autoscaler %s: %s", self.label, w)
+            entry = self._entry(change, signals.get(change.operator), now)
+            if change.action in ("scale_out", "scale_in"):
+                entries.append(await self._carry_out(change, entry))
+            elif change.action == "ignored" or change.warnings or self._new_hold(change):
+                log.info("autoscaler %s: %s", self.label, _describe(entry))
+                entries.append(self._record(entry))
+        return entries
+
+    async def _carry_out(self, change: Change, entry: dict[str, Any]) -> dict[str, Any]:
+        log.info("autoscaler %s: %s", self.label, _describe(entry))
+        t0 = self._clock()
+        try:
+            stats = await self._rescale(change.operator, change.target)
+        except Exception as e:  # noqa: BLE001 - logged; the job keeps running
+            entry["result"] = f"failed: {type(e).__name__}: {e}"
+            log.warning("autoscaler %s: rescale of %r failed: %s", self.label, change.operator, e)
+        else:
+            entry["result"] = "done"
+            entry["rescale"] = {
+                k: stats.get(k) for k in ("strategy", "duration_s", "moved_key_groups")
+            }
+            self.decisions += 1
+        end = self._clock()
+        entry["duration_s"] = end - t0
+        self.guard.rescaled(change.operator, end)
+        self._last_hold.pop(change.operator, None)
+        self._seen_parallelism = dict(self._parallelism())
+        self.window.reset()
+        return self._record(entry)
+
+    # ---- records --------------------------------------------------------------------------
+    def _new_hold(self, change: Change) -> bool:
+        if change.target == change.proposed:
+            self._last_hold.pop(change.operator, None)
+            return False
+        key = "; ".join(n.split(":")[0] for n in change.notes)
+        if self._last_hold.get(change.operator) == key:
+            return False
+        self._last_hold[change.operator] = key
+        return True
+
+    def _entry(self, c: Change, sig: OperatorSignals | None, now: float) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "t_s": now - self.started_s,
+            "policy": self.label,
+            "operator": c.operator,
+            "from": c.current,
+            "proposed": c.proposed,
+            "to": c.target,
+            "action": c.action,
+            "reason": c.reason,
+            "guard": list(c.notes),
+            "warnings": list(c.warnings),
+        }
+        if sig is not None:
+            entry["signals"] = {
+                "input_rate_eps": round(sig.input_rate_eps, 1),
+                "busy_fraction": round(sig.busy_fraction, 3),
+                "true_rate_eps": None if sig.true_rate_eps is None else round(sig.true_rate_eps, 1),
+                "backlog_batches": sig.backlog_batches,
+            }
+        return entry
+
+    def _record(self, entry: dict[str, Any]) -> dict[str, Any]:
+        entry.setdefault("t_s", self._clock() - self.started_s)
+        entry.setdefault("policy", self.label)
+        self.history.append(entry)
+        del self.history[:-MAX_HISTORY]
+        return entry
+
+    def summary(self) -> dict[str, Any]:
+        """For ``status()``: the policy, the rescales done, the last few decisions and signals."""
+        return {
+            "policy": self.label,
+            "decisions": self.decisions,
+            "recent": self.history[-5:],
+            "signals": {
+                n: {
+                    "input_rate_eps": round(s.input_rate_eps, 1),
+                    "busy_fraction": round(s.busy_fraction, 3),
+                    "true_rate_eps": s.true_rate_eps,
+                    "backlog_batches": s.backlog_batches,
+                    "parallelism": s.parallelism,
+                }
+                for n, s in self.last_signals.items()
+            },
+        }
+
+    @classmethod
+    def for_controller(
+        cls, controller: Any, policy: Any, label: str, config: AutoscalerConfig
+    ) -> Autoscaler:
+        """Wired to a :class:`~raystream.controller.Controller`'s metrics and rescale."""
+        steps = controller.plan.steps
+
+        async def rescale(step: str, parallelism: int) -> Mapping[str, Any]:
+            return await controller.rescale(step, parallelism, config.strategy)  # type: ignore[no-any-return]
+
+        return cls(
+            policy,
+            config,
+            kinds={n: s.kind for n, s in steps.items()},
+            upstream={n: tuple(s.upstream) for n, s in steps.items()},
+            rescalable={n: s.kind for n, s in steps.items() if s.is_keyed},
+            parallelism=lambda: controller.parallelism,
+            metrics=controller.metrics,
+            rescale=rescale,
+            busy=controller._rescale_lock.locked,
+            label=label,
+            max_allowed=controller.flow.key_space.num_key_groups,
+        )
+
+
+def _describe(e: dict[str, Any]) -> str:
+    what = {"scale_out": "scale out", "scale_in": "scale in"}.get(e["action"], e["action"])
+    text = f"{e['operator']} {e['from']} -> {e['to']} ({what}; asked {e['proposed']!r})"
+    if e.get("reason"):
+        text += f": {e['reason']}"
+    if e.get("guard"):
+        text += f" | guard: {'; '.join(e['guard'])}"
+    return text
