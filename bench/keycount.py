@@ -5,6 +5,8 @@ Run it from the repository root::
     python -m bench.keycount --events 2000000 --keys 1000000 --zipf 1.1 --parallelism 2
     python -m bench.keycount --rate 100000 --events 1000000 --report report.json
     python -m bench.keycount --input events.parquet --output counts.parquet
+    python -m bench.keycount --source spark --input events.parquet
+    python -m bench.keycount --source spark-stream --input incoming/ --events 1000000
 
 The dataflow is ``source -> key_by("key") -> count (keyed, RocksDB) -> sink``; the sink keeps the
 latest count per key (bounded memory). Throughput is what the count step took in per second of
@@ -232,9 +234,26 @@ def _stop(job: rs.Job) -> None:
 @click.option(
     "--input",
     "input_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=click.Path(exists=True, path_type=Path),
     default=None,
-    help="Parquet file with a 'key' column (int or string); replaces the generator.",
+    help="Parquet file with a 'key' column (int or string); replaces the generator. With "
+    "--source spark-stream: the directory to watch for new Parquet files.",
+)
+@click.option(
+    "--source",
+    "source_kind",
+    type=click.Choice(["auto", "generator", "parquet", "spark", "spark-stream"]),
+    default="auto",
+    help="Where events come from; auto = parquet with --input, else the generator. spark reads "
+    "--input through a Spark DataFrame whose tasks push into the job; spark-stream watches the "
+    "--input directory with Structured Streaming until --events rows arrived or --idle-timeout.",
+)
+@click.option(
+    "--idle-timeout",
+    "idle_timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    help="spark-stream: end the input after this many seconds without new rows.",
 )
 @click.option(
     "--output",
@@ -298,6 +317,8 @@ def main(
     key_type: str,
     hot_key_fraction: float,
     input_path: Path | None,
+    source_kind: str,
+    idle_timeout_s: float,
     output: Path | None,
     report: Path | None,
     batch_rows: int,
@@ -327,7 +348,15 @@ def main(
         raise click.BadParameter(msg, param_hint="'--rescale'")
     _check_writable(output, "--output")
     _check_writable(report, "--report")
-    if input_path is not None:
+    if source_kind == "auto":
+        source_kind = "parquet" if input_path is not None else "generator"
+    spark_session = None
+    if source_kind in ("spark", "spark-stream"):
+        source, spark_session = _spark_source(source_kind, input_path, events, idle_timeout_s, batch_rows)
+    elif source_kind == "parquet":
+        if input_path is None or input_path.is_dir():
+            msg = "--source parquet needs --input PATH.parquet (a file)"
+            raise click.BadParameter(msg, param_hint="'--input'")
         _check_input(input_path)
         try:
             source: Any = rs.sources.parquet(input_path, batch_rows=batch_rows, rate_eps=rate)
@@ -353,6 +382,7 @@ def main(
         "key_type": key_type,
         "hot_key_fraction": hot_key_fraction,
         "input": str(input_path) if input_path else None,
+        "source_kind": source_kind,
         "output": str(output) if output else None,
         "batch_rows": batch_rows,
         "linger_ms": linger_ms,
@@ -424,6 +454,46 @@ def main(
             import ray
 
             ray.shutdown()
+        if spark_session is not None:
+            spark_session.stop()
+
+
+def _spark_source(
+    kind: str, input_path: Path | None, events: int, idle_timeout_s: float, batch_rows: int
+) -> tuple[Any, Any]:
+    """A Spark (batch or streaming) source over ``--input`` and the session it runs in."""
+    import tempfile
+
+    if input_path is None:
+        msg = f"--source {kind} needs --input ({'a Parquet file or directory' if kind == 'spark' else 'a directory to watch'})"
+        raise click.BadParameter(msg, param_hint="'--input'")
+    if kind == "spark-stream" and not input_path.is_dir():
+        msg = f"--source spark-stream watches a directory; {str(input_path)!r} is a file"
+        raise click.BadParameter(msg, param_hint="'--input'")
+    files = sorted(input_path.glob("*.parquet")) if input_path.is_dir() else [input_path]
+    if kind == "spark" and not files:
+        msg = f"{str(input_path)!r} holds no *.parquet files"
+        raise click.BadParameter(msg, param_hint="'--input'")
+    schema = _check_input(files[0]) if files else pa.schema([("key", pa.int64()), ("seq", pa.int64())])
+    try:
+        spark = rs.spark.session("bench-keycount", arrow_batch_rows=batch_rows)
+    except rs.RaystreamError as exc:
+        raise click.UsageError(str(exc)) from None
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    if kind == "spark":
+        df = spark.read.parquet(str(input_path))
+        return rs.sources.spark(df, push_rows=batch_rows), spark
+    sdf = spark.readStream.schema(from_arrow_schema(schema)).parquet(str(input_path))
+    checkpoint = tempfile.mkdtemp(prefix="raystream-bench-stream-")
+    source = rs.sources.spark_stream(
+        sdf,
+        checkpoint_location=checkpoint,
+        max_rows=events,
+        idle_timeout_s=idle_timeout_s,
+        push_rows=batch_rows,
+    )
+    return source, spark
 
 
 if __name__ == "__main__":

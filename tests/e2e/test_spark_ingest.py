@@ -1,0 +1,259 @@
+"""Spark -> raystream, end to end: real PySpark (local[2], tasks may retry) pushing Arrow batches
+into the source actors of a job on a real local Ray, key-count state in RocksDB.
+
+The oracle is numpy over the same input rows the test wrote (or generated) itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import raystream as rs
+from raystream.ingest import FeedContext
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(600)]
+
+# test-defined operators travel by value to Ray workers and to Spark's Python workers
+from ray import cloudpickle as _ray_cloudpickle  # noqa: E402
+
+_ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    import pyspark.cloudpickle
+
+    pyspark.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # local[2, 2]: two task slots, and a failed task is retried once (local mode's default is 1)
+    session = rs.spark.session("raystream-e2e", master="local[2, 2]", arrow_batch_rows=50_000)
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+@rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
+def count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    return batch.output({"count": new})
+
+
+def keycount(name: str, source: Any) -> rs.Dataflow:
+    flow = rs.Dataflow(name, num_key_groups=64)
+    flow.source(source).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
+    return flow
+
+
+def final_counts(result: rs.JobResult) -> dict[int, int]:
+    t = result.table("out")
+    keys = t.column("key").to_numpy()
+    counts = t.column("count").to_numpy()
+    out: dict[int, int] = {}
+    for k, c in zip(keys.tolist(), counts.tolist(), strict=True):
+        out[k] = max(out.get(k, 0), c)  # a key's counts only grow; the last is the largest
+    return out
+
+
+def oracle(keys: np.ndarray) -> dict[int, int]:
+    uniq, n = np.unique(keys, return_counts=True)
+    return dict(zip(uniq.tolist(), n.tolist(), strict=True))
+
+
+def events(n: int, seed: int) -> pa.Table:
+    return rs.sources.generator(events=n, keys=20_000, zipf=1.1, seed=seed).generate_all()
+
+
+def test_a_spark_dataframe_of_1m_rows_counts_exactly(spark: Any, tmp_path: Path) -> None:
+    table = events(1_000_000, seed=11)
+    pq.write_table(table, tmp_path / "events.parquet", row_group_size=125_000)
+    df = spark.read.parquet(str(tmp_path / "events.parquet")).repartition(6)
+    src = rs.sources.spark(df)
+    flow = keycount("e2e-spark-batch", src)
+    flow.steps["source"]  # noqa: B018 - the source step exists under its default name
+    job = rs.start(flow, parallelism={"count": 2, "source": 2})
+    result = job.wait(300)
+    assert result.state == "finished"
+    assert final_counts(result) == oracle(table.column("key").to_numpy())
+    stats = job.feeders[0].stats
+    assert stats["partitions"] == 6 and stats["accepted"] == 1_000_000 and stats["duplicate"] == 0
+
+
+def _fail_first_attempt_midway(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """A user transform whose first attempt of partition 1 dies once 60k rows went on (Spark
+    regroups them into 50k-row Arrow batches for the push), after giving the push time to land."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    seen = 0
+    for b in batches:
+        yield b
+        seen += b.num_rows
+        if ctx.partitionId() == 1 and ctx.attemptNumber() == 0 and seen >= 60_000:
+            time.sleep(3)
+            msg = f"injected failure after {seen} rows (attempt 0)"
+            raise RuntimeError(msg)
+
+
+def test_a_spark_task_that_fails_once_is_retried_without_double_counting(
+    spark: Any, tmp_path: Path
+) -> None:
+    table = events(300_000, seed=12)
+    pq.write_table(table, tmp_path / "events.parquet")
+    df = spark.read.parquet(str(tmp_path / "events.parquet")).repartition(3)
+    df = df.mapInArrow(_fail_first_attempt_midway, df.schema)
+    # small pushes, so attempt 0 delivers some rows before it dies
+    job = rs.start(keycount("e2e-spark-retry", rs.sources.spark(df, push_rows=10_000)))
+    result = job.wait(300)
+    assert result.state == "finished"
+    assert final_counts(result) == oracle(table.column("key").to_numpy())
+    stats = job.feeders[0].stats
+    assert stats["retried"] == 1, stats  # the retry happened ...
+    ingest = [m["ingest"] for m in result.metrics if "ingest" in m]
+    dup = sum(i["rows_duplicate"] for i in ingest)
+    # ... attempt 0 had pushed rows before failing, and the retry's copy of them was skipped
+    assert dup >= 10_000, ingest
+    assert sum(i["rows_accepted"] for i in ingest) == 300_000
+
+
+def test_a_spark_failure_fails_the_job_with_sparks_error(spark: Any) -> None:
+    def always_fails(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for _ in batches:
+            msg = "the input is corrupt"
+            raise ValueError(msg)
+        yield from ()
+
+    df = spark.range(0, 1000, numPartitions=2).selectExpr("id as key", "id as seq")
+    df = df.mapInArrow(always_fails, df.schema)
+    with pytest.raises(rs.JobFailedError, match="the input is corrupt"):
+        rs.run(keycount("e2e-spark-fail", rs.sources.spark(df)), timeout_s=300)
+
+
+def test_structured_streaming_over_a_growing_directory_with_a_rescale(
+    spark: Any, tmp_path: Path
+) -> None:
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    files = [events(40_000, seed=100 + i) for i in range(6)]
+    total = sum(t.num_rows for t in files)
+    schema = files[0].schema
+    pq.write_table(files[0], incoming / "part-0.parquet")
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    sdf = spark.readStream.schema(from_arrow_schema(schema)).option("maxFilesPerTrigger", 1).parquet(str(incoming))
+    src = rs.sources.spark_stream(
+        sdf,
+        checkpoint_location=str(tmp_path / "checkpoint"),
+        trigger={"processingTime": "500 milliseconds"},
+        max_rows=total,
+        idle_timeout_s=120,
+    )
+    job = rs.start(keycount("e2e-spark-stream", src), parallelism={"count": 2})
+
+    def add_files() -> None:
+        deadline = time.monotonic() + 120
+        while job.feeders[0].stats["accepted"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the first micro-batch is in (Spark's Python workers are up)
+        for i, t in enumerate(files[1:], start=1):
+            time.sleep(1.0)
+            tmp = tmp_path / f"part-{i}.parquet.tmp"
+            pq.write_table(t, tmp)
+            shutil.move(tmp, incoming / f"part-{i}.parquet")  # appear whole (rename)
+
+    writer = threading.Thread(target=add_files, daemon=True)
+    writer.start()
+    # rescale once rows flow, while files are still being added
+    deadline = time.monotonic() + 120
+    while job.feeders[0].stats["accepted"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert writer.is_alive(), "the files were all in before the rescale; the test proves nothing"
+    stats = job.rescale("count", 3)
+    assert stats["to"] == 3
+    writer.join()
+    result = job.wait(300)
+    assert result.state == "finished"
+    everything = pa.concat_tables(files).column("key").to_numpy()
+    assert final_counts(result) == oracle(everything)
+    assert job.feeders[0].stats["batches"] >= 3  # really several micro-batches
+
+
+def test_a_micro_batch_spark_replays_after_a_restart_is_not_counted_twice(
+    spark: Any, tmp_path: Path
+) -> None:
+    """Spark replays the last micro-batch when its commit is missing (a crash between pushing
+    and committing). Two runs of a real streaming query over one checkpoint, the commit of the
+    last batch removed in between: the replay reaches the job and is recognised."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    import ray
+
+    from raystream.runtime.actors import NAMESPACE, source_actor_name
+    from raystream.spark import push_dataframe
+
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    first, second = events(30_000, seed=21), events(20_000, seed=22)
+    pq.write_table(first, incoming / "a.parquet")
+    schema = first.schema
+    checkpoint = tmp_path / "checkpoint"
+    flow = keycount("e2e-spark-replay", rs.sources.push(schema))
+    job = rs.start(flow, parallelism={"source": 1, "count": 2})
+    ctx = FeedContext(
+        "e2e-spark-replay", "source", 1, ray.get_runtime_context().gcs_address, NAMESPACE,
+        __import__("os").environ.get("RAY_AUTH_MODE"),
+    )
+    pushed: list[tuple[int, dict[str, int]]] = []
+
+    def on_batch(df: Any, batch_id: int) -> None:
+        stats = push_dataframe(df, ctx, stream=str(checkpoint), batch_id=batch_id, schema=schema, push_rows=10_000)
+        pushed.append((batch_id, stats))
+
+    def run_query() -> None:
+        sdf = spark.readStream.schema(from_arrow_schema(schema)).parquet(str(incoming))
+        q = sdf.writeStream.option("checkpointLocation", str(checkpoint)).foreachBatch(on_batch).start()
+        q.processAllAvailable()
+        q.stop()
+
+    run_query()
+    last = max(b for b, _ in pushed)
+    # as if the driver died after pushing the batch, before Spark committed it
+    (checkpoint / "commits" / str(last)).unlink()
+    (checkpoint / "commits" / f".{last}.crc").unlink(missing_ok=True)
+    pq.write_table(second, incoming / "b.parquet")
+    run_query()
+    replays = [s for b, s in pushed if b == last]
+    assert len(replays) == 2, pushed  # Spark really ran the batch twice
+    assert replays[1]["accepted"] == 0 and replays[1]["duplicate"] == replays[0]["accepted"] > 0
+    source = ray.get_actor(source_actor_name("e2e-spark-replay", "source", 0), namespace=NAMESPACE)
+    ray.get(source.end_ingest.remote())
+    result = job.wait(120)
+    everything = pa.concat_tables([first, second]).column("key").to_numpy()
+    assert final_counts(result) == oracle(everything)
+
+
+def test_definition_errors_name_what_was_expected(spark: Any, tmp_path: Path) -> None:
+    df = spark.range(0, 10).selectExpr("id as user", "id as seq")
+    flow = rs.Dataflow("e2e-spark-nokey")
+    with pytest.raises(rs.RaystreamError, match="key"):
+        flow.source(rs.sources.spark(df)).key_by("key")
+    (tmp_path / "in").mkdir()
+    sdf = spark.readStream.schema("key long").parquet(str(tmp_path / "in"))
+    with pytest.raises(rs.ConfigError, match=r"use rs.sources.spark_stream\(\)"):
+        rs.sources.spark(sdf)
+    with pytest.raises(rs.ConfigError, match=r"use rs.sources.spark\(\)"):
+        rs.sources.spark_stream(df, checkpoint_location=str(tmp_path / "c"))
+    with pytest.raises(rs.ConfigError, match="checkpoint_location"):
+        rs.sources.spark_stream(sdf, checkpoint_location="")
+    with pytest.raises(rs.ConfigError, match="expected a pyspark.sql.DataFrame"):
+        rs.sources.spark([1, 2, 3])
