@@ -292,8 +292,10 @@ class _FeederBase(threading.Thread):
             pass
 
     def run(self) -> None:
+        t0 = time.perf_counter()
         try:
             self._feed()
+            self.stats["seconds"] = time.perf_counter() - t0  # feeding, until the end was sent
         except Exception as e:  # noqa: BLE001 - reported through the job's sources
             if not self._stopping.is_set():
                 self._fail_sources(f"the Spark job feeding {self.ctx.step!r} failed: {_first_line(e)}")
