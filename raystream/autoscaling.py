@@ -254,6 +254,16 @@ class Autoscaler:
         """Wired to a :class:`~raystream.controller.Controller`'s metrics and rescale."""
         steps = controller.plan.steps
 
+        async def metrics() -> Mapping[str, Any]:
+            """Every instance's counters; unlike ``Controller.metrics`` no latency merge (it grows
+            with the run and the autoscaler does not need it)."""
+            live = [h for i, h in controller.handles.items() if i not in controller.outcomes]
+            snaps = await asyncio.gather(
+                *(h.metrics.remote() for h in live), return_exceptions=True
+            )
+            done = [o.get("metrics", {}) for o in controller.outcomes.values()]
+            return {"instances": [s for s in snaps if isinstance(s, dict)] + done}
+
         async def rescale(step: str, parallelism: int) -> Mapping[str, Any]:
             return await controller.rescale(step, parallelism, config.strategy)  # type: ignore[no-any-return]
 
@@ -264,7 +274,7 @@ class Autoscaler:
             upstream={n: tuple(s.upstream) for n, s in steps.items()},
             rescalable={n: s.kind for n, s in steps.items() if s.is_keyed},
             parallelism=lambda: controller.parallelism,
-            metrics=controller.metrics,
+            metrics=metrics,
             rescale=rescale,
             busy=controller._rescale_lock.locked,
             label=label,

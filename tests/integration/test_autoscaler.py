@@ -56,7 +56,7 @@ class AskTooMuch:
 
 
 def test_ds2_follows_a_4x_rate_step_in_few_decisions_and_stays_exact() -> None:
-    step_at_s, high_s = 3.0, 7.0
+    step_at_s, high_s = 5.0, 7.0  # the warm standby actors are up before the step
     events = int(LOW_EPS * step_at_s + HIGH_EPS * high_s)
     source = rs.sources.generator(
         events=events, keys=2_000, seed=5, rate_eps=LOW_EPS, rate_schedule=[(step_at_s, HIGH_EPS)]
