@@ -157,12 +157,15 @@ class Autoscaler:
             ]
         entries = []
         for change in self.guard.apply(decision, signals, now):
+            entry = self._entry(change, signals.get(change.operator), now)
+            acting = change.action in ("scale_out", "scale_in")
+            if not acting and not self._news(change):
+                continue  # the same hold or warning as last time: logged and recorded once
             for w in change.warnings:
                 log.warning("autoscaler %s: %s", self.label, w)
-            entry = self._entry(change, signals.get(change.operator), now)
-            if change.action in ("scale_out", "scale_in"):
+            if acting:
                 entries.append(await self._carry_out(change, entry))
-            elif change.action == "ignored" or change.warnings or self._new_hold(change):
+            else:
                 log.info("autoscaler %s: %s", self.label, _describe(entry))
                 entries.append(self._record(entry))
         return entries
@@ -190,11 +193,15 @@ class Autoscaler:
         return self._record(entry)
 
     # ---- records --------------------------------------------------------------------------
-    def _new_hold(self, change: Change) -> bool:
-        if change.target == change.proposed:
+    def _news(self, change: Change) -> bool:
+        """A hold or an ignored wish worth recording: not a plain "keep what runs", and not the
+        same (guard reason, warnings) as the last one recorded for this operator."""
+        if change.target == change.proposed and not change.warnings:
             self._last_hold.pop(change.operator, None)
             return False
-        key = "; ".join(n.split(":")[0] for n in change.notes)
+        key = " | ".join(
+            [change.action, *(n.split(":")[0] for n in change.notes), *change.warnings]
+        )
         if self._last_hold.get(change.operator) == key:
             return False
         self._last_hold[change.operator] = key

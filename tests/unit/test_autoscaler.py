@@ -542,3 +542,14 @@ def test_rs_start_rejects_bad_autoscaler_settings_before_starting_anything() -> 
     with pytest.raises(ConfigError, match="bad options"):
         rs.start(flow, autoscaler="ds2", autoscaler_config={"policy_args": {"nope": 1}})
     assert ray.is_initialized() == was_up  # nothing was started
+
+
+def test_a_repeated_hold_or_warning_is_recorded_once(caplog: pytest.LogCaptureFixture) -> None:
+    sim = SimPipeline([(0, 8_000)])
+    loop = make_loop(sim, Fixed(50), max_parallelism=3, cooldown_s=0, window_s=1.0)
+    with caplog.at_level(logging.WARNING, logger="raystream.autoscaler"):
+        asyncio.run(drive(sim, loop, 30))
+    assert sim.p == 3 and loop.decisions == 1
+    holds = [e for e in loop.history if e["action"] == "hold"]
+    assert len(holds) == 1 and "clamped to 3" in holds[0]["warnings"][0]
+    assert sum("clamped to 3" in r.getMessage() for r in caplog.records) == 2  # act, first hold
