@@ -12,6 +12,7 @@ import math
 import time
 from typing import Any
 
+import pytest
 from raystream.autoscaler import ScalingContext, ScalingDecision
 
 import raystream as rs
@@ -45,6 +46,22 @@ def check_exact(result: rs.JobResult, source: Any) -> None:
     assert_counts_equal(last_counts(result.table("out")), oracle_counts(source.generate_all()))
 
 
+def run_or_explain(flow: rs.Dataflow, timeout_s: float = 90, **kwargs: Any) -> rs.JobResult:
+    """``rs.run``, but a job still running at the timeout fails the test with what the controller
+    and every instance were doing (a stalled rescale shows which instance waits for what)."""
+    job = rs.start(flow, **kwargs)
+    result = job.wait(timeout_s)
+    if result.state != "running":
+        return result
+    st = job.status()
+    job.stop()
+    instances = [
+        {k: v for k, v in i.items() if k not in ("throughput", "latency")} for i in st["instances"]
+    ]
+    st = {k: v for k, v in st.items() if k != "instances"}
+    pytest.fail(f"job still running after {timeout_s} s: {st}; instances: {instances}")
+
+
 class AskTooMuch:
     """A user's policy, defined here and loaded as '<this module>:AskTooMuch': it asks for more
     instances than allowed and for an operator that does not exist."""
@@ -61,7 +78,7 @@ def test_ds2_follows_a_4x_rate_step_in_few_decisions_and_stays_exact() -> None:
     source = rs.sources.generator(
         events=events, keys=2_000, seed=5, rate_eps=LOW_EPS, rate_schedule=[(step_at_s, HIGH_EPS)]
     )
-    result = rs.run(
+    result = run_or_explain(
         slow_flow("autoscale-ds2", source),
         parallelism={"count": 1},
         autoscaler="ds2",
@@ -73,7 +90,6 @@ def test_ds2_follows_a_4x_rate_step_in_few_decisions_and_stays_exact() -> None:
             "max_parallelism": 6,
         },
         linger_ms=20.0,
-        timeout_s=90,
     )
     check_exact(result, source)
     done = [e for e in result.autoscaling if e["action"] in ("scale_out", "scale_in")]
