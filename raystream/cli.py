@@ -1,19 +1,20 @@
 """``raystream`` command line: run a job file, and status / rescale / stop a running job by name.
 
     raystream run examples/keycount_job.py --parallelism count=2
+    raystream submit examples/keycount_job.py -p count=2 --address http://127.0.0.1:8265
     raystream status keycount
     raystream rescale keycount count 4 --strategy meces
     raystream stop keycount
     raystream demo
 
-``status``, ``rescale`` and ``stop`` connect to the Ray cluster in ``RAY_ADDRESS``, else to the one
-already running on this machine (``address="auto"``), and find the job's controller by name.
+``status``, ``rescale`` and ``stop`` connect to the Ray cluster in ``RAY_ADDRESS`` (its GCS address
+HOST:PORT), else to the one already running on this machine (``address="auto"``), and find the
+job's controller by name. ``submit`` talks to the cluster's job server (dashboard, HTTP).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import runpy
 import sys
 from pathlib import Path
@@ -25,23 +26,10 @@ __all__ = ["main"]
 
 
 def _connect() -> None:
-    import ray
-
-    from raystream.errors import JobNotFoundError
+    from raystream.cluster import connect
     from raystream.runtime.actors import NAMESPACE
 
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS") or "auto"
-    try:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="error")
-    except (ConnectionError, RuntimeError) as e:
-        msg = (
-            f"cannot reach a Ray cluster at {address!r} ({e}). Start the job first "
-            "(`raystream run job.py`, or `ray start --head` and `raystream submit`), or set "
-            "RAY_ADDRESS to the cluster's address."
-        )
-        raise JobNotFoundError(msg) from None
+    connect(namespace=NAMESPACE)
 
 
 def _parallelism(values: tuple[str, ...]) -> dict[str, int]:
@@ -124,50 +112,61 @@ def run(job_file: str, parallelism: tuple[str, ...], flow_name: str | None, stra
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def status(job: str, as_json: bool) -> None:
-    """Operators, parallelism, rates, backlog and latency of the running JOB."""
+    """Operators of the running JOB: parallelism, records, rate, busy, backlog, latency."""
     from rich.console import Console
     from rich.table import Table
 
     import raystream as rs
+    from raystream.status_view import RATE_WINDOW_S, operator_rows
 
     _connect()
     st = rs.attach(job).status()
+    rows = operator_rows(st)
     if as_json:
-        click.echo(json.dumps(st, default=str, indent=1))
+        click.echo(json.dumps({**st, "operators": rows}, default=str, indent=1))
         return
-    table = Table(title=f"job {st['job']!r}: {st['state']}, parallelism {st['parallelism']}")
-    for col in (
-        "step",
-        "index",
-        "records in",
-        "records out",
-        "busy s",
-        "rate in/s",
-        "backlog",
-        "migration",
-    ):
-        table.add_column(col)
-    for m in sorted(st["instances"], key=lambda m: (m.get("step", ""), m.get("index", 0))):
-        up = max(m.get("uptime_s", 0.0), 1e-9)
-        mig = m.get("migration")
+    title = f"job {st['job']!r}: {st['state']}"
+    if st.get("rescaling"):
+        title += ", rescaling"
+    table = Table(title=title)
+    columns = {
+        "operator": "operator",
+        "parallelism": "parallelism",
+        "records_in": "records in",
+        "records_out": "records out",
+        "rate_in_per_s": "in/s",
+        "busy_pct": "busy %",
+        "backlog": "backlog",
+        "latency_p50_ms": "p50 ms",
+        "latency_p99_ms": "p99 ms",
+        "migration": "migration",
+    }
+    for key, header in columns.items():
+        table.add_column(header, justify="left" if key in ("operator", "migration") else "right")
+    for r in rows:
         table.add_row(
-            str(m.get("step")),
-            str(m.get("index")),
-            f"{m.get('records_in', 0):,}",
-            f"{m.get('records_out', 0):,}",
-            f"{m.get('busy_s', 0):.2f}",
-            f"{m.get('records_in', 0) / up:,.0f}",
-            str(m.get("backlog", 0)),
-            ""
-            if not mig
-            else ("done" if mig.get("done") else f"{mig.get('arrived')}/{mig.get('incoming')} in"),
+            r["operator"],
+            str(r["parallelism"]),
+            f"{r['records_in']:,}",
+            f"{r['records_out']:,}",
+            f"{r['rate_in_per_s']:,.0f}",
+            f"{r['busy_pct']:.1f}",
+            f"{r['backlog']:,}",
+            "" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:g}",
+            "" if r["latency_p99_ms"] is None else f"{r['latency_p99_ms']:g}",
+            r["migration"],
         )
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     console.print(table)
+    console.print(
+        f"in/s: records in per second over the last {RATE_WINDOW_S:g} s; busy %: share of time "
+        "spent processing since the instances started; p50/p99: sink end-to-end latency"
+    )
     if st.get("latency"):
         lat = st["latency"]
         console.print(
-            f"latency p50 {lat['p50_ms']} ms  p99 {lat['p99_ms']} ms  max {lat['max_ms']} ms"
+            f"end-to-end latency (all sinks, whole run): p50 {lat['p50_ms']} ms  "
+            f"p99 {lat['p99_ms']} ms  max {lat['max_ms']} ms"
         )
 
 
@@ -201,7 +200,63 @@ def stop(job: str) -> None:
 
     _connect()
     result = rs.attach(job).stop()
-    click.echo(f"job {result.job!r} {result.state}")
+    if result is None:  # its driver saw the end first and removed the controller
+        click.echo(f"job {job!r} stopped")
+    else:
+        click.echo(f"job {result.job!r} {result.state}")
+
+
+def _env_vars(values: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for v in values:
+        key, sep, value = v.partition("=")
+        if not sep or not key:
+            msg = f"--env takes KEY=VALUE (e.g. RAYSTREAM_OUT=/data/out), got {v!r}"
+            raise click.BadParameter(msg)
+        out[key] = value
+    return out
+
+
+@main.command()
+@click.argument("job_file")
+@click.option("--parallelism", "-p", multiple=True, help="STEP=N, repeatable")
+@click.option(
+    "--address",
+    default=None,
+    help="the cluster's job server (dashboard); default RAY_API_SERVER_ADDRESS, an http:// "
+    "RAY_ADDRESS, else http://127.0.0.1:8265",
+)
+@click.option("--env", "env", multiple=True, help="KEY=VALUE set for the job, repeatable")
+@click.option("--strategy", default=None, help="migration strategy for rescales")
+@click.option("--no-wait", is_flag=True, help="return once submitted; do not follow the log")
+@click.option("--timeout", "timeout_s", type=float, default=None, help="give up waiting after s")
+def submit(
+    job_file: str,
+    parallelism: tuple[str, ...],
+    address: str | None,
+    env: tuple[str, ...],
+    strategy: str | None,
+    no_wait: bool,
+    timeout_s: float | None,
+) -> None:
+    """Submit JOB_FILE to a running Ray cluster (Ray job submission, token auth) and follow it.
+
+    The job file's folder becomes the job's working directory; the cluster runs
+    `python -m raystream run <file>`. Exits non-zero if the job fails.
+    """
+    from raystream.submit import Submission, check_job_file, dashboard_address, wait_for_job
+    from raystream.submit import submit as do_submit
+
+    sub = Submission(check_job_file(job_file), _parallelism(parallelism), _env_vars(env), strategy)
+    target = dashboard_address(address)
+    client, sid = do_submit(sub, target)
+    click.echo(f"submitted {sub.job_file.name} to {target} as Ray job {sid}")
+    click.echo(f"  entrypoint: {sub.entrypoint()}  (working dir {sub.working_dir})")
+    if no_wait:
+        click.echo(f"follow it with: ray job logs --address {target} --follow {sid}")
+        return
+    status = wait_for_job(client, sid, echo=click.echo, timeout_s=timeout_s)
+    click.echo(f"Ray job {sid} {status}")
 
 
 @main.command()

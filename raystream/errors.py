@@ -12,6 +12,7 @@
     ├── StateError                        keyed state that is not where it should be
     ├── PluginNotFoundError (LookupError) an unknown strategy / policy name
     ├── JobNotFoundError (LookupError)    no running job of that name
+    ├── ClusterError (ConnectionError)    a Ray cluster that cannot be reached or refuses us (auth)
     └── JobFailedError                    an operator instance failed while the job ran
 
 Every message says what was expected, what was given, and how to fix it.
@@ -20,6 +21,7 @@ Every message says what was expected, what was given, and how to fix it.
 from __future__ import annotations
 
 __all__ = [
+    "ClusterError",
     "ConfigError",
     "DataflowDefinitionError",
     "JobFailedError",
@@ -72,6 +74,11 @@ class PluginNotFoundError(RaystreamError, LookupError):
 
 class JobNotFoundError(RaystreamError, LookupError):
     """No running job of that name."""
+
+
+class ClusterError(RaystreamError, ConnectionError):
+    """A Ray cluster cannot be reached at the address tried, or refuses the request
+    (token authentication)."""
 
 
 class JobFailedError(RaystreamError):

@@ -226,6 +226,13 @@ def attach(name: str) -> Job:
     try:
         controller = ray.get_actor(controller_name(name), namespace=NAMESPACE)
     except ValueError:
-        msg = f"no running job named {name!r} on this Ray cluster (namespace {NAMESPACE!r})"
+        from raystream.cluster import running_jobs
+
+        jobs = running_jobs()
+        listed = ", ".join(repr(j) for j in jobs) if jobs else "none"
+        msg = (
+            f"no running job named {name!r} on this Ray cluster (namespace {NAMESPACE!r}); "
+            f"running raystream jobs: {listed}"
+        )
         raise JobNotFoundError(msg) from None
     return Job(name, controller)

@@ -7,6 +7,7 @@ Every actor takes ``num_cpus=0`` so a 2-core machine can hold a whole dataflow.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import ray
@@ -37,6 +38,7 @@ class InstanceActor:
         self._receivers: dict[ChannelId, Any] = {}
         self._events: list[tuple[str, dict[str, Any]]] = []
         self._controller: Any = None
+        self._metrics_task: asyncio.Task[None] | None = None
 
     async def configure(self, spec: InstanceSpec) -> None:
         self._instance = OperatorInstance(spec)
@@ -58,7 +60,11 @@ class InstanceActor:
 
     async def run(self) -> dict[str, Any]:
         """Run the instance to its end; returns its result or its error (never raises)."""
-        await self._instance.run()
+        exporter = self._start_metrics_export()
+        try:
+            await self._instance.run()
+        finally:
+            self._stop_metrics_export(exporter)
         inst = self._instance
         return {
             "instance": inst.spec.id,
@@ -145,6 +151,39 @@ class InstanceActor:
     async def abort(self) -> None:
         """The job failed or was stopped: leave no half-written sink file behind."""
         self._instance.abort()
+
+    # ---- Ray metrics export (Prometheus / Ray Dashboard), see raystream/metrics_export.py -----
+    def _export_metrics(self, exporter: Any, *, up: bool = True) -> None:
+        inst = self._instance
+        exporter.export(inst.metrics, inst.inbox.depth(), inst.latency, up=up)
+
+    def _start_metrics_export(self) -> Any:
+        """A background task exporting this instance's counters every ``metrics_export_s``."""
+        period_s = float(getattr(self._instance.spec.config, "metrics_export_s", 1.0))
+        if period_s <= 0:
+            return None
+        from raystream.metrics_export import RayMetricsExporter
+
+        spec = self._instance.spec
+        exporter = RayMetricsExporter(spec.job, spec.step.name, spec.index)
+
+        async def loop() -> None:
+            while True:
+                with contextlib.suppress(Exception):  # metrics never stop the dataflow
+                    self._export_metrics(exporter)
+                await asyncio.sleep(period_s)
+
+        self._metrics_task = asyncio.get_running_loop().create_task(loop())
+        return exporter
+
+    def _stop_metrics_export(self, exporter: Any) -> None:
+        """The instance ended: stop the task and export the final counts once more."""
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            self._metrics_task = None
+        if exporter is not None:
+            with contextlib.suppress(Exception):
+                self._export_metrics(exporter, up=False)
 
     async def ping(self) -> bool:
         await asyncio.sleep(0)

@@ -45,6 +45,7 @@ class RuntimeConfig:
     migration_support: bool = True  # False: no per-sub-group tracking, rescale refused
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
     state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
+    metrics_export_s: float = 1.0  # period of the Ray metrics (Prometheus) export; 0: off
 
     def __post_init__(self) -> None:
         from raystream.errors import ConfigError
