@@ -167,17 +167,21 @@ def _connect(address: str, namespace: str, auth_mode: str | None) -> None:
 
 
 def _coalesce(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
-    """Join Spark's Arrow batches up to ``rows`` rows: a push costs the same whatever its size."""
+    """Re-cut Spark's Arrow batches into pushes of exactly ``rows`` rows (the last may be
+    shorter): small ones are joined (a push costs about the same whatever its size), large ones
+    sliced (a push never exceeds what the source buffers)."""
     parts: list[pa.RecordBatch] = []
     have = 0
     for b in batches:
-        if b.num_rows == 0:
-            continue
-        parts.append(b)
-        have += b.num_rows
-        if have >= rows:
-            yield parts[0] if len(parts) == 1 else pa.concat_batches(parts)
-            parts, have = [], 0
+        offset = 0
+        while offset < b.num_rows:
+            take = min(rows - have, b.num_rows - offset)
+            parts.append(b.slice(offset, take))
+            offset += take
+            have += take
+            if have == rows:
+                yield parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+                parts, have = [], 0
     if parts:
         yield parts[0] if len(parts) == 1 else pa.concat_batches(parts)
 

@@ -90,6 +90,25 @@ def test_a_spark_dataframe_of_1m_rows_counts_exactly(spark: Any, tmp_path: Path)
     assert stats["partitions"] == 6 and stats["accepted"] == 1_000_000 and stats["duplicate"] == 0
 
 
+@rs.map_batches(name="slow")
+def slow(batch: pa.RecordBatch) -> pa.RecordBatch:
+    time.sleep(0.05)  # a step slower than Spark can push
+    return batch
+
+
+def test_backpressure_reaches_spark_tasks_and_the_buffer_stays_bounded(spark: Any) -> None:
+    df = spark.range(0, 120_000, numPartitions=2).selectExpr("id % 997 as key", "id as seq")
+    src = rs.sources.spark(df, push_rows=10_000, capacity_rows=20_000)
+    flow = rs.Dataflow("e2e-spark-backpressure", num_key_groups=64)
+    flow.source(src).apply(slow).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
+    job = rs.start(flow, batch_rows=10_000, max_inflight=1, inbox_capacity=1)
+    result = job.wait(300)
+    assert final_counts(result) == oracle(np.arange(120_000) % 997)
+    (ingest,) = [m["ingest"] for m in result.metrics if "ingest" in m]
+    assert ingest["backpressure_waits"] > 0, ingest  # Spark tasks had to wait ...
+    assert ingest["max_queued_rows"] <= 20_000, ingest  # ... and the buffer never overflowed
+
+
 def _fail_first_attempt_midway(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """A user transform whose first attempt of partition 1 dies once 60k rows went on (Spark
     regroups them into 50k-row Arrow batches for the push), after giving the push time to land."""
@@ -257,3 +276,27 @@ def test_definition_errors_name_what_was_expected(spark: Any, tmp_path: Path) ->
         rs.sources.spark_stream(sdf, checkpoint_location="")
     with pytest.raises(rs.ConfigError, match="expected a pyspark.sql.DataFrame"):
         rs.sources.spark([1, 2, 3])
+
+
+def test_the_spark_example_job_runs_from_the_cli(tmp_path: Path) -> None:
+    """``raystream run examples/spark_keycount_job.py`` in its own process (own embedded Ray, own
+    Spark): the Parquet counts equal numpy's count of the example's generated input."""
+    import os
+    import subprocess
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "spark_keycount_job.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAYSTREAM_EVENTS="200000", RAYSTREAM_OUT=str(tmp_path / "out"))
+    cli = Path(sys.executable).parent / "raystream"
+    proc = subprocess.run(
+        [str(cli), "run", str(example), "-p", "count=2"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "finished" in proc.stdout
+    got = pq.read_table(tmp_path / "out")
+    counts: dict[int, int] = {}
+    for k, c in zip(got.column("key").to_pylist(), got.column("count").to_pylist(), strict=True):
+        counts[k] = max(counts.get(k, 0), c)
+    expected = rs.sources.generator(events=200_000, keys=50_000, zipf=1.1, seed=7).generate_all()
+    assert counts == oracle(expected.column("key").to_numpy())

@@ -37,3 +37,19 @@ def test_a_spark_source_needs_a_dataframe() -> None:
 
     with pytest.raises(rs.ConfigError, match="expected a pyspark.sql.DataFrame, got list"):
         rs.sources.spark([1, 2, 3])
+
+
+def test_spark_batches_are_recut_into_pushes_of_push_rows() -> None:
+    import pyarrow as pa
+
+    from raystream.spark import _coalesce
+
+    sizes = [3, 0, 10, 1, 25, 2]
+    start = 0
+    batches = []
+    for n in sizes:
+        batches.append(pa.record_batch({"x": list(range(start, start + n))}))
+        start += n
+    pushes = list(_coalesce(iter(batches), 8))
+    assert [p.num_rows for p in pushes] == [8, 8, 8, 8, 8, 1]
+    assert pa.Table.from_batches(pushes).column("x").to_pylist() == list(range(sum(sizes)))
