@@ -62,7 +62,7 @@ __all__ = [
     "__version__",
 ]
 
-from raystream import sinks, sources  # noqa: E402
+from raystream import sinks, sources, spark  # noqa: E402
 from raystream.dataflow import (  # noqa: E402
     Dataflow,
     Operator,
@@ -102,5 +102,6 @@ __all__ += [
     "run",
     "sinks",
     "sources",
+    "spark",
     "start",
 ]

@@ -79,13 +79,14 @@ class Controller:
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, self_handle: Any) -> dict[str, Any]:
         """Create every instance actor, wire the channels, start the loops (sources last)."""
-        from raystream.runtime.actors import InstanceActor
+        from raystream.runtime.actors import NAMESPACE, InstanceActor, source_actor_name
 
         self._self = self_handle
         for iid, spec in self.plan.instances.items():
-            self.handles[iid] = InstanceActor.options(name=None, max_concurrency=10_000).remote(
-                spec
-            )
+            name = source_actor_name(self.flow.name, *iid) if iid in self.plan.sources else None
+            self.handles[iid] = InstanceActor.options(
+                name=name, namespace=NAMESPACE, max_concurrency=10_000
+            ).remote(spec)
         await asyncio.gather(*(h.ping.remote() for h in self.handles.values()))
         await asyncio.gather(
             *(

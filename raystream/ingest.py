@@ -78,6 +78,7 @@ class IngestBuffer:
         self.rows_accepted = 0
         self.rows_duplicate = 0
         self.waits = 0  # offers that had to wait for room (backpressure reached the writer)
+        self.max_queued_rows = 0
 
     # ---- writers --------------------------------------------------------------------------
     async def offer(self, token: Token, offset: int, batch: pa.RecordBatch) -> dict[str, int]:
@@ -124,6 +125,7 @@ class IngestBuffer:
             if fresh.num_rows:
                 self._queue.append(fresh)
                 self._rows += fresh.num_rows
+                self.max_queued_rows = max(self.max_queued_rows, self._rows)
             self.rows_accepted += fresh.num_rows
             self.rows_duplicate += skip
             self.waits += int(waited)
@@ -195,6 +197,7 @@ class IngestBuffer:
             "rows_accepted": self.rows_accepted,
             "rows_duplicate": self.rows_duplicate,
             "queued_rows": self._rows,
+            "max_queued_rows": self.max_queued_rows,
             "pieces": len(self._accepted),
             "backpressure_waits": self.waits,
         }

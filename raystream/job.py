@@ -13,6 +13,7 @@ import ray
 
 from raystream.dataflow import Dataflow
 from raystream.errors import ConfigError, JobFailedError, JobNotFoundError
+from raystream.ingest import FeedContext
 from raystream.metrics import LatencyRecorder
 from raystream.runtime.actors import NAMESPACE, controller_actor_class, controller_name
 from raystream.runtime.instance import RuntimeConfig
@@ -71,16 +72,26 @@ class JobResult:
 class Job:
     """A running job, driven through its named controller actor."""
 
-    def __init__(self, name: str, controller: Any) -> None:
+    def __init__(self, name: str, controller: Any, feeders: list[Any] | None = None) -> None:
         self.name = name
         self.controller = controller
+        self.feeders: list[Any] = list(feeders or [])  # driver-side writers (Spark) of this process
 
     def __repr__(self) -> str:
         return f"Job({self.name!r})"
 
     def wait(self, timeout_s: float | None = None) -> JobResult:
         out = ray.get(self.controller.wait.remote(timeout_s))
+        if out["state"] != "running":
+            self._end_feeders(stop=out["state"] != "finished")
         return _result(out, self)
+
+    def _end_feeders(self, *, stop: bool) -> None:
+        """The job ended: stop (failed, stopped) or join (finished) the feeders this process runs."""
+        for f in self.feeders:
+            if stop:
+                f.stop()
+            f.join(30.0)
 
     def status(self) -> dict[str, Any]:
         return ray.get(self.controller.status.remote())  # type: ignore[no-any-return]
@@ -101,6 +112,7 @@ class Job:
 
     def stop(self) -> JobResult | None:
         """Stop the job now; None if it had already ended (and its controller is gone)."""
+        self._end_feeders(stop=True)
         try:
             out = ray.get(self.controller.stop.remote())
         except ray.exceptions.RayActorError:
@@ -184,7 +196,13 @@ def start(
         .remote(flow, parallelism, config, base, cleanup_state=cleanup, autoscaler=scaling)
     )
     ray.get(controller.start.remote(controller))
-    return Job(flow.name, controller)
+    job = Job(flow.name, controller)
+    try:
+        job.feeders = _start_feeders(flow, parallelism)
+    except BaseException:
+        job.stop()
+        raise
+    return job
 
 
 def _autoscaler_spec(steps: dict[str, Any], policy: Any, config: Any) -> Any:
@@ -201,6 +219,25 @@ def _autoscaler_spec(steps: dict[str, Any], policy: Any, config: Any) -> Any:
     cfg.check_operators({n: s.kind for n, s in steps.items() if s.is_keyed})
     obj, label = resolve_policy(policy, cfg)
     return obj, label, cfg
+
+
+def _start_feeders(flow: Dataflow, parallelism: dict[str, int] | None) -> list[Any]:
+    """Sources fed from this process (Spark DataFrames) start feeding once the job is deployed."""
+    steps = flow.with_parallelism(parallelism)
+    address = ray.get_runtime_context().gcs_address
+    feeders = []
+    for step in steps.values():
+        if step.kind == "source" and hasattr(step.fn, "start_feeding"):
+            ctx = FeedContext(
+                flow.name,
+                step.name,
+                step.parallelism or 1,
+                address,
+                NAMESPACE,
+                os.environ.get("RAY_AUTH_MODE"),  # ray.init turns token auth on by default
+            )
+            feeders.append(step.fn.start_feeding(ctx))
+    return feeders
 
 
 def run(flow: Dataflow, *, timeout_s: float | None = None, **kwargs: Any) -> JobResult:

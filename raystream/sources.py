@@ -47,6 +47,9 @@ __all__ = [
     "from_table",
     "generator",
     "parquet",
+    "push",
+    "spark",
+    "spark_stream",
 ]
 
 
@@ -698,3 +701,30 @@ def from_table(
         )
         raise ConfigError(msg)
     return TableSource(table=table, rate_eps=rate_eps)
+
+
+# --------------------------------------------------------------------------------------------
+# pushed in from outside: Spark (batch and Structured Streaming), or any writer
+
+
+def spark(dataframe: object, **options: object) -> object:
+    """A batch Spark DataFrame whose tasks push Arrow batches into the job; see
+    :func:`raystream.spark.spark` for the options."""
+    from raystream.spark import spark as _spark
+
+    return _spark(dataframe, **options)  # type: ignore[arg-type]
+
+
+def spark_stream(dataframe: object, **options: object) -> object:
+    """A Structured Streaming DataFrame pushed in micro-batch by micro-batch, exactly once; see
+    :func:`raystream.spark.spark_stream` for the options (``checkpoint_location`` is required)."""
+    from raystream.spark import spark_stream as _spark_stream
+
+    return _spark_stream(dataframe, **options)  # type: ignore[arg-type]
+
+
+def push(schema: pa.Schema, *, capacity_rows: int = 400_000) -> object:
+    """Rows that outside writers push into the source actors (see :mod:`raystream.ingest`)."""
+    from raystream.ingest import push as _push
+
+    return _push(schema, capacity_rows=capacity_rows)

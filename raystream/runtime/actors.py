@@ -16,13 +16,24 @@ from raystream.runtime.instance import InstanceSpec, OperatorInstance
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.migration import MigrationTask
 
-__all__ = ["InstanceActor", "NAMESPACE", "controller_actor_class", "controller_name"]
+__all__ = [
+    "InstanceActor",
+    "NAMESPACE",
+    "controller_actor_class",
+    "controller_name",
+    "source_actor_name",
+]
 
 NAMESPACE = "raystream"
 
 
 def controller_name(job: str) -> str:
     return f"raystream-controller:{job}"
+
+
+def source_actor_name(job: str, step: str, index: int) -> str:
+    """Source instances are named actors, so outside writers (Spark tasks) find them."""
+    return f"raystream-source:{job}:{step}:{index}"
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -78,6 +89,16 @@ class InstanceActor:
 
     async def inject_barrier(self, barrier: Barrier) -> None:
         self._instance.inject_barrier(barrier)
+
+    # ---- push ingest (Spark tasks call these on named source actors) ------------------------
+    async def ingest(self, token: tuple[Any, ...], offset: int, batch: Any) -> dict[str, int]:
+        return await self._instance.ingest_buffer().offer(token, offset, batch)
+
+    async def end_ingest(self) -> None:
+        await self._instance.ingest_buffer().end()
+
+    async def fail_ingest(self, reason: str) -> None:
+        await self._instance.ingest_buffer().fail(reason)
 
     # ---- rescaling ---------------------------------------------------------------------------
     async def add_receivers(self, receivers: dict[ChannelId, Any]) -> None:

@@ -18,6 +18,8 @@ import numpy as np
 import pyarrow as pa
 
 from raystream.dataflow import KeySpec, Step
+from raystream.errors import SourceError
+from raystream.ingest import IngestBuffer
 from raystream.keys import KeySpace, RoutingTable
 from raystream.metrics import InstanceMetrics, LatencyRecorder
 from raystream.runtime.channels import ByKeyGroup, Forward, Inbox, OutputChannel, Rebalance
@@ -298,6 +300,9 @@ class OperatorInstance:
             snap["migration"] = {
                 k: v for k, v in self.engine.stats().items() if k != "fetch_wait_ms"
             }
+        buffer = getattr(self.reader, "buffer", None)
+        if isinstance(buffer, IngestBuffer):
+            snap["ingest"] = buffer.stats()
         pace, started = self._pace
         if pace is not None and not self.finished:  # what the autoscaler sees as demand
             t_s = time.monotonic() - started
@@ -331,10 +336,37 @@ class OperatorInstance:
                 },
             )
 
+    # ---- push ingest (sources that outside writers, e.g. Spark tasks, fill) ------------------
+    def _open_reader(self) -> Any:
+        if self.reader is None:
+            self.reader = self.step.fn.open(self.spec.index, self.spec.source_parallelism)
+        return self.reader
+
+    def ingest_buffer(self) -> IngestBuffer:
+        """The buffer a push source reads from (opened on first use: writers may come first)."""
+        buffer = getattr(self._open_reader(), "buffer", None) if self.role == "source" else None
+        if not isinstance(buffer, IngestBuffer):
+            msg = (
+                f"step {self.step.name!r} does not take pushed rows: it is a {self.role}"
+                f"{' reading ' + self.step.fn.describe() if self.role == 'source' else ''}; "
+                "push into a source built with rs.sources.spark / spark_stream / push"
+            )
+            raise SourceError(msg)
+        return buffer
+
+    async def _read_pushed(self, chunk: int) -> pa.RecordBatch | None:
+        """Wait for pushed rows, but never past the next linger deadline or ~20 ms, so barriers
+        and partly filled output batches go out while writers are quiet."""
+        await self._flush_due()
+        deadline = self._next_deadline()
+        wait = 0.02 if deadline is None else min(0.02, max(0.0, deadline - time.monotonic()))
+        return await self.reader.aread(chunk, wait)  # type: ignore[no-any-return]
+
     async def _run_source(self) -> None:
         src = self.step.fn
         cfg = self.spec.config
-        self.reader = src.open(self.spec.index, self.spec.source_parallelism)
+        self._open_reader()
+        pushed = hasattr(self.reader, "aread")
         pace = RateSchedule.of(src, self.spec.source_parallelism)  # None: unthrottled
         rate = pace.rate_at(0.0) if pace is not None else 0.0
         # at a fixed rate a source emits every linger_ms: small batches, low latency
@@ -363,7 +395,7 @@ class OperatorInstance:
                         await self._flush_due()
                         continue
                     await asyncio.sleep(wait)
-            batch = self.reader.read(chunk)
+            batch = await self._read_pushed(chunk) if pushed else self.reader.read(chunk)
             if batch is None:
                 break
             if batch.num_rows == 0:
