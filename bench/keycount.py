@@ -121,11 +121,11 @@ def _connect_ray() -> bool:
     return True
 
 
-def _pickle_by_value() -> None:
+def _pickle_by_value(modules: tuple[str, ...] = ("bench.keycount", "bench._latest")) -> None:
     """Ray workers need not import ``bench`` (it is not installed): ship our code by value."""
     from ray import cloudpickle
 
-    for name in ("bench.keycount", "bench._latest"):
+    for name in modules:
         module = sys.modules.get(name)
         if module is not None:
             cloudpickle.register_pickle_by_value(module)

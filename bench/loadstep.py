@@ -18,7 +18,6 @@ over time. The final counts are checked against the generator's own stream (nump
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import pyarrow as pa
 
 import raystream as rs
 from bench._latest import LatestCountSink
-from bench.keycount import _connect_ray, _stop
+from bench.keycount import _connect_ray, _pickle_by_value, _stop
 from raystream.metrics import WindowedCounter, build_timeline
 
 __all__ = ["loadstep_flow", "main"]
@@ -56,15 +55,6 @@ def loadstep_flow(source: Any, cost_s: float) -> rs.Dataflow:
         LatestCountSink(), name="latest"
     )
     return flow
-
-
-def _pickle_by_value() -> None:
-    from ray import cloudpickle
-
-    for name in ("bench.loadstep", "bench._latest"):
-        module = sys.modules.get(name)
-        if module is not None:
-            cloudpickle.register_pickle_by_value(module)
 
 
 def _parallelism_timeline(start: int, rescales: list[dict[str, Any]]) -> list[tuple[float, int]]:
@@ -189,7 +179,7 @@ def main(
         events=events, keys=keys, seed=11, rate_eps=low_eps, rate_schedule=schedule
     )
     started_ray = _connect_ray()
-    _pickle_by_value()
+    _pickle_by_value(("bench.loadstep", "bench._latest"))
     try:
         job = rs.start(
             loadstep_flow(source, cost_us / 1e6),

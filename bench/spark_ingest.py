@@ -35,11 +35,15 @@ def _flow(name: str, source: Any, keycount: bool) -> rs.Dataflow:
     return flow
 
 
-def _run_once(spark: Any, rows: int, partitions: int, push_rows: int, keycount: bool, keys: int) -> dict[str, Any]:
+def _run_once(
+    spark: Any, rows: int, partitions: int, push_rows: int, keycount: bool, keys: int
+) -> dict[str, Any]:
     df = spark.range(0, rows, numPartitions=partitions).selectExpr(
         f"(id * 2654435761) % {keys} as key", "id as seq"
     )
-    flow = _flow(f"bench-spark-ingest-{push_rows}", rs.sources.spark(df, push_rows=push_rows), keycount)
+    flow = _flow(
+        f"bench-spark-ingest-{push_rows}", rs.sources.spark(df, push_rows=push_rows), keycount
+    )
     t0 = time.perf_counter()
     job = rs.start(flow, parallelism={"count": 2} if keycount else None)
     result = job.wait(3600)
@@ -65,15 +69,30 @@ def _run_once(spark: Any, rows: int, partitions: int, push_rows: int, keycount: 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--rows", type=click.IntRange(min=1), default=5_000_000, help="Rows Spark generates.")
-@click.option("--partitions", type=click.IntRange(min=1), default=2, help="Spark partitions (tasks).")
 @click.option(
-    "--push-rows", "push_rows_list", type=click.IntRange(min=1), multiple=True, default=(10_000, 100_000),
+    "--partitions", type=click.IntRange(min=1), default=2, help="Spark partitions (tasks)."
+)
+@click.option(
+    "--push-rows",
+    "push_rows_list",
+    type=click.IntRange(min=1),
+    multiple=True,
+    default=(10_000, 100_000),
     help="Rows per push (Arrow batch) from a Spark task; repeatable.",
 )
 @click.option("--keycount", is_flag=True, help="Run the key-count (RocksDB) behind the source.")
-@click.option("--keys", type=click.IntRange(min=1), default=100_000, help="Distinct keys (--keycount).")
+@click.option(
+    "--keys", type=click.IntRange(min=1), default=100_000, help="Distinct keys (--keycount)."
+)
 @click.option("--report", type=click.Path(path_type=Path), default=None, help="Write JSON here.")
-def main(rows: int, partitions: int, push_rows_list: tuple[int, ...], keycount: bool, keys: int, report: Path | None) -> None:
+def main(
+    rows: int,
+    partitions: int,
+    push_rows_list: tuple[int, ...],
+    keycount: bool,
+    keys: int,
+    report: Path | None,
+) -> None:
     """Spark -> actors ingest rate in rows/s."""
     import ray
 
@@ -83,7 +102,11 @@ def main(rows: int, partitions: int, push_rows_list: tuple[int, ...], keycount: 
         raise click.UsageError(str(exc)) from None
     from ray import cloudpickle
 
-    cloudpickle.register_pickle_by_value(sys.modules["bench.keycount"] if keycount and "bench.keycount" in sys.modules else sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(
+        sys.modules["bench.keycount"]
+        if keycount and "bench.keycount" in sys.modules
+        else sys.modules[__name__]
+    )
     ray.init(address="local", namespace="raystream", include_dashboard=False, log_to_driver=False)
     results = []
     try:

@@ -110,9 +110,10 @@ class IngestBuffer:
                 waited = waited or not has_room
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    missing = f"rows {done}..{offset} to arrive" if not in_order else "room"
                     msg = (
-                        f"push of rows {offset}..{offset + n} of {token} waited {self.order_wait_s} s "
-                        f"for {'rows ' + str(done) + '..' + str(offset) + ' to arrive' if not in_order else 'room'}"
+                        f"push of rows {offset}..{offset + n} of {token} waited "
+                        f"{self.order_wait_s} s for {missing}; is the dataflow stuck?"
                     )
                     raise SourceError(msg)
                 try:

@@ -161,9 +161,7 @@ def _connect(address: str, namespace: str, auth_mode: str | None) -> None:
             if ctx.gcs_address == address and ctx.namespace == namespace:
                 return
             ray.shutdown()
-        ray.init(
-            address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR"
-        )
+        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
 
 
 def _coalesce(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
@@ -243,7 +241,9 @@ class _TaskPusher:
         )
 
 
-def push_dataframe(df: Any, ctx: FeedContext, *, stream: str, batch_id: int, schema: pa.Schema, push_rows: int) -> dict[str, int]:
+def push_dataframe(
+    df: Any, ctx: FeedContext, *, stream: str, batch_id: int, schema: pa.Schema, push_rows: int
+) -> dict[str, int]:
     """Run one Spark job pushing every partition of ``df``; the per-partition stats summed."""
     pusher = _TaskPusher(ctx, stream, batch_id, schema, push_rows)
     rows = df.mapInArrow(pusher, RESULT_SCHEMA).collect()
@@ -277,7 +277,9 @@ class _FeederBase(threading.Thread):
         from raystream.runtime.actors import source_actor_name
 
         return [
-            ray.get_actor(source_actor_name(self.ctx.job, self.ctx.step, i), namespace=self.ctx.namespace)
+            ray.get_actor(
+                source_actor_name(self.ctx.job, self.ctx.step, i), namespace=self.ctx.namespace
+            )
             for i in range(self.ctx.parallelism)
         ]
 
@@ -302,7 +304,9 @@ class _FeederBase(threading.Thread):
             self.stats["seconds"] = time.perf_counter() - t0  # feeding, until the end was sent
         except Exception as e:  # noqa: BLE001 - reported through the job's sources
             if not self._stopping.is_set():
-                self._fail_sources(f"the Spark job feeding {self.ctx.step!r} failed: {_first_line(e)}")
+                self._fail_sources(
+                    f"the Spark job feeding {self.ctx.step!r} failed: {_first_line(e)}"
+                )
 
     def _feed(self) -> None:
         raise NotImplementedError
@@ -320,7 +324,12 @@ class _BatchFeeder(_FeederBase):
         sc = self.df.sparkSession.sparkContext
         sc.setJobGroup(self.group, f"raystream job {self.ctx.job!r}: feed {self.ctx.step!r}", True)
         stats = push_dataframe(
-            self.df, self.ctx, stream=self.group, batch_id=0, schema=self.schema, push_rows=self.push_rows
+            self.df,
+            self.ctx,
+            stream=self.group,
+            batch_id=0,
+            schema=self.schema,
+            push_rows=self.push_rows,
         )
         self.stats.update(stats, batches=1)
         self._end_sources()
@@ -358,7 +367,9 @@ class _StreamFeeder(_FeederBase):
     def _feed(self) -> None:
         src = self.source
         writer = (
-            self.df.writeStream.queryName(f"raystream_{self.ctx.job}_{self.ctx.step}".replace("-", "_"))
+            self.df.writeStream.queryName(
+                f"raystream_{self.ctx.job}_{self.ctx.step}".replace("-", "_")
+            )
             .option("checkpointLocation", src.checkpoint_location)
             .foreachBatch(self._on_batch)
         )
@@ -370,7 +381,10 @@ class _StreamFeeder(_FeederBase):
             while not self._stopping.is_set() and self.query.isActive:
                 if src.max_rows is not None and self.stats["accepted"] >= src.max_rows:
                     break
-                if src.idle_timeout_s is not None and time.monotonic() - self._last_data > src.idle_timeout_s:
+                if (
+                    src.idle_timeout_s is not None
+                    and time.monotonic() - self._last_data > src.idle_timeout_s
+                ):
                     break
                 self.query.awaitTermination(0.1)
         finally:
@@ -466,7 +480,9 @@ def _check_common(push_rows: int, capacity_rows: int | None) -> int:
     return capacity_rows if capacity_rows is not None else 4 * push_rows
 
 
-def spark(dataframe: Any, *, push_rows: int = 100_000, capacity_rows: int | None = None) -> SparkSource:
+def spark(
+    dataframe: Any, *, push_rows: int = 100_000, capacity_rows: int | None = None
+) -> SparkSource:
     """Read a batch Spark DataFrame: its tasks push Arrow batches of up to ``push_rows`` rows into
     the job's source instances, each of which buffers at most ``capacity_rows`` (default
     ``4 * push_rows``) before tasks wait. The job ends once the Spark job finished."""

@@ -170,7 +170,11 @@ def test_structured_streaming_over_a_growing_directory_with_a_rescale(
     pq.write_table(files[0], incoming / "part-0.parquet")
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    sdf = spark.readStream.schema(from_arrow_schema(schema)).option("maxFilesPerTrigger", 1).parquet(str(incoming))
+    sdf = (
+        spark.readStream.schema(from_arrow_schema(schema))
+        .option("maxFilesPerTrigger", 1)
+        .parquet(str(incoming))
+    )
     src = rs.sources.spark_stream(
         sdf,
         checkpoint_location=str(tmp_path / "checkpoint"),
@@ -213,9 +217,8 @@ def test_a_micro_batch_spark_replays_after_a_restart_is_not_counted_twice(
     """Spark replays the last micro-batch when its commit is missing (a crash between pushing
     and committing). Two runs of a real streaming query over one checkpoint, the commit of the
     last batch removed in between: the replay reaches the job and is recognised."""
-    from pyspark.sql.pandas.types import from_arrow_schema
-
     import ray
+    from pyspark.sql.pandas.types import from_arrow_schema
 
     from raystream.runtime.actors import NAMESPACE, source_actor_name
     from raystream.spark import push_dataframe
@@ -229,18 +232,28 @@ def test_a_micro_batch_spark_replays_after_a_restart_is_not_counted_twice(
     flow = keycount("e2e-spark-replay", rs.sources.push(schema))
     job = rs.start(flow, parallelism={"source": 1, "count": 2})
     ctx = FeedContext(
-        "e2e-spark-replay", "source", 1, ray.get_runtime_context().gcs_address, NAMESPACE,
+        "e2e-spark-replay",
+        "source",
+        1,
+        ray.get_runtime_context().gcs_address,
+        NAMESPACE,
         __import__("os").environ.get("RAY_AUTH_MODE"),
     )
     pushed: list[tuple[int, dict[str, int]]] = []
 
     def on_batch(df: Any, batch_id: int) -> None:
-        stats = push_dataframe(df, ctx, stream=str(checkpoint), batch_id=batch_id, schema=schema, push_rows=10_000)
+        stats = push_dataframe(
+            df, ctx, stream=str(checkpoint), batch_id=batch_id, schema=schema, push_rows=10_000
+        )
         pushed.append((batch_id, stats))
 
     def run_query() -> None:
         sdf = spark.readStream.schema(from_arrow_schema(schema)).parquet(str(incoming))
-        q = sdf.writeStream.option("checkpointLocation", str(checkpoint)).foreachBatch(on_batch).start()
+        q = (
+            sdf.writeStream.option("checkpointLocation", str(checkpoint))
+            .foreachBatch(on_batch)
+            .start()
+        )
         q.processAllAvailable()
         q.stop()
 
@@ -290,7 +303,12 @@ def test_the_spark_example_job_runs_from_the_cli(tmp_path: Path) -> None:
     cli = Path(sys.executable).parent / "raystream"
     proc = subprocess.run(
         [str(cli), "run", str(example), "-p", "count=2"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "finished" in proc.stdout

@@ -15,7 +15,9 @@ SCHEMA = pa.schema([("key", pa.int64()), ("seq", pa.int64())])
 
 
 def rows(start: int, stop: int) -> pa.RecordBatch:
-    return pa.record_batch({"key": list(range(start, stop)), "seq": list(range(start, stop))}, schema=SCHEMA)
+    return pa.record_batch(
+        {"key": list(range(start, stop)), "seq": list(range(start, stop))}, schema=SCHEMA
+    )
 
 
 async def drain(buf: IngestBuffer) -> list[int]:
@@ -82,7 +84,12 @@ def test_a_full_buffer_blocks_the_writer_until_the_reader_takes_rows() -> None:
         first = await buf.read(100, timeout_s=0.01)
         await asyncio.wait_for(blocked, 1.0)
         await buf.end()
-        return was_blocked, blocked.done(), first.column("key").to_pylist() + await drain(buf), buf.waits
+        return (
+            was_blocked,
+            blocked.done(),
+            first.column("key").to_pylist() + await drain(buf),
+            buf.waits,
+        )
 
     was_blocked, done, got, waits = asyncio.run(go())
     assert was_blocked and done and waits == 1
@@ -145,7 +152,9 @@ def test_wrong_columns_are_refused_and_compatible_types_cast() -> None:
             await buf.offer(("q", 0, 0), 0, pa.record_batch({"key": [1]}))
         with pytest.raises(SchemaError, match="does not cast"):
             await buf.offer(("q", 0, 0), 0, pa.record_batch({"key": ["x"], "seq": [1]}))
-        narrow = pa.record_batch({"key": pa.array([7], pa.int32()), "seq": pa.array([1], pa.int32())})
+        narrow = pa.record_batch(
+            {"key": pa.array([7], pa.int32()), "seq": pa.array([1], pa.int32())}
+        )
         await buf.offer(("q", 0, 0), 0, narrow)
         await buf.end()
         return await drain(buf)
