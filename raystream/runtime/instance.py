@@ -30,6 +30,8 @@ from raystream.sources import RateSchedule
 
 __all__ = ["InstanceSpec", "OutputSpec", "OperatorInstance", "RuntimeConfig"]
 
+SERVE_SLICE_ROWS = 4096  # rows an old owner processes between serving fetches of moved state
+
 Sender = Callable[[ChannelId, tuple[ChannelId, int, Any]], Awaitable[Any]]
 Reporter = Callable[[str, dict[str, Any]], Any]
 
@@ -513,10 +515,25 @@ class OperatorInstance:
                     self.latency.record(ingest, now)
                 self.writer.write(batch)
                 m.record_in(batch.num_rows, now)
+            elif self._serving() and batch.num_rows > SERVE_SLICE_ROWS:
+                # an old owner mid-migration: new owners wait for its sealed sub-groups, so it
+                # takes a large batch in slices and lets their fetches in between (a slice is
+                # processed as a smaller batch would be; order within the batch is kept)
+                for start in range(0, batch.num_rows, SERVE_SLICE_ROWS):
+                    piece = batch.slice(start, SERVE_SLICE_ROWS)
+                    outs = self.processor.process(piece)
+                    m.record_in(piece.num_rows)
+                    await self._emit(outs)
+                    await asyncio.sleep(0)
             else:
                 outs = self.processor.process(batch)
                 m.record_in(batch.num_rows)
                 await self._emit(outs)
+
+    def _serving(self) -> bool:
+        """Sub-groups of this instance are still to be handed out in a running migration."""
+        engine = self.engine
+        return engine is not None and engine.task is not None and bool(engine.task.outgoing)
 
     async def _on_barrier(self, channel: ChannelId, barrier: Barrier) -> None:
         """Count a barrier per input channel. Checkpoint barriers (and rescale barriers of a

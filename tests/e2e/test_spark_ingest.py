@@ -291,27 +291,23 @@ def test_definition_errors_name_what_was_expected(spark: Any, tmp_path: Path) ->
         rs.sources.spark([1, 2, 3])
 
 
-def test_the_spark_example_job_runs_from_the_cli(tmp_path: Path) -> None:
-    """``raystream run examples/spark_keycount_job.py`` in its own process (own embedded Ray, own
-    Spark): the Parquet counts equal numpy's count of the example's generated input."""
-    import os
-    import subprocess
+def test_the_spark_example_job_file_counts_exactly(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``examples/spark_keycount_job.py`` as ``raystream run`` loads it (run as a file, its
+    module-level Dataflow taken), on this session's Ray and Spark: the Parquet counts equal numpy's
+    count of the example's generated input. (``tests/e2e/test_examples.py`` runs the other
+    examples through the CLI in their own processes.)"""
+    import runpy
 
     example = Path(__file__).resolve().parents[2] / "examples" / "spark_keycount_job.py"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAYSTREAM_EVENTS="200000", RAYSTREAM_OUT=str(tmp_path / "out"))
-    cli = Path(sys.executable).parent / "raystream"
-    proc = subprocess.run(
-        [str(cli), "run", str(example), "-p", "count=2"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "finished" in proc.stdout
+    monkeypatch.setenv("RAYSTREAM_EVENTS", "200000")
+    monkeypatch.setenv("RAYSTREAM_OUT", str(tmp_path / "out"))
+    namespace = runpy.run_path(str(example), run_name="__raystream_job__")
+    flows = [v for v in namespace.values() if isinstance(v, rs.Dataflow)]
+    assert len(flows) == 1
+    result = rs.run(flows[0], parallelism={"count": 2}, timeout_s=300)
+    assert result.state == "finished"
     got = pq.read_table(tmp_path / "out")
     counts: dict[int, int] = {}
     for k, c in zip(got.column("key").to_pylist(), got.column("count").to_pylist(), strict=True):

@@ -81,15 +81,17 @@ def _http_ok(url: str, token: str) -> bool:
 
 
 def _stop_group(proc: subprocess.Popen[bytes], marker: str) -> None:
-    """SIGTERM the head's process group, SIGKILL after 15 s; then any process of this head that
-    left the group (its command line names our temp dir) is killed by pid."""
-    for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+    """SIGTERM the head's process group, SIGKILL after 5 s; then any process of this head that
+    left the group (its command line names our temp dir) is killed by pid. ``ray start`` is our
+    child: it is reaped while we wait, or its zombie would keep the group alive."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             break
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
+            proc.poll()
             try:
                 os.killpg(proc.pid, 0)
             except ProcessLookupError:
