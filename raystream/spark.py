@@ -107,9 +107,10 @@ def _arrow_schema(df: Any) -> pa.Schema:
     from pyspark.sql.pandas.types import to_arrow_schema
 
     try:
-        schema = to_arrow_schema(df.schema)
+        timezone = df.sparkSession.conf.get("spark.sql.session.timeZone")
+        schema = to_arrow_schema(df.schema, timezone=timezone)
     except Exception as e:  # noqa: BLE001 - a Spark type Arrow cannot hold
-        msg = f"cannot push this DataFrame through Arrow: {e}"
+        msg = f"cannot push this DataFrame through Arrow ({df.schema.simpleString()}): {e!r}"
         raise SchemaError(msg) from e
     # one string/binary flavour whatever Spark's large-var-types setting: tasks cast to it
     fields = [
