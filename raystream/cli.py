@@ -93,12 +93,35 @@ def main() -> None:
 @click.option(
     "--strategy", default="meces", show_default=True, help="migration strategy for rescales"
 )
-def run(job_file: str, parallelism: tuple[str, ...], flow_name: str | None, strategy: str) -> None:
+@click.option(
+    "--autoscaler",
+    default=None,
+    help="let the controller choose the keyed steps' parallelism: ds2, threshold, schedule, "
+    "fixed, or module:attr (a policy in your job's folder)",
+)
+def run(
+    job_file: str,
+    parallelism: tuple[str, ...],
+    flow_name: str | None,
+    strategy: str,
+    autoscaler: str | None,
+) -> None:
     """Run JOB_FILE (a Python file that builds a Dataflow) until its sources are exhausted."""
     import raystream as rs
 
     flow = _load_flow(job_file, flow_name)
-    result = rs.run(flow, parallelism=_parallelism(parallelism) or None, migration=strategy)
+    result = rs.run(
+        flow,
+        parallelism=_parallelism(parallelism) or None,
+        migration=strategy,
+        autoscaler=autoscaler,
+    )
+    for d in result.autoscaling:
+        if d.get("to") != d.get("from"):  # a rescale (holds and warnings are in the log)
+            click.echo(
+                f"autoscaler t={d.get('t_s', 0):.1f}s {d.get('operator', '')} "
+                f"{d.get('from')} -> {d.get('to')}: {d.get('reason', '')}"[:300]
+            )
     lat = result.latency()
     click.echo(f"job {result.job!r} {result.state} in {result.elapsed_s:.2f} s")
     if lat is not None:
@@ -228,6 +251,7 @@ def _env_vars(values: tuple[str, ...]) -> dict[str, str]:
 )
 @click.option("--env", "env", multiple=True, help="KEY=VALUE set for the job, repeatable")
 @click.option("--strategy", default=None, help="migration strategy for rescales")
+@click.option("--autoscaler", default=None, help="ds2, threshold, schedule, fixed or module:attr")
 @click.option("--no-wait", is_flag=True, help="return once submitted; do not follow the log")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="give up waiting after s")
 def submit(
@@ -236,6 +260,7 @@ def submit(
     address: str | None,
     env: tuple[str, ...],
     strategy: str | None,
+    autoscaler: str | None,
     no_wait: bool,
     timeout_s: float | None,
 ) -> None:
@@ -247,7 +272,9 @@ def submit(
     from raystream.submit import Submission, check_job_file, dashboard_address, wait_for_job
     from raystream.submit import submit as do_submit
 
-    sub = Submission(check_job_file(job_file), _parallelism(parallelism), _env_vars(env), strategy)
+    sub = Submission(
+        check_job_file(job_file), _parallelism(parallelism), _env_vars(env), strategy, autoscaler
+    )
     target = dashboard_address(address)
     client, sid = do_submit(sub, target)
     click.echo(f"submitted {sub.job_file.name} to {target} as Ray job {sid}")

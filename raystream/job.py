@@ -177,6 +177,9 @@ def start(
         raise ConfigError(msg)
     steps = flow.with_parallelism(parallelism)  # validate here, in the caller's process
     scaling = _autoscaler_spec(steps, autoscaler, autoscaler_config)
+    if scaling is not None and not config.migration_support:
+        msg = "an autoscaler needs migration_support=True (it rescales the running job); drop migration_support=False or the autoscaler"
+        raise ConfigError(msg)
     ensure_ray()
     cleanup = state_dir is None
     base = state_dir or tempfile.mkdtemp(

@@ -68,6 +68,7 @@ class Submission:
     parallelism: dict[str, int] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     strategy: str | None = None
+    autoscaler: str | None = None
 
     @property
     def working_dir(self) -> Path:
@@ -79,6 +80,8 @@ class Submission:
             args += ["-p", f"{step}={n}"]
         if self.strategy:
             args += ["--strategy", self.strategy]
+        if self.autoscaler:
+            args += ["--autoscaler", self.autoscaler]
         return shlex.join(args)
 
     def runtime_env(self) -> dict[str, Any]:

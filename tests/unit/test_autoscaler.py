@@ -541,7 +541,20 @@ def test_rs_start_rejects_bad_autoscaler_settings_before_starting_anything() -> 
         rs.start(flow, autoscaler_config={"cooldown_s": 1})
     with pytest.raises(ConfigError, match="bad options"):
         rs.start(flow, autoscaler="ds2", autoscaler_config={"policy_args": {"nope": 1}})
+    with pytest.raises(ConfigError, match="an autoscaler needs migration_support=True"):
+        rs.start(flow, autoscaler="ds2", migration_support=False)
     assert ray.is_initialized() == was_up  # nothing was started
+
+
+def test_submit_passes_strategy_and_autoscaler_to_the_cluster_side_run(tmp_path: Any) -> None:
+    from raystream.submit import Submission
+
+    job = tmp_path / "my job.py"
+    sub = Submission(job, {"count": 2}, {}, "lazy", "my_policies:Calm")
+    assert sub.entrypoint() == (
+        "python -m raystream run 'my job.py' -p count=2 --strategy lazy --autoscaler my_policies:Calm"
+    )
+    assert sub.working_dir == tmp_path
 
 
 def test_a_repeated_hold_or_warning_is_recorded_once(caplog: pytest.LogCaptureFixture) -> None:
