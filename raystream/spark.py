@@ -440,12 +440,19 @@ class SparkSource(PushSource):
         return f"Spark DataFrame ({', '.join(self.arrow_schema.names)})"
 
     def start_feeding(self, ctx: FeedContext) -> _FeederBase:
+        """Start pushing (a thread in the driver); ``rs.start`` calls this after the deploy."""
         if self.dataframe is None:
-            msg = "this Spark source was unpickled away from its driver; start the job where the DataFrame was made"
+            msg = (
+                "this Spark source was unpickled away from its driver; start the job in the "
+                "process where the DataFrame was made"
+            )
             raise SourceError(msg)
-        feeder = _BatchFeeder(ctx, self.dataframe, self.arrow_schema, self.push_rows)
+        feeder = self._feeder(ctx)
         feeder.start()
         return feeder
+
+    def _feeder(self, ctx: FeedContext) -> _FeederBase:
+        return _BatchFeeder(ctx, self.dataframe, self.arrow_schema, self.push_rows)
 
 
 @dataclass(frozen=True)
@@ -465,13 +472,8 @@ class SparkStreamSource(SparkSource):
     def describe(self) -> str:
         return f"Spark Structured Streaming ({', '.join(self.arrow_schema.names)})"
 
-    def start_feeding(self, ctx: FeedContext) -> _FeederBase:
-        if self.dataframe is None:
-            msg = "this Spark source was unpickled away from its driver; start the job where the DataFrame was made"
-            raise SourceError(msg)
-        feeder = _StreamFeeder(ctx, self)
-        feeder.start()
-        return feeder
+    def _feeder(self, ctx: FeedContext) -> _FeederBase:
+        return _StreamFeeder(ctx, self)
 
 
 def _check_common(push_rows: int, capacity_rows: int | None) -> int:
