@@ -72,6 +72,11 @@ class IngestBuffer:
         self._queue: deque[pa.RecordBatch] = deque()
         self._rows = 0
         self._accepted: dict[Token, int] = {}
+        # per stream: the newest batch id seen, and the floor below which every batch is known
+        # complete (a micro-batch starts only once the one before it was committed), so its
+        # pieces are forgotten and any late push of it is a duplicate
+        self._newest: dict[Hashable, int] = {}
+        self._floor: dict[Hashable, int] = {}
         self._changed = asyncio.Condition()
         self._ended = False
         self._error: str | None = None
@@ -94,7 +99,7 @@ class IngestBuffer:
                     msg = f"ingest into this source failed: {self._error}"
                     raise SourceError(msg)
                 done = self._accepted.get(token, 0)
-                if offset + n <= done:
+                if offset + n <= done or self._below_floor(token):
                     self.rows_duplicate += n
                     return {"accepted": 0, "duplicate": n}
                 if self._ended:
@@ -123,6 +128,7 @@ class IngestBuffer:
             skip = done - offset
             fresh = batch.slice(skip) if skip else batch
             self._accepted[token] = offset + n
+            self._advance(token)
             if fresh.num_rows:
                 self._queue.append(fresh)
                 self._rows += fresh.num_rows
@@ -132,6 +138,27 @@ class IngestBuffer:
             self.waits += int(waited)
             self._changed.notify_all()
             return {"accepted": fresh.num_rows, "duplicate": skip}
+
+    def _below_floor(self, token: Token) -> bool:
+        return _batch_id(token) is not None and token[1] < self._floor.get(token[0], -1)
+
+    def _advance(self, token: Token) -> None:
+        """A push of batch ``b`` of a stream means Spark committed ``b - 1``: batches before
+        ``b - 1`` can no longer be replayed; keep one more for pushes still in flight."""
+        b = _batch_id(token)
+        if b is None or b <= self._newest.get(token[0], -1):
+            return
+        stream = token[0]
+        self._newest[stream] = b
+        floor = b - 1
+        if floor > self._floor.get(stream, -1):
+            self._floor[stream] = floor
+            for t in [
+                t
+                for t in self._accepted
+                if t[0] == stream and _batch_id(t) is not None and t[1] < floor
+            ]:
+                del self._accepted[t]
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         if not isinstance(batch, pa.RecordBatch):
@@ -202,6 +229,13 @@ class IngestBuffer:
             "pieces": len(self._accepted),
             "backpressure_waits": self.waits,
         }
+
+
+def _batch_id(token: Token) -> int | None:
+    """The batch id of a ``(stream, batch id, partition)`` token; None for other shapes."""
+    if len(token) == 3 and isinstance(token[1], int) and not isinstance(token[1], bool):
+        return token[1]
+    return None
 
 
 def _empty(schema: pa.Schema) -> pa.RecordBatch:

@@ -169,3 +169,25 @@ def test_push_source_spec_checks() -> None:
         PushSource(SCHEMA, 0)
     src = PushSource(SCHEMA)
     assert src.schema() == SCHEMA and src.rate_eps == 0.0 and "key" in src.describe()
+
+
+def test_pieces_of_committed_micro_batches_are_forgotten_and_late_pushes_stay_duplicates() -> None:
+    async def go() -> tuple[list[int], IngestBuffer]:
+        buf = IngestBuffer(SCHEMA, capacity_rows=10_000)
+        key = 0
+        for b in range(50):  # 50 micro-batches of 2 partitions, 3 rows each
+            for p in range(2):
+                await buf.offer(("q", b, p), 0, rows(key, key + 3))
+                key += 3
+        late = await buf.offer(("q", 3, 1), 0, rows(999, 1002))  # a zombie push of batch 3
+        replay = await buf.offer(("q", 48, 0), 0, rows(276 + 12, 276 + 15))  # batch 48 replayed
+        other = await buf.offer(("other", 0, 0), 0, rows(2000, 2001))  # another stream: its own
+        await buf.end()
+        assert late == {"accepted": 0, "duplicate": 3}
+        assert replay == {"accepted": 0, "duplicate": 3}
+        assert other == {"accepted": 1, "duplicate": 0}
+        return await drain(buf), buf
+
+    got, buf = asyncio.run(go())
+    assert got == [*range(300), 2000]
+    assert buf.stats()["pieces"] <= 2 * 2 + 1  # batches 48 and 49 of "q", one of "other"
