@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import threading
 import time
@@ -456,6 +457,8 @@ def main(
             ray.shutdown()
         if spark_session is not None:
             spark_session.stop()
+        if source_kind == "spark-stream":  # Spark's checkpoint of this run (a temp dir)
+            shutil.rmtree(source.checkpoint_location, ignore_errors=True)
 
 
 def _spark_source(

@@ -334,3 +334,33 @@ def test_the_spark_example_job_file_counts_exactly(
         counts[k] = max(counts.get(k, 0), c)
     expected = rs.sources.generator(events=200_000, keys=50_000, zipf=1.1, seed=7).generate_all()
     assert counts == oracle(expected.column("key").to_numpy())
+
+
+def test_the_keycount_bench_reads_a_watched_directory_through_spark(tmp_path: Path) -> None:
+    """``python -m bench.keycount --source spark-stream --input DIR --events N`` as users run it
+    (from the repository root, attached to this session's Ray): the counts it writes equal numpy's
+    count of the files' keys."""
+    import os
+    import subprocess
+
+    import ray
+
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    parts = [events(20_000, seed=300 + i) for i in range(2)]
+    for i, t in enumerate(parts):
+        pq.write_table(t, incoming / f"part-{i}.parquet")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    out = tmp_path / "counts.parquet"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.keycount", "--source", "spark-stream", "--input",
+         str(incoming), "--events", "40000", "--idle-timeout", "60", "--output", str(out),
+         "--quiet"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = pq.read_table(out)
+    counts = dict(zip(got.column("key").to_pylist(), got.column("count").to_pylist(), strict=True))
+    assert counts == oracle(pa.concat_tables(parts).column("key").to_numpy())
