@@ -17,6 +17,7 @@ import numpy as np
 import ray
 
 from raystream.assignment import check_rescale_parallelism, rebalance
+from raystream.checkpointing import RestartStrategy, default_checkpoint_dir
 from raystream.dataflow import Dataflow
 from raystream.errors import JobFailedError, RaystreamError, RescaleError
 from raystream.keys import RoutingTable
@@ -26,12 +27,13 @@ from raystream.plugins import MIGRATION_STRATEGIES
 from raystream.plugins import load as load_plugin
 from raystream.rescale import FetchPolicy, RescaleContext
 from raystream.runtime.instance import RuntimeConfig
+from raystream.recovery import Recovery
 from raystream.runtime.messages import Barrier, ChannelId
 
 __all__ = ["Controller"]
 
 
-class Controller:
+class Controller(Recovery):
     """Owns one running job."""
 
     def __init__(
@@ -43,9 +45,13 @@ class Controller:
         *,
         cleanup_state: bool = True,
         autoscaler: tuple[Any, str, Any] | None = None,  # (policy, label, AutoscalerConfig)
+        restore_from: tuple[str, str] | None = None,  # ("checkpoint", "latest"|id|path) | ("savepoint", path)
+        parallelism_given: tuple[str, ...] = (),  # steps whose parallelism the user chose
     ) -> None:
         self.flow = flow
         self.config = config
+        self._parallelism_arg = dict(parallelism or {})
+        self.plan_dir = state_dir
         self.state_dir = state_dir
         self.cleanup_state = cleanup_state
         self.origin_ns = time.time_ns()
@@ -73,33 +79,41 @@ class Controller:
         self._standby_filling = False  # outcomes of retired instances whose id came back
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
+        self._barrier_expected: dict[int, set[ChannelId]] = {}
+        self.final_checkpoint: dict[str, Any] | None = None
         self._autoscaler_spec = autoscaler
         self.autoscaler: Any = None
+        # checkpoints and recovery (raystream.recovery)
+        self.storage_spec = (config.checkpoint_dir or default_checkpoint_dir(), flow.name)
+        self._storage: Any = None
+        self.restart = RestartStrategy(
+            config.restart_attempts, config.restart_delay_s, config.restart_failure_rate
+        )
+        self.recoveries: list[dict[str, Any]] = []
+        self.checkpoint_stats: list[dict[str, Any]] = []
+        self.failed_checkpoints: list[dict[str, Any]] = []
+        self.restore_from = restore_from
+        self.parallelism_given = set(parallelism_given)
+        self.restored_from: dict[str, Any] | None = None
+        self._attempt = 0
+        self._heartbeats: dict[ChannelId, float] = {}
+        self._hung: dict[ChannelId, str] = {}
+        self._source_emitted: dict[ChannelId, int] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, self_handle: Any) -> dict[str, Any]:
         """Create every instance actor, wire the channels, start the loops (sources last)."""
-        from raystream.runtime.actors import NAMESPACE, InstanceActor, source_actor_name
-
         self._self = self_handle
-        for iid, spec in self.plan.instances.items():
-            name = source_actor_name(self.flow.name, *iid) if iid in self.plan.sources else None
-            self.handles[iid] = InstanceActor.options(
-                name=name, namespace=NAMESPACE, max_concurrency=10_000
-            ).remote(spec)
-        await asyncio.gather(*(h.ping.remote() for h in self.handles.values()))
-        await asyncio.gather(
-            *(
-                h.connect.remote(self._receivers_of(iid), self_handle)
-                for iid, h in self.handles.items()
-            )
-        )
-        order = [i for i in self.handles if i not in self.plan.sources] + self.plan.sources
-        for iid in order:
-            self._run(iid)
+        if self.restore_from is not None:
+            manifest = await self._resolve_restore(*self.restore_from)
+            self._replan(manifest, self.state_dir)
+        else:
+            self._replan(None, self.state_dir, fresh=True)
+        await self._deploy()
         self.state = "running"
         self.started_at = time.time()
         asyncio.get_running_loop().create_task(self._watch())
+        self._start_recovery_loops()
         if self._autoscaler_spec is not None:
             from raystream.autoscaling import Autoscaler
 
@@ -110,6 +124,31 @@ class Controller:
         if self.config.migration_support and any(s.is_keyed for s in self.plan.steps.values()):
             asyncio.get_running_loop().create_task(self._fill_standby())
         return self.describe()
+
+    async def _deploy(self) -> None:
+        """Create every instance actor of ``self.plan`` (named), wire them, start the loops
+        (sources last)."""
+        from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
+
+        self.handles = {}
+        for iid, spec in self.specs.items():
+            self.handles[iid] = InstanceActor.options(
+                name=instance_actor_name(self.flow.name, *iid),
+                namespace=NAMESPACE,
+                max_concurrency=10_000,
+            ).remote(spec)
+        await asyncio.gather(*(h.ping.remote() for h in self.handles.values()))
+        await asyncio.gather(
+            *(
+                h.connect.remote(self._receivers_of(iid), self._self)
+                for iid, h in self.handles.items()
+            )
+        )
+        now = time.monotonic()
+        self._heartbeats = dict.fromkeys(self.handles, now)
+        order = [i for i in self.handles if i not in self.plan.sources] + self.plan.sources
+        for iid in order:
+            self._run(iid)
 
     def _run(self, iid: ChannelId) -> None:
         self._run_futures[iid] = asyncio.ensure_future(_outcome(self.handles[iid].run.remote(), iid))
@@ -124,28 +163,39 @@ class Controller:
         }
 
     async def _watch(self) -> None:
-        """Collect outcomes as instances end (new ones join on rescale); the first failure stops
-        the whole job; the job is finished when every instance is."""
-        while True:
+        """Collect outcomes as instances end (new ones join on rescale). A failure (an error, an
+        actor that died, one that stopped answering heartbeats) recovers the job from its latest
+        checkpoint when checkpointing is on and the restart strategy allows, else fails it; the
+        job is finished when every instance is."""
+        while self.state in ("running", "recovering"):
             pending = {i: f for i, f in self._run_futures.items() if i not in self.outcomes}
             if pending:
                 await asyncio.wait(
                     list(pending.values()), timeout=0.25, return_when=asyncio.FIRST_COMPLETED
                 )
+            attempt = self._attempt
             for iid, fut in pending.items():
-                if not fut.done():
+                if not fut.done() or self._attempt != attempt:
                     continue
                 out = fut.result()
                 self.outcomes[iid] = out
-                if out.get("error") and self.error is None:
-                    self.error = {"instance": iid, "error": out["error"]}
-                    await self._stop_all()  # sinks abort their partial files first
-                    self.state = "failed"
+                if out.get("error") and self.error is None and self.state == "running":
+                    cause = {
+                        "instance": iid,
+                        "error": self._hung.pop(iid, None) or out["error"],
+                        "traceback": out.get("traceback"),
+                    }
+                    if await self._recover_or_fail(cause):
+                        break  # a new attempt runs: collect its outcomes
                     return
                 if iid in self.retired:
                     ray.kill(self._run_handles[iid], no_restart=True)
-            if all(i in self.outcomes for i in self._run_futures):
-                break
+                self._check_barriers()
+            if self.state == "running" and all(i in self.outcomes for i in self._run_futures):
+                if await self._final_commit():
+                    break
+        if self.state != "running":
+            return
         self.state = "finished"
         self.ended_at = time.time()
         await self._release()
@@ -171,13 +221,23 @@ class Controller:
                 if iid in self.plan.sinks
             },
             "rescales": list(self.rescales),
+            "recoveries": list(self.recoveries),
+            "checkpoints": self.checkpoint_summary(),
             "autoscaling": list(self.autoscaler.history) if self.autoscaler else [],
             "metrics": [o.get("metrics", {}) for o in [*self._history, *self.outcomes.values()]],
             "origin_ns": self.origin_ns,
         }
 
-    async def stop(self) -> dict[str, Any]:
-        if self.state in ("created", "running"):
+    async def stop(self, checkpoint: bool = True) -> dict[str, Any]:
+        """Stop the job; first take a final checkpoint (output up to it published; the job can
+        resume from it with ``from_checkpoint``). ``checkpoint=False``: a hard stop (cancel)."""
+        if self.state == "running" and checkpoint:
+            try:
+                async with self._rescale_lock:
+                    self.final_checkpoint = await self._take_checkpoint(120.0)
+            except Exception as e:  # noqa: BLE001 - the stop goes on; the reason is kept
+                self.final_checkpoint = {"error": f"{type(e).__name__}: {e}"}
+        if self.state in ("created", "running", "recovering"):
             self.state = "stopped"
             await self._stop_all()
         return self.outcome()
@@ -204,30 +264,6 @@ class Controller:
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
     # ---- barriers -------------------------------------------------------------------------
-    async def checkpoint(self, directory: str, timeout_s: float = 60.0) -> dict[str, Any]:
-        """Aligned checkpoint: sources inject a barrier; every keyed instance snapshots its
-        RocksDB into ``directory/<step>/<index>`` when the barrier passed all its inputs."""
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        async with self._rescale_lock:  # never a checkpoint barrier in the middle of a move
-            return await self._checkpoint(directory, timeout_s)
-
-    async def _checkpoint(self, directory: str, timeout_s: float) -> dict[str, Any]:
-        acks = await self.inject(
-            Barrier(self._next_epoch(), "checkpoint", {"directory": directory}), timeout_s
-        )
-        return {
-            "epoch": acks[0]["epoch"] if acks else None,
-            "directory": directory,
-            "source_offsets": {
-                str(a["instance"]): a["source_offset"] for a in acks if "source_offset" in a
-            },
-            "snapshots": {
-                str(a["instance"]): {"path": a["snapshot"], "key_groups": a["key_groups"]}
-                for a in acks
-                if "snapshot" in a
-            },
-        }
-
     def _next_epoch(self) -> int:
         self._epoch += 1
         return self._epoch
@@ -241,6 +277,9 @@ class Controller:
             raise ConfigError(msg)
         self._barrier_acks[barrier.epoch] = []
         self._barrier_done[barrier.epoch] = asyncio.Event()
+        self._barrier_expected[barrier.epoch] = {
+            i for i in self.handles if i not in self.outcomes and i not in self.retired
+        }
         await asyncio.gather(
             *(self.handles[s].inject_barrier.remote(barrier) for s in self.plan.sources)
         )
@@ -248,6 +287,9 @@ class Controller:
         deadline = time.monotonic() + timeout_s
         try:
             while not done.is_set():
+                self._check_barriers()
+                if done.is_set():
+                    break
                 if self.state != "running" or self._sources_done():
                     msg = (
                         f"barrier {barrier.epoch} ({barrier.kind}) did not pass every instance: the job "
@@ -269,6 +311,7 @@ class Controller:
         finally:
             self._barrier_acks.pop(barrier.epoch, None)
             self._barrier_done.pop(barrier.epoch, None)
+            self._barrier_expected.pop(barrier.epoch, None)
 
     async def on_barrier(self, info: dict[str, Any]) -> None:
         epoch = info["epoch"]
@@ -276,8 +319,22 @@ class Controller:
         if acks is None:
             return
         acks.append(info)
-        if len(acks) >= len(self.handles) - len(self.retired):
-            self._barrier_done[epoch].set()
+        self._check_barriers()
+
+    def _check_barriers(self) -> None:
+        """A barrier is through once every instance that was live when it was injected has
+        acknowledged it, or has finished without ever acknowledging it (its inputs all ended
+        first: it owes nothing). An instance that finished after acknowledging is waited for:
+        its acknowledgement (sent before it finished) may still be on its way."""
+        for epoch, expected in self._barrier_expected.items():
+            acked = {tuple(a["instance"]) for a in self._barrier_acks.get(epoch, [])}
+            waiting = {
+                i
+                for i in expected - acked
+                if not (i in self.outcomes and epoch not in self.outcomes[i].get("acked", []))
+            }
+            if not waiting:
+                self._barrier_done[epoch].set()
 
     # ---- rescaling -------------------------------------------------------------------------
     async def rescale(
@@ -467,7 +524,8 @@ class Controller:
                 inputs=tuple(upstream),
                 outputs=outputs,
                 owned_key_groups=(),
-                state_path=str(Path(self.state_dir) / step / f"{i}-e{self._epoch + 1}"),
+                state_path=str(Path(self.plan_dir) / step / f"{i}-e{self._epoch + 1}"),
+                restore=None,
             )
             self.specs[(step, i)] = spec
             deadline = time.monotonic() + 15
@@ -522,6 +580,8 @@ class Controller:
             "rescaling": self._rescale_lock.locked(),
             "queued_rescales": self._queued,
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
+            "checkpoints": self.checkpoint_summary(),
+            "recoveries": list(self.recoveries),
         }
 
     async def metrics(self) -> dict[str, Any]:

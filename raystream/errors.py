@@ -10,6 +10,7 @@
     │   └── NullKeyError                  a key column holding nulls
     ├── SourceError                       a source that cannot be read (missing file, ...)
     ├── StateError                        keyed state that is not where it should be
+    ├── CheckpointError                   a checkpoint or savepoint that cannot be written or used
     ├── PluginNotFoundError (LookupError) an unknown strategy / policy name
     ├── JobNotFoundError (LookupError)    no running job of that name
     ├── ClusterError (ConnectionError)    a Ray cluster that cannot be reached or refuses us (auth)
@@ -21,6 +22,7 @@ Every message says what was expected, what was given, and how to fix it.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "ClusterError",
     "ConfigError",
     "DataflowDefinitionError",
@@ -62,6 +64,10 @@ class NullKeyError(SchemaError):
 
 class SourceError(RaystreamError):
     """A source cannot be opened or read."""
+
+
+class CheckpointError(RaystreamError):
+    """A checkpoint or savepoint that cannot be written, found or restored from."""
 
 
 class StateError(RaystreamError):

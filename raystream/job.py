@@ -45,6 +45,8 @@ class JobResult:
     origin_ns: int = 0
     rescales: list[dict[str, Any]] = field(default_factory=list)
     autoscaling: list[dict[str, Any]] = field(default_factory=list)  # the autoscaler's decisions
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # cause, checkpoint, downtime
+    checkpoints: dict[str, Any] = field(default_factory=dict)  # completed, failed, last
 
     def table(self, sink: str | None = None) -> pa.Table:
         """The rows a collect sink received, as one table (all instances)."""
@@ -99,8 +101,15 @@ class Job:
     def metrics(self) -> dict[str, Any]:
         return ray.get(self.controller.metrics.remote())  # type: ignore[no-any-return]
 
-    def checkpoint(self, directory: str) -> dict[str, Any]:
-        return ray.get(self.controller.checkpoint.remote(directory))  # type: ignore[no-any-return]
+    def checkpoint(self) -> dict[str, Any]:
+        """Take a checkpoint now (after a running rescale); returns its id, duration and bytes."""
+        return ray.get(self.controller.checkpoint.remote())  # type: ignore[no-any-return]
+
+    def savepoint(self, path: str) -> dict[str, Any]:
+        """Take a checkpoint and copy it to ``path`` (a local path or pyarrow.fs URI) as a
+        self-contained savepoint; ``rs.start(flow, from_savepoint=path)`` resumes from it, at any
+        parallelism."""
+        return ray.get(self.controller.savepoint.remote(str(path)))  # type: ignore[no-any-return]
 
     def rescale(
         self, step: str, parallelism: int, strategy: Any = None, **strategy_args: Any
@@ -110,22 +119,33 @@ class Job:
         lazy, stop_restart, or a ``"module:attr"`` of your own)."""
         return ray.get(self.controller.rescale.remote(step, parallelism, strategy, **strategy_args))  # type: ignore[no-any-return]
 
-    def stop(self) -> JobResult | None:
-        """Stop the job now; None if it had already ended (and its controller is gone)."""
+    def stop(self, *, checkpoint: bool = True) -> JobResult | None:
+        """Stop the job: first a final checkpoint (sinks publish what came before it; the job can
+        resume from it with ``from_checkpoint="latest"``), then every instance ends.
+        ``checkpoint=False`` is :meth:`cancel`. None if the job had already ended."""
         self._end_feeders(stop=True)
         try:
-            out = ray.get(self.controller.stop.remote())
+            out = ray.get(self.controller.stop.remote(checkpoint))
         except ray.exceptions.RayActorError:
             return None
         return _result(out, self, raise_on_error=False)
+
+    def cancel(self) -> JobResult | None:
+        """Stop at once, without a final checkpoint: what sinks had not published is dropped."""
+        return self.stop(checkpoint=False)
 
 
 def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> JobResult:
     try:
         if out["state"] == "failed" and raise_on_error:
             err = out["error"]
-            msg = f"job {out['job']!r} failed in instance {err['instance']}: {err['error']}"
-            raise JobFailedError(msg)
+            step, index = err["instance"]
+            msg = f"job {out['job']!r} failed in step {step!r}, instance {index}: {err['error']}"
+            if err.get("traceback"):
+                msg += "\n\nTraceback of the failure (in the instance's actor):\n" + err["traceback"]
+            exc = JobFailedError(msg)
+            exc.step, exc.index, exc.cause = step, index, err["error"]  # type: ignore[attr-defined]
+            raise exc
         results: dict[str, list[Any]] = {}
         for (step, _index), res in sorted(out["results"].items()):
             results.setdefault(step, []).append(res)
@@ -138,6 +158,8 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
             out["origin_ns"],
             out.get("rescales", []),
             out.get("autoscaling", []),
+            out.get("recoveries", []),
+            out.get("checkpoints", {}),
         )
     finally:
         if out["state"] in ("finished", "failed", "stopped"):
@@ -159,6 +181,8 @@ def start(
     state_dir: str | None = None,
     autoscaler: Any = None,
     autoscaler_config: Any = None,
+    from_checkpoint: str | int | None = None,
+    from_savepoint: str | None = None,
     **config_overrides: Any,
 ) -> Job:
     """Deploy ``flow`` on Ray and return at once with a :class:`Job`.
@@ -166,6 +190,12 @@ def start(
     ``autoscaler`` (``"ds2"``, ``"threshold"``, ``"schedule"``, ``"fixed"``, ``"module:attr"`` or
     a policy object) lets the controller choose the parallelism of keyed steps; bounds, cooldown
     and the rest go in ``autoscaler_config`` (see :class:`raystream.autoscaler.AutoscalerConfig`).
+
+    Checkpoints: ``checkpoint_interval_s=10`` (with ``checkpoint_dir``, ``checkpoints_retained``,
+    ``restart_attempts``, ``restart_delay_s``, ``restart_failure_rate``, ``heartbeat_timeout_s``)
+    takes aligned checkpoints and recovers the job from the latest after a failure.
+    ``from_checkpoint="latest"`` (or a checkpoint id) resumes from the job's own checkpoints,
+    ``from_savepoint=path`` from a savepoint; ``parallelism`` may differ from theirs.
     """
     if not isinstance(flow, Dataflow):
         msg = f"expected a raystream Dataflow, got {type(flow).__name__}: {flow!r}"
@@ -196,7 +226,16 @@ def start(
     controller = (
         controller_actor_class()
         .options(name=name, namespace=NAMESPACE, max_concurrency=1000)
-        .remote(flow, parallelism, config, base, cleanup_state=cleanup, autoscaler=scaling)
+        .remote(
+            flow,
+            parallelism,
+            config,
+            base,
+            cleanup_state=cleanup,
+            autoscaler=scaling,
+            restore_from=_restore_from(from_checkpoint, from_savepoint),
+            parallelism_given=tuple(parallelism or {}),
+        )
     )
     ray.get(controller.start.remote(controller))
     job = Job(flow.name, controller)
@@ -206,6 +245,17 @@ def start(
         job.stop()
         raise
     return job
+
+
+def _restore_from(checkpoint: str | int | None, savepoint: str | None) -> tuple[str, str] | None:
+    if checkpoint is not None and savepoint is not None:
+        msg = "pass from_checkpoint or from_savepoint, not both"
+        raise ConfigError(msg)
+    if savepoint is not None:
+        return ("savepoint", str(savepoint))
+    if checkpoint is not None:
+        return ("checkpoint", str(checkpoint))
+    return None
 
 
 def _autoscaler_spec(steps: dict[str, Any], policy: Any, config: Any) -> Any:

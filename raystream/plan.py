@@ -49,14 +49,20 @@ def physical_plan(
     config: RuntimeConfig,
     origin_ns: int,
     state_dir: str | Path,
+    routing: dict[str, RoutingTable] | None = None,
 ) -> PhysicalPlan:
+    """``routing``: tables to start keyed steps with instead of uniform ones (a restore from a
+    checkpoint); their parallelism must be the step's."""
     steps = flow.with_parallelism(parallelism)
     ks = flow.key_space
+    given = routing or {}
     routing = {
-        name: RoutingTable.uniform(ks.num_key_groups, s.parallelism or 1)
+        name: given.get(name) or RoutingTable.uniform(ks.num_key_groups, s.parallelism or 1)
         for name, s in steps.items()
         if s.is_keyed
     }
+    for name, table in routing.items():
+        assert table.parallelism == steps[name].parallelism, (name, table, steps[name])
     downstream: dict[str, list[Step]] = {n: [] for n in steps}
     for s in steps.values():
         for up in s.upstream:

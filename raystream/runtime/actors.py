@@ -21,6 +21,7 @@ __all__ = [
     "NAMESPACE",
     "controller_actor_class",
     "controller_name",
+    "instance_actor_name",
     "source_actor_name",
 ]
 
@@ -31,9 +32,14 @@ def controller_name(job: str) -> str:
     return f"raystream-controller:{job}"
 
 
-def source_actor_name(job: str, step: str, index: int) -> str:
-    """Source instances are named actors, so outside writers (Spark tasks) find them."""
-    return f"raystream-source:{job}:{step}:{index}"
+def instance_actor_name(job: str, step: str, index: int) -> str:
+    """Instances deployed with the job (and on recovery) are named actors in namespace
+    ``raystream``: outside writers (Spark tasks) find sources by name, and a person finds any
+    instance in the Ray dashboard or with ``ray.get_actor(name, namespace="raystream")``."""
+    return f"raystream:{job}:{step}:{index}"
+
+
+source_actor_name = instance_actor_name
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -81,7 +87,10 @@ class InstanceActor:
             "instance": inst.spec.id,
             "result": inst.result,
             "error": inst.error,
+            "traceback": inst.error_traceback,
             "metrics": inst.snapshot_metrics(),
+            "acked": sorted(inst.acked),
+            "sink_state": inst.final_sink_state,
         }
 
     async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
@@ -156,6 +165,26 @@ class InstanceActor:
 
     async def read_snapshot(self, path: str, key_groups: list[int]) -> Any:
         return self._instance.read_snapshot(path, key_groups)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    async def checkpoint_complete(self, checkpoint_id: int) -> Any:
+        """The checkpoint is recorded: a two-phase sink publishes what it pre-committed up to it;
+        at the end of input (``FINAL_CHECKPOINT``) it also returns its result."""
+        inst = self._instance
+        inst.checkpoints.commit(inst.writer, checkpoint_id)
+        from raystream.runtime.snapshots import FINAL_CHECKPOINT
+
+        if checkpoint_id == FINAL_CHECKPOINT and inst.writer is not None:
+            inst.result = inst.writer.close()
+            return inst.result
+        return None
+
+    async def heartbeat(self) -> dict[str, int]:
+        """Answered by the event loop: an instance whose loop is stuck does not answer."""
+        inst = self._instance
+        if inst is None:
+            return {}
+        return {"records_in": inst.metrics.records_in, "rows_emitted": inst.rows_emitted}
 
     async def pause(self) -> None:
         self._instance.pause()

@@ -24,6 +24,7 @@ from raystream.keys import KeySpace, RoutingTable
 from raystream.metrics import InstanceMetrics, LatencyRecorder
 from raystream.runtime.channels import ByKeyGroup, Forward, Inbox, OutputChannel, Rebalance
 from raystream.runtime.messages import Barrier, ChannelId, EndOfStream
+from raystream.runtime import snapshots
 from raystream.runtime.migration import MigrationEngine, MigrationTask
 from raystream.runtime.processors import EVENT_TIME, INGEST_TS, KeyedProcessor, make_processor
 from raystream.sources import RateSchedule
@@ -50,6 +51,13 @@ class RuntimeConfig:
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
     state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
     metrics_export_s: float = 1.0  # period of the Ray metrics (Prometheus) export; 0: off
+    checkpoint_interval_s: float = 0.0  # periodic checkpoints (and recovery from them); 0: off
+    checkpoint_dir: str | None = None  # local path or pyarrow.fs URI; None: <tmp>/raystream-checkpoints
+    checkpoints_retained: int = 3  # complete checkpoints kept; older ones and their files go
+    restart_attempts: int = 3  # recoveries from a checkpoint before the job fails
+    restart_delay_s: float = 1.0  # fixed delay before each recovery
+    restart_failure_rate: tuple[int, float] | None = None  # at most N failures within S seconds
+    heartbeat_timeout_s: float = 60.0  # an instance that answers no heartbeat this long is hung
 
     def __post_init__(self) -> None:
         from raystream.errors import ConfigError
@@ -59,8 +67,40 @@ class RuntimeConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 msg = f"{name} must be an int >= 1, got {v!r}"
                 raise ConfigError(msg)
-        if not isinstance(self.linger_ms, (int, float)) or self.linger_ms < 0:
-            msg = f"linger_ms must be a number >= 0, got {self.linger_ms!r}"
+        for name in ("linger_ms", "checkpoint_interval_s", "restart_delay_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                msg = f"{name} must be a number >= 0, got {v!r}"
+                raise ConfigError(msg)
+        if not isinstance(self.heartbeat_timeout_s, (int, float)) or self.heartbeat_timeout_s <= 0:
+            msg = f"heartbeat_timeout_s must be a number > 0, got {self.heartbeat_timeout_s!r}"
+            raise ConfigError(msg)
+        for name in ("checkpoints_retained",):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                msg = f"{name} must be an int >= 1, got {v!r}"
+                raise ConfigError(msg)
+        if not isinstance(self.restart_attempts, int) or self.restart_attempts < 0:
+            msg = f"restart_attempts must be an int >= 0, got {self.restart_attempts!r}"
+            raise ConfigError(msg)
+        rate = self.restart_failure_rate
+        if rate is not None and not (
+            isinstance(rate, (tuple, list))
+            and len(rate) == 2
+            and isinstance(rate[0], int)
+            and rate[0] >= 1
+            and isinstance(rate[1], (int, float))
+            and rate[1] > 0
+        ):
+            msg = (
+                "restart_failure_rate must be (max_failures >= 1, interval_s > 0), e.g. (3, 60.0), "
+                f"got {rate!r}"
+            )
+            raise ConfigError(msg)
+        if self.checkpoint_dir is not None and (
+            not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir
+        ):
+            msg = f"checkpoint_dir must be a path or a pyarrow.fs URI (str), got {self.checkpoint_dir!r}"
             raise ConfigError(msg)
 
 
@@ -88,6 +128,9 @@ class InstanceSpec:
     state_path: str | None = None
     owned_key_groups: tuple[int, ...] = ()
     source_parallelism: int = 1
+    # recovery: what this instance starts from (see raystream.checkpointing.restore_specs)
+    restore: dict[str, Any] | None = None
+    storage: tuple[str, str] | None = None  # (checkpoint storage URI, job) when checkpointing
 
     @property
     def id(self) -> ChannelId:
@@ -130,15 +173,25 @@ class OperatorInstance:
         self.paused = False
         self.finished = False
         self.result: Any = None
+        self.final_sink_state: Any = None  # a two-phase sink's pre-committed end of input
         self.error: str | None = None
+        self.error_traceback: str | None = None
         self.rows_emitted = 0  # sources: rows sent so far (offset in their partition)
         self._pace: tuple[RateSchedule | None, float] = (None, 0.0)  # sources: schedule, start
         self._stop = False
+        self._source_done = False  # a source restored from a checkpoint it had already finished
+        self.checkpoints = snapshots.CheckpointState(spec)
+        self.acked: set[int] = set()  # epochs of the barriers this instance acknowledged
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
         """Build output channels; ``sender(receiver_id, item)`` pushes one item to a receiver."""
-        self._report = report
+        def acknowledging(event: str, info: dict[str, Any]) -> Any:
+            if event == "barrier":
+                self.acked.add(int(info["epoch"]))
+            return report(event, info)
+
+        self._report = acknowledging
         self._sender = sender
         self.outputs = []
         for out in self.spec.outputs:
@@ -318,6 +371,9 @@ class OperatorInstance:
     # ---- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
         try:
+            if self.spec.restore and self.role == "operator":
+                with self.metrics.busy():
+                    await asyncio.to_thread(snapshots.restore_keyed, self)
             if self.role == "source":
                 await self._run_source()
             else:
@@ -326,6 +382,7 @@ class OperatorInstance:
             self._report("finished", {"instance": self.spec.id, "result": self.result})
         except Exception as e:  # noqa: BLE001 - reported to the controller, which fails the job
             self.error = f"{type(e).__name__}: {e}"
+            self.error_traceback = traceback.format_exc()
             if self.writer is not None:
                 self.writer.abort()
             self._report(
@@ -375,11 +432,13 @@ class OperatorInstance:
         chunk = (
             cfg.source_batch_rows if rate <= 0 else max(1, int(rate * max(cfg.linger_ms, 1) / 1000))
         )
+        if self.spec.restore:
+            snapshots.rewind_source(self, self.spec.restore)
         started = time.monotonic()
         started_ns = time.time_ns()
         self._pace = (pace, started)
         warm = rate <= 0
-        while not self._stop:
+        while not self._stop and not self._source_done:
             await self._emit_pending_barriers()
             if self.paused:
                 await asyncio.sleep(0.001)
@@ -437,19 +496,20 @@ class OperatorInstance:
                 await self._switch(barrier)
             else:
                 await self._forward_barrier(barrier)
-            self._report(
-                "barrier",
-                {
-                    "instance": self.spec.id,
-                    "epoch": barrier.epoch,
-                    "kind": barrier.kind,
-                    "source_offset": self.rows_emitted,
-                },
-            )
+            info = {
+                "instance": self.spec.id,
+                "epoch": barrier.epoch,
+                "kind": barrier.kind,
+                "source_offset": self.rows_emitted,
+            }
+            if barrier.kind == "checkpoint":
+                info.update(snapshots.source_state(self))
+            self._report("barrier", info)
 
     async def _run_receiver(self) -> None:
         if self.role == "sink":
             self.writer = self.step.fn.open(self.spec.index, self.step.parallelism)
+            await snapshots.restore_sink(self)
         engine = self.engine
         while not self._stop:
             if engine is not None:
@@ -472,11 +532,18 @@ class OperatorInstance:
             await asyncio.sleep(0)
         if engine is not None:
             await self._settle(engine)
+        await snapshots.gather_pending(self.checkpoints)  # a checkpoint's upload is part of it
         await self._finish_outputs()
         if self.processor is not None:
             self.processor.close()
         if self.writer is not None:
-            self.result = self.writer.close()
+            if self.checkpoints.two_phase(self.writer):
+                # end of input is a final checkpoint: published once the controller recorded it
+                state = self.writer.pre_commit(snapshots.FINAL_CHECKPOINT)
+                in_memory = isinstance(state, dict) and "rows" in state  # collect: kept here
+                self.final_sink_state = {"in_memory": True} if in_memory else state
+            else:
+                self.result = self.writer.close()
 
     async def _run_released(self, engine: MigrationEngine) -> None:
         """Process buffered records whose state arrived; hold post-barrier inputs while too many
@@ -567,13 +634,14 @@ class OperatorInstance:
             engine = self.engine
             mine = barrier.kind == "rescale" and barrier.payload["step"] == self.step.name
             if barrier.kind == "checkpoint":
-                if isinstance(self.processor, KeyedProcessor) and barrier.payload.get("directory"):
-                    path = Path(barrier.payload["directory"]) / self.step.name / str(self.spec.index)
-                    self.processor.backend.snapshot(path)
-                    info["snapshot"] = str(path)
-                    info["key_groups"] = self.processor.owned_key_groups
+                # the snapshot is cheap (hard links); its upload runs after the barrier went on,
+                # while records flow, and the acknowledgement follows when it is durable
+                upload = self.checkpoints.take(self, barrier, info)
                 await self._forward_barrier(barrier)
                 self.inbox.unblock_all()
+                if upload is not None:
+                    self.checkpoints.finish_later(upload, info, self._report)
+                    continue
             elif barrier.payload.get("aligned"):
                 await self._switch(barrier)
                 if mine and engine is not None:

@@ -1,0 +1,423 @@
+"""The controller's checkpoints, savepoints, failure detection and recovery.
+
+A mixin of :class:`raystream.controller.Controller` (it uses the controller's plan, handles and
+barriers); the pure parts (manifests, what each instance restores, the restart strategy) live in
+:mod:`raystream.checkpointing`.
+
+- **Checkpoints** are aligned barriers injected at the sources every ``checkpoint_interval_s``.
+  A checkpoint is complete once every instance acknowledged it (keyed instances after their
+  files are in checkpoint storage) and its manifest is written; then sinks publish what they
+  pre-committed. Checkpoints and rescales are serialised: one that falls due during a rescale
+  waits for it to end.
+- **Failures**: an instance whose ``run`` errs, whose actor dies (Ray reports it) or that answers
+  no heartbeat within ``heartbeat_timeout_s`` (killed, then treated like a death).
+- **Recovery**: every instance is stopped and started again from the latest complete checkpoint
+  (a global restart, as Flink does for all-to-all graphs), at the job's current parallelism:
+  keyed instances load the key groups they own from whichever instances held them, sources
+  rewind, sinks publish what the checkpoint pre-committed and drop the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from raystream.checkpointing import build_manifest, manifest_routing, restore_specs
+from raystream.errors import CheckpointError, RaystreamError
+from raystream.runtime.messages import Barrier, ChannelId
+from raystream.runtime.snapshots import FINAL_CHECKPOINT
+
+__all__ = ["Recovery"]
+
+log = logging.getLogger("raystream.recovery")
+
+
+class Recovery:
+    """Checkpoints and recovery of a running job (mixed into the Controller)."""
+
+    # ---- storage and plans ----------------------------------------------------------------
+    @property
+    def storage(self: Any) -> Any:
+        if self._storage is None:
+            from raystream.checkpoint.storage import CheckpointStorage
+
+            uri, job = self.storage_spec
+            self._storage = CheckpointStorage(uri, job, retain=self.config.checkpoints_retained)
+        return self._storage
+
+    def _replan(self: Any, manifest: dict[str, Any] | None, base_dir: str, *, fresh: bool = False) -> None:
+        """Build the physical plan of a (re)start: fresh, from ``manifest`` at its routing (or at
+        the parallelism the user asked for), or on recovery at the current routing."""
+        from raystream.plan import physical_plan
+
+        parallelism = dict(self._parallelism_arg or {})
+        routing = None
+        if not fresh:
+            if self.state == "recovering":
+                routing = dict(self.routing)
+            else:  # a start from a checkpoint or savepoint
+                routing = {
+                    n: t
+                    for n, t in manifest_routing(manifest or {}).items()
+                    if n not in self.parallelism_given or parallelism.get(n) == t.parallelism
+                }
+            for n, t in routing.items():
+                parallelism[n] = t.parallelism
+        plan = physical_plan(
+            self.flow, parallelism, self.config, self.origin_ns, base_dir, routing=routing
+        )
+        restore = {} if fresh else restore_specs(manifest, plan.instances, plan.routing, self._restore_storage(manifest))
+        specs = {
+            iid: replace(spec, storage=self.storage_spec, restore=restore.get(iid))
+            for iid, spec in plan.instances.items()
+        }
+        self.plan = replace(plan, instances=specs)
+        self.plan_dir = base_dir
+        self.specs = dict(specs)
+        self.routing = dict(plan.routing)
+        self.parallelism = {n: s.parallelism or 1 for n, s in plan.steps.items()}
+        if manifest is not None:
+            self._epoch = max(self._epoch, int(manifest["checkpoint_id"]))
+
+    def _restore_storage(self: Any, manifest: dict[str, Any] | None) -> tuple[str, ...]:
+        """Where a restoring instance reads state files: the job's storage or a savepoint."""
+        where = (manifest or {}).get("_storage")
+        return tuple(where) if where else self.storage_spec  # type: ignore[no-any-return]
+
+    async def _resolve_restore(self: Any, kind: str, where: str) -> dict[str, Any]:
+        """The manifest a job starts from: ``("checkpoint", "latest" | id | path)`` or
+        ``("savepoint", path)``; checked against this dataflow."""
+        from raystream.checkpoint.storage import check_compatible, open_savepoint
+
+        if kind == "checkpoint" and (where == "latest" or str(where).isdigit()):
+            storage = self.storage
+            if where == "latest":
+                manifest = await asyncio.to_thread(storage.latest)
+                if manifest is None:
+                    uri, job = self.storage_spec
+                    msg = (
+                        f"no complete checkpoint of job {job!r} under {uri!r}; start it without "
+                        "--from-checkpoint, or pass the checkpoint_dir the job used"
+                    )
+                    raise CheckpointError(msg)
+            else:
+                manifest = await asyncio.to_thread(storage.load, int(where))
+        else:
+            _, manifest = await asyncio.to_thread(open_savepoint, str(where))
+            manifest = dict(manifest, _storage=["savepoint", str(where)])
+        check_compatible(
+            manifest,
+            self.flow.name,
+            {n: s.kind for n, s in self.flow.steps.items()},
+            self.flow.key_space.num_key_groups,
+            self.flow.key_space.sub_groups,
+        )
+        self.restored_from = {"kind": kind, "where": str(where), "checkpoint_id": manifest["checkpoint_id"]}
+        return manifest
+
+    # ---- loops --------------------------------------------------------------------------
+    def _start_recovery_loops(self: Any) -> None:
+        loop = asyncio.get_running_loop()
+        existing = self._existing_checkpoint_ids()
+        self._epoch = max(self._epoch, max(existing, default=0))
+        if self.config.checkpoint_interval_s > 0:
+            loop.create_task(self._checkpoint_loop())
+        loop.create_task(self._heartbeat_loop())
+
+    def _existing_checkpoint_ids(self: Any) -> list[int]:
+        try:
+            lister = getattr(self.storage, "_chk_ids", None) or self.storage.checkpoints
+            return list(lister())
+        except Exception:  # noqa: BLE001 - no storage yet: checkpoints will say why
+            return []
+
+    async def _checkpoint_loop(self: Any) -> None:
+        interval = self.config.checkpoint_interval_s
+        while self.state in ("running", "recovering"):
+            await asyncio.sleep(interval)
+            if self.state != "running" or self._sources_done():
+                continue
+            async with self._rescale_lock:  # a checkpoint due during a rescale waits for it
+                if self.state != "running" or self._sources_done():
+                    continue
+                try:
+                    await self._take_checkpoint(max(60.0, 10 * interval))
+                except Exception as e:  # noqa: BLE001 - the job goes on; the next one may succeed
+                    self.failed_checkpoints.append({"at_s": self._now_s(), "error": f"{type(e).__name__}: {e}"})
+                    log.warning("job %s: checkpoint failed: %s", self.flow.name, e)
+
+    async def _heartbeat_loop(self: Any) -> None:
+        """Ask every live instance for a heartbeat each second; one that has not answered for
+        ``heartbeat_timeout_s`` is hung: it is killed and handled like a dead one."""
+        timeout = self.config.heartbeat_timeout_s
+        period = min(1.0, timeout / 4)
+        while self.state in ("running", "recovering"):
+            await asyncio.sleep(period)
+            if self.state != "running":
+                continue
+            attempt = self._attempt
+            now = time.monotonic()
+            for iid, h in list(self.handles.items()):
+                if iid in self.outcomes:
+                    continue
+                asyncio.ensure_future(self._beat(iid, h, attempt))
+                last = self._heartbeats.get(iid, now)
+                if now - last > timeout and iid not in self._hung:
+                    self._hung[iid] = (
+                        f"instance {iid} answered no heartbeat for {now - last:.0f} s "
+                        f"(heartbeat_timeout_s={timeout}): its event loop is stuck"
+                    )
+                    log.warning("job %s: %s; killing it", self.flow.name, self._hung[iid])
+                    ray.kill(h, no_restart=True)
+
+    async def _beat(self: Any, iid: ChannelId, handle: Any, attempt: int) -> None:
+        try:
+            beat = await handle.heartbeat.remote()
+        except Exception:  # noqa: BLE001 - a dead actor shows up in its run() outcome
+            return
+        if attempt == self._attempt:
+            self._heartbeats[iid] = time.monotonic()
+            if isinstance(beat, dict) and "rows_emitted" in beat:
+                self._source_emitted[iid] = int(beat["rows_emitted"])
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    async def checkpoint(self: Any, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Take a checkpoint now (waits for a running rescale to end first)."""
+        async with self._rescale_lock:
+            return await self._take_checkpoint(timeout_s)  # type: ignore[no-any-return]
+
+    async def savepoint(self: Any, path: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        """A checkpoint copied to ``path`` as a self-contained savepoint (never deleted by
+        retention); ``rs.start(flow, from_savepoint=path)`` resumes from it."""
+        async with self._rescale_lock:
+            stats = await self._take_checkpoint(timeout_s, savepoint=True)
+        where = await asyncio.to_thread(self.storage.savepoint, stats["checkpoint_id"], path)
+        return {**stats, "savepoint": where}
+
+    async def _take_checkpoint(self: Any, timeout_s: float, *, savepoint: bool = False) -> dict[str, Any]:
+        if self.state != "running":
+            msg = f"job {self.flow.name!r} is {self.state}; only a running job can take a checkpoint"
+            raise CheckpointError(msg)
+        storage = self.storage  # a storage that cannot be written fails here, before the barrier
+        t0 = time.monotonic()
+        cid = self._next_epoch()
+        attempt = self._attempt
+        acks = await self.inject(Barrier(cid, "checkpoint", {}), timeout_s)
+        if attempt != self._attempt:
+            msg = f"checkpoint {cid} was interrupted by a recovery"
+            raise CheckpointError(msg)
+        aligned_s = time.monotonic() - t0
+        acks = list(acks) + self._finished_sink_states()
+        manifest = build_manifest(
+            job=self.flow.name,
+            checkpoint_id=cid,
+            acks=acks,
+            finished_sources=[i for i in self.plan.sources if i in self.outcomes],
+            steps={n: s.kind for n, s in self.flow.steps.items()},
+            parallelism=dict(self.parallelism),
+            routing=dict(self.routing),
+            num_key_groups=self.flow.key_space.num_key_groups,
+            sub_groups=self.flow.key_space.sub_groups,
+            savepoint=savepoint,
+        )
+        await asyncio.to_thread(storage.complete, cid, manifest)
+        live_sinks = [i for i in self.plan.sinks if i not in self.outcomes]
+        await asyncio.gather(*(_quietly(self.handles[i].checkpoint_complete.remote(cid)) for i in live_sinks))
+        states = [a["state"] for a in acks if "state" in a]
+        stats = {
+            "checkpoint_id": cid,
+            "at_s": self._now_s(),
+            "duration_s": time.monotonic() - t0,
+            "aligned_s": aligned_s,
+            "uploaded_bytes": int(sum(s.get("uploaded_bytes", 0) for s in states)),
+            "referenced_bytes": int(sum(s.get("referenced_bytes", 0) for s in states)),
+            "source_offsets": {
+                k: e["source"].get("offset")
+                for k, e in manifest["instances"].items()
+                if "source" in e
+            },
+        }
+        self.checkpoint_stats.append(stats)
+        return stats
+
+    def _finished_sink_states(self: Any) -> list[dict[str, Any]]:
+        """Sinks that already reached their end (one branch of a dataflow ended) keep their
+        pre-committed end in every later checkpoint."""
+        return [
+            {"instance": iid, "sink_state": out["sink_state"]}
+            for iid, out in self.outcomes.items()
+            if iid in self.plan.sinks and _durable(out.get("sink_state"))
+        ]
+
+    def checkpoint_summary(self: Any) -> dict[str, Any]:
+        last = self.checkpoint_stats[-1] if self.checkpoint_stats else None
+        return {
+            "completed": len(self.checkpoint_stats),
+            "failed": len(self.failed_checkpoints),
+            "last": last,
+            "last_failure": self.failed_checkpoints[-1] if self.failed_checkpoints else None,
+            "storage": f"{self.storage_spec[0]}/{self.storage_spec[1]}",
+            "restored_from": self.restored_from,
+        }
+
+    def _now_s(self: Any) -> float:
+        return time.time() - self.origin_ns / 1e9
+
+    async def _final_commit(self: Any) -> bool:
+        """Every instance reached the end of its input: record the sinks' pre-committed ends as
+        a final checkpoint (when the job checkpoints), then let them publish. False when the job
+        did not finish (a failure here recovered or failed it)."""
+        staged = {
+            iid: out["sink_state"]
+            for iid, out in self.outcomes.items()
+            if iid in self.plan.sinks and out.get("sink_state") is not None
+        }
+        if not staged:
+            return True
+        try:
+            durable = [{"instance": i, "sink_state": st} for i, st in staged.items() if _durable(st)]
+            if durable and (self.config.checkpoint_interval_s > 0 or self.checkpoint_stats):
+                cid = self._next_epoch()
+                manifest = build_manifest(
+                    job=self.flow.name,
+                    checkpoint_id=cid,
+                    acks=durable,
+                    finished_sources=list(self.plan.sources),
+                    steps={n: s.kind for n, s in self.flow.steps.items()},
+                    parallelism=dict(self.parallelism),
+                    routing=dict(self.routing),
+                    num_key_groups=self.flow.key_space.num_key_groups,
+                    sub_groups=self.flow.key_space.sub_groups,
+                    final=True,
+                )
+                await asyncio.to_thread(self.storage.complete, cid, manifest)
+            results = await asyncio.gather(
+                *(self.handles[i].checkpoint_complete.remote(FINAL_CHECKPOINT) for i in staged)
+            )
+        except Exception as e:  # noqa: BLE001 - a sink died while publishing: a failure like any
+            iid = next(iter(staged))
+            cause = {"instance": iid, "error": f"publishing the output failed: {type(e).__name__}: {e}"}
+            await self._recover_or_fail(cause)
+            return False
+        for iid, res in zip(staged, results, strict=True):
+            self.outcomes[iid]["result"] = res
+        return True
+
+    # ---- recovery -----------------------------------------------------------------------
+    async def _recover_or_fail(self: Any, cause: dict[str, Any]) -> bool:
+        """Recover from ``cause`` if checkpointing is on and the restart strategy allows; else
+        fail the job with it. True when a new attempt runs."""
+        if self.config.checkpoint_interval_s <= 0:
+            await self._fail(cause)
+            return False
+        delay = self.restart.next_delay()
+        if delay is None:
+            cause = {**cause, "error": f"{cause['error']} (not recovered: {self.restart.why_not()})"}
+            await self._fail(cause)
+            return False
+        try:
+            await self._recover(cause, delay)
+        except Exception as e:  # noqa: BLE001 - a recovery that cannot start fails the job
+            log.exception("job %s: recovery failed", self.flow.name)
+            await self._fail({**cause, "error": f"{cause['error']}; recovery failed: {type(e).__name__}: {e}"})
+            return False
+        return True
+
+    async def _fail(self: Any, cause: dict[str, Any]) -> None:
+        self.error = cause
+        await self._stop_all()  # sinks abort their partial files first
+        self.state = "failed"
+
+    async def _recover(self: Any, cause: dict[str, Any], delay_s: float) -> None:
+        t0 = time.monotonic()
+        self.state = "recovering"
+        self._attempt += 1
+        log.warning(
+            "job %s: instance %s failed (%s); recovering (attempt %d)",
+            self.flow.name, cause["instance"], cause["error"], self._attempt,
+        )
+        emitted = dict(self._source_emitted)
+        old = dict(self.handles)
+        futures = list(self._run_futures.values())
+        for h in old.values():
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:  # noqa: BLE001, S110 - already gone
+                pass
+        if futures:
+            await asyncio.wait(futures, timeout=15)
+        await self._names_free(old)
+        for epoch, done in list(self._barrier_done.items()):  # barriers of the old attempt end
+            self._barrier_expected.pop(epoch, None)
+            done.set()
+        await asyncio.sleep(delay_s)
+        manifest = await asyncio.to_thread(self.storage.latest)
+        old_dir = self.plan_dir
+        for name, step in self.plan.steps.items():
+            if step.is_keyed:
+                shutil.rmtree(Path(old_dir) / name, ignore_errors=True)
+        self.outcomes = {}
+        self._run_futures = {}
+        self._run_handles = {}
+        self.retired = set()
+        self._hung = {}
+        self._source_emitted = {}
+        self._replan(manifest, str(Path(self.state_dir) / f"attempt-{self._attempt}"))
+        await self._deploy()
+        self.state = "running"
+        replayed = 0
+        for iid in self.plan.sources:
+            at = ((manifest or {}).get("instances", {}).get(f"{iid[0]}/{iid[1]}", {}).get("source") or {})
+            if not at.get("finished"):
+                replayed += max(0, emitted.get(iid, 0) - int(at.get("offset", 0)))
+        record = {
+            "attempt": self._attempt,
+            "at_s": self._now_s(),
+            "instance": list(cause["instance"]),
+            "cause": cause["error"],
+            "checkpoint_id": (manifest or {}).get("checkpoint_id"),
+            "parallelism": dict(self.parallelism),
+            "downtime_s": time.monotonic() - t0,
+            "records_replayed": replayed,
+        }
+        self.recoveries.append(record)
+        log.warning("job %s: recovered: %s", self.flow.name, record)
+
+    async def _names_free(self: Any, old: dict[ChannelId, Any], timeout_s: float = 15.0) -> None:
+        """Wait until the killed instances' actor names can be taken again."""
+        from raystream.runtime.actors import NAMESPACE, instance_actor_name
+
+        deadline = time.monotonic() + timeout_s
+        for iid in old:
+            name = instance_actor_name(self.flow.name, *iid)
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(name, namespace=NAMESPACE)
+                except ValueError:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                msg = f"actor {name} did not go away within {timeout_s} s after it was killed"
+                raise RaystreamError(msg)
+
+    async def cancel(self: Any) -> dict[str, Any]:
+        """Stop at once, without a final checkpoint (what was not committed is dropped)."""
+        return await self.stop(checkpoint=False)  # type: ignore[no-any-return]
+
+
+def _durable(state: Any) -> bool:
+    return state is not None and not (isinstance(state, dict) and state.get("in_memory"))
+
+
+async def _quietly(ref: Any) -> None:
+    try:
+        await ref
+    except Exception:  # noqa: BLE001, S110 - the actor may already be gone
+        pass

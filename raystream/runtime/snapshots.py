@@ -1,0 +1,236 @@
+"""What one operator instance does for checkpoints and recovery. No Ray here.
+
+- At a checkpoint barrier: a source reports its position; a keyed instance takes a RocksDB
+  checkpoint (hard links, milliseconds) and copies its files to checkpoint storage *after* the
+  barrier went on, acknowledging once they are durable; a sink pre-commits (two-phase commit).
+- On recovery: a source rewinds to its recorded position, a keyed instance restores the key
+  groups it owns from whichever instance held them at the checkpoint, a sink publishes what the
+  checkpoint pre-committed and drops the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    from raystream.runtime.instance import InstanceSpec, OperatorInstance
+
+__all__ = [
+    "FINAL_CHECKPOINT",
+    "CheckpointState",
+    "restore_keyed",
+    "restore_sink",
+    "rewind_source",
+    "source_state",
+]
+
+# the pre-commit id of a sink's end of input: published after the last regular checkpoint
+FINAL_CHECKPOINT = 1 << 62
+_SKIP_ROWS = 1 << 20  # rows a rewinding source reads (and drops) at once
+
+
+def open_storage(storage: tuple[str, ...]) -> Any:
+    """``(uri, job)``: the job's checkpoint storage; ``("savepoint", uri)``: a savepoint."""
+    from raystream.checkpoint.storage import CheckpointStorage, open_savepoint
+
+    if storage[0] == "savepoint":
+        return open_savepoint(storage[1])[0]
+    uri, job = storage
+    return CheckpointStorage(uri, job)
+
+
+class CheckpointState:
+    """Per instance: its handle on checkpoint storage and the uploads under way."""
+
+    def __init__(self, spec: InstanceSpec) -> None:
+        self.spec = spec
+        self._storage: Any = None
+        self.sink_blobs: list[str] = []  # a collect sink's committed rows, one blob a checkpoint
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.uploaded_bytes = 0
+        self.referenced_bytes = 0
+
+    @property
+    def storage(self) -> Any:
+        if self._storage is None:
+            assert self.spec.storage is not None, "this job has no checkpoint storage"
+            self._storage = open_storage(self.spec.storage)
+        return self._storage
+
+    @staticmethod
+    def two_phase(writer: Any) -> bool:
+        return callable(getattr(writer, "pre_commit", None))
+
+    def take(
+        self, inst: OperatorInstance, barrier: Any, info: dict[str, Any]
+    ) -> Callable[[], dict[str, Any]] | None:
+        """Do the synchronous part of checkpoint ``barrier.epoch`` at this instance (aligned: no
+        record after the barrier was processed yet); return the slow part (an upload, run in a
+        thread after the barrier went on) or None. A failure fails this checkpoint, not the job."""
+        cid = barrier.epoch
+        if self.spec.storage is None:
+            info["error"] = "this job has no checkpoint storage"
+            return None
+        instance = f"{inst.step.name}/{inst.spec.index}"
+        try:
+            proc = inst.processor
+            if proc is not None and hasattr(proc, "backend"):
+                local = Path(f"{self.spec.state_path}-checkpoints") / f"chk-{cid}"
+                shutil.rmtree(local, ignore_errors=True)
+                proc.backend.snapshot(local)
+                info["key_groups"] = proc.owned_key_groups
+                uid = proc.backend.uid
+                storage = self.storage
+
+                def upload() -> dict[str, Any]:
+                    try:
+                        desc = storage.upload_state(cid, instance, str(local), uid)
+                    finally:
+                        shutil.rmtree(local, ignore_errors=True)
+                    return {"state": desc}
+
+                return upload
+            writer = inst.writer
+            if writer is not None and self.two_phase(writer):
+                state = writer.pre_commit(cid)
+                if isinstance(state, dict) and isinstance(state.get("rows"), pa.Table):
+                    rows = state["rows"]
+                    storage = self.storage
+                    blobs = self.sink_blobs
+
+                    def upload_rows() -> dict[str, Any]:
+                        if rows.num_rows:
+                            blobs.append(storage.put_blob(cid, instance, "rows.arrow", _ipc(rows)))
+                        return {"sink_state": {"blobs": list(blobs)}}
+
+                    return upload_rows
+                info["sink_state"] = state
+        except Exception as e:  # noqa: BLE001 - reported in the acknowledgement
+            info["error"] = f"{type(e).__name__}: {e}"
+        return None
+
+    def finish_later(
+        self,
+        work: Callable[[], dict[str, Any]],
+        info: dict[str, Any],
+        report: Callable[[str, dict[str, Any]], Any],
+    ) -> None:
+        async def run() -> None:
+            try:
+                out = await asyncio.to_thread(work)
+                info.update(out)
+                state = out.get("state") or {}
+                self.uploaded_bytes += int(state.get("uploaded_bytes", 0))
+                self.referenced_bytes += int(state.get("referenced_bytes", 0))
+            except Exception as e:  # noqa: BLE001 - the checkpoint fails, the job goes on
+                info["error"] = f"{type(e).__name__}: {e}"
+            report("barrier", info)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def commit(self, writer: Any, checkpoint_id: int) -> None:
+        if writer is not None and callable(getattr(writer, "commit", None)):
+            writer.commit(checkpoint_id)
+
+
+# ---- sources ------------------------------------------------------------------------------
+def source_state(inst: OperatorInstance) -> dict[str, Any]:
+    """A source's position at a checkpoint barrier: the rows it emitted before it."""
+    return {"source_state": {"offset": inst.rows_emitted}}
+
+
+def rewind_source(inst: OperatorInstance, restore: dict[str, Any]) -> None:
+    """Recovery: continue after the rows a checkpoint's state already holds. The reader is read
+    up to there and what it returns is dropped (readers are deterministic: same rows, same order)."""
+    state = restore.get("source") or {}
+    if state.get("finished"):
+        inst._source_done = True  # noqa: SLF001 - it had ended before the checkpoint
+        return
+    offset = int(state.get("offset", 0))
+    if offset and hasattr(inst.reader, "aread"):
+        msg = (
+            f"source {inst.step.name!r} takes pushed rows ({inst.step.fn.describe()}); recovery "
+            "cannot rewind it: its writers would have to re-send what came after the checkpoint"
+        )
+        from raystream.errors import SourceError
+
+        raise SourceError(msg)
+    skipped = 0
+    while skipped < offset:
+        batch = inst.reader.read(min(_SKIP_ROWS, offset - skipped))
+        if batch is None:
+            break
+        skipped += batch.num_rows
+    inst.rows_emitted = skipped
+
+
+# ---- keyed state ---------------------------------------------------------------------------
+def restore_keyed(inst: OperatorInstance) -> None:
+    """Recovery: load the key groups this instance owns from the checkpoint's instance states
+    (each downloaded once into a temporary folder, read by key group, then deleted)."""
+    restore = inst.spec.restore or {}
+    parts = restore.get("keyed") or []
+    if not parts:
+        return
+    proc = inst.processor
+    storage = open_storage(restore["storage"])
+    rows = 0
+    for part in parts:
+        tmp = Path(tempfile.mkdtemp(prefix="raystream-restore-", dir=Path(proc.backend.path).parent))
+        try:
+            local = storage.materialize_state(part["state"], str(tmp / "db"))
+            rows += proc.backend.restore_key_groups(local, part["key_groups"])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    restored = getattr(proc, "on_restored", None)
+    if callable(restored):
+        restored()
+    inst.metrics.restored_rows = rows  # type: ignore[attr-defined]
+
+
+# ---- sinks ---------------------------------------------------------------------------------
+async def restore_sink(inst: OperatorInstance) -> None:
+    """Give a two-phase sink the state of the checkpoint the job restarts from (None: no
+    checkpoint: it drops whatever earlier attempts left pending)."""
+    writer = inst.writer
+    if writer is None or not callable(getattr(writer, "restore", None)):
+        return
+    restore = inst.spec.restore
+    if restore is None:
+        return  # a first start
+    state = restore.get("sink")
+    if isinstance(state, dict) and "blobs" in state:
+        storage = open_storage(restore["storage"])  # type: ignore[index]
+        blobs = list(state["blobs"])
+        tables = await asyncio.to_thread(lambda: [_from_ipc(storage.get_blob(b)) for b in blobs])
+        inst.checkpoints.sink_blobs = blobs
+        state = {"tables": tables}
+    writer.restore(state)
+
+
+def _ipc(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue()
+
+
+def _from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_file(pa.py_buffer(data)).read_all()
+
+
+async def gather_pending(state: CheckpointState) -> None:
+    """Wait for uploads under way (tests; an instance that ends waits for them)."""
+    tasks: list[Awaitable[None]] = list(state._tasks)  # noqa: SLF001
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
