@@ -28,6 +28,7 @@ if _ilu.find_spec("raystream.operators") is None:  # pragma: no cover - depends 
     raise ImportError(_msg)
 
 from raystream.errors import (  # noqa: E402
+    CheckpointError,
     ConfigError,
     DataflowDefinitionError,
     JobFailedError,
@@ -45,6 +46,7 @@ from raystream.keys import KeyGroupRange, KeySpace, RoutingTable  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "DataflowDefinitionError",
     "JobFailedError",

@@ -10,6 +10,7 @@
     │   └── NullKeyError                  a key column holding nulls
     ├── SourceError                       a source that cannot be read (missing file, ...)
     ├── StateError                        keyed state that is not where it should be
+    ├── CheckpointError                   checkpoint storage unusable, checkpoint missing or damaged
     ├── PluginNotFoundError (LookupError) an unknown strategy / policy name
     ├── JobNotFoundError (LookupError)    no running job of that name
     ├── ClusterError (ConnectionError)    a Ray cluster that cannot be reached or refuses us (auth)
@@ -21,6 +22,7 @@ Every message says what was expected, what was given, and how to fix it.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "ClusterError",
     "ConfigError",
     "DataflowDefinitionError",
@@ -66,6 +68,11 @@ class SourceError(RaystreamError):
 
 class StateError(RaystreamError):
     """Keyed state is missing, owned elsewhere, or inconsistent."""
+
+
+class CheckpointError(RaystreamError):
+    """Checkpoint storage cannot be used, or a checkpoint / savepoint is missing, damaged or does
+    not fit the job restored from it."""
 
 
 class PluginNotFoundError(RaystreamError, LookupError):
