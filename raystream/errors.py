@@ -10,7 +10,7 @@
     │   └── NullKeyError                  a key column holding nulls
     ├── SourceError                       a source that cannot be read (missing file, ...)
     ├── StateError                        keyed state that is not where it should be
-    ├── CheckpointError                   a checkpoint or savepoint that cannot be written or used
+    ├── CheckpointError                   checkpoint storage unusable, checkpoint missing or damaged
     ├── PluginNotFoundError (LookupError) an unknown strategy / policy name
     ├── JobNotFoundError (LookupError)    no running job of that name
     ├── ClusterError (ConnectionError)    a Ray cluster that cannot be reached or refuses us (auth)
@@ -66,12 +66,13 @@ class SourceError(RaystreamError):
     """A source cannot be opened or read."""
 
 
-class CheckpointError(RaystreamError):
-    """A checkpoint or savepoint that cannot be written, found or restored from."""
-
-
 class StateError(RaystreamError):
     """Keyed state is missing, owned elsewhere, or inconsistent."""
+
+
+class CheckpointError(RaystreamError):
+    """Checkpoint storage cannot be used, or a checkpoint / savepoint is missing, damaged or does
+    not fit the job restored from it."""
 
 
 class PluginNotFoundError(RaystreamError, LookupError):

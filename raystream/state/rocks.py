@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -31,6 +32,23 @@ def _options() -> Options:
 
 
 _MISS = object()
+
+UID_FILE = "RAYSTREAM-UID"  # inside the DB folder; RocksDB ignores files it does not know
+
+
+def _db_uid(path: Path) -> str:
+    """The stable id of the DB in ``path``: made (uuid4 hex) when the DB is created, then read."""
+    file = path / UID_FILE
+    try:
+        uid = file.read_text().strip()
+    except FileNotFoundError:
+        uid = ""
+    if len(uid) != 32:
+        uid = uuid.uuid4().hex
+        tmp = file.with_name(UID_FILE + ".tmp")
+        tmp.write_text(uid)
+        tmp.replace(file)
+    return uid
 
 
 class RocksStateBackend:
@@ -55,6 +73,8 @@ class RocksStateBackend:
         self.bytes_restored = 0  # bytes copied in by restore_key_groups
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = Rdict(str(self.path), _options())
+        # Names checkpoint files of this DB in shared storage: SST names are unique within a DB.
+        self.uid = _db_uid(self.path)
         self._write_opt = WriteOptions()
         self._write_opt.disable_wal = True
         self._db.set_write_options(self._write_opt)
