@@ -81,10 +81,7 @@ def build_manifest(
         if kind not in ("keyed", "keyed_batches"):
             continue
         covered = [
-            g
-            for k, e in instances.items()
-            if _iid(k)[0] == step
-            for g in e.get("key_groups", [])
+            g for k, e in instances.items() if _iid(k)[0] == step for g in e.get("key_groups", [])
         ]
         if sorted(covered) != list(range(num_key_groups)):
             missing = sorted(set(range(num_key_groups)) - set(covered))
@@ -103,7 +100,11 @@ def build_manifest(
         "steps": dict(steps),
         "parallelism": dict(parallelism),
         "routing": {
-            n: {"epoch": t.epoch, "owners": [int(o) for o in t.owners], "parallelism": t.parallelism}
+            n: {
+                "epoch": t.epoch,
+                "owners": [int(o) for o in t.owners],
+                "parallelism": t.parallelism,
+            }
             for n, t in routing.items()
         },
         "num_key_groups": num_key_groups,
@@ -138,7 +139,10 @@ def restore_specs(
             held.setdefault(_iid(key)[0], []).append((e["state"], set(e["key_groups"])))
     out: dict[tuple[str, int], dict[str, Any]] = {}
     for step, index in instances:
-        spec: dict[str, Any] = {"storage": storage, "checkpoint_id": (manifest or {}).get("checkpoint_id")}
+        spec: dict[str, Any] = {
+            "storage": storage,
+            "checkpoint_id": (manifest or {}).get("checkpoint_id"),
+        }
         e = entries.get(f"{step}/{index}", {})
         if "source" in e:
             spec["source"] = e["source"]

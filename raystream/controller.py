@@ -203,7 +203,7 @@ class Controller(Recovery):
     async def wait(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Wait until the job finished or failed; returns the outcome."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.state in ("created", "running"):
+        while self.state in ("created", "running", "recovering"):
             if deadline is not None and time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)

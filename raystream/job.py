@@ -84,7 +84,7 @@ class Job:
 
     def wait(self, timeout_s: float | None = None) -> JobResult:
         out = ray.get(self.controller.wait.remote(timeout_s))
-        if out["state"] != "running":
+        if out["state"] not in ("running", "recovering"):
             self._end_feeders(stop=out["state"] != "finished")
         return _result(out, self)
 
@@ -303,7 +303,7 @@ def run(flow: Dataflow, *, timeout_s: float | None = None, **kwargs: Any) -> Job
     except BaseException:
         job.stop()
         raise
-    if result.state == "running":
+    if result.state in ("running", "recovering"):
         job.stop()
         msg = f"job {flow.name!r} did not finish within {timeout_s} s; it was stopped"
         raise JobFailedError(msg)

@@ -52,7 +52,9 @@ class Recovery:
             self._storage = CheckpointStorage(uri, job, retain=self.config.checkpoints_retained)
         return self._storage
 
-    def _replan(self: Any, manifest: dict[str, Any] | None, base_dir: str, *, fresh: bool = False) -> None:
+    def _replan(
+        self: Any, manifest: dict[str, Any] | None, base_dir: str, *, fresh: bool = False
+    ) -> None:
         """Build the physical plan of a (re)start: fresh, from ``manifest`` at its routing (or at
         the parallelism the user asked for), or on recovery at the current routing."""
         from raystream.plan import physical_plan
@@ -73,7 +75,13 @@ class Recovery:
         plan = physical_plan(
             self.flow, parallelism, self.config, self.origin_ns, base_dir, routing=routing
         )
-        restore = {} if fresh else restore_specs(manifest, plan.instances, plan.routing, self._restore_storage(manifest))
+        restore = (
+            {}
+            if fresh
+            else restore_specs(
+                manifest, plan.instances, plan.routing, self._restore_storage(manifest)
+            )
+        )
         specs = {
             iid: replace(spec, storage=self.storage_spec, restore=restore.get(iid))
             for iid, spec in plan.instances.items()
@@ -119,7 +127,11 @@ class Recovery:
             self.flow.key_space.num_key_groups,
             self.flow.key_space.sub_groups,
         )
-        self.restored_from = {"kind": kind, "where": str(where), "checkpoint_id": manifest["checkpoint_id"]}
+        self.restored_from = {
+            "kind": kind,
+            "where": str(where),
+            "checkpoint_id": manifest["checkpoint_id"],
+        }
         return manifest
 
     # ---- loops --------------------------------------------------------------------------
@@ -150,7 +162,9 @@ class Recovery:
                 try:
                     await self._take_checkpoint(max(60.0, 10 * interval))
                 except Exception as e:  # noqa: BLE001 - the job goes on; the next one may succeed
-                    self.failed_checkpoints.append({"at_s": self._now_s(), "error": f"{type(e).__name__}: {e}"})
+                    self.failed_checkpoints.append(
+                        {"at_s": self._now_s(), "error": f"{type(e).__name__}: {e}"}
+                    )
                     log.warning("job %s: checkpoint failed: %s", self.flow.name, e)
 
     async def _heartbeat_loop(self: Any) -> None:
@@ -201,9 +215,13 @@ class Recovery:
         where = await asyncio.to_thread(self.storage.savepoint, stats["checkpoint_id"], path)
         return {**stats, "savepoint": where}
 
-    async def _take_checkpoint(self: Any, timeout_s: float, *, savepoint: bool = False) -> dict[str, Any]:
+    async def _take_checkpoint(
+        self: Any, timeout_s: float, *, savepoint: bool = False
+    ) -> dict[str, Any]:
         if self.state != "running":
-            msg = f"job {self.flow.name!r} is {self.state}; only a running job can take a checkpoint"
+            msg = (
+                f"job {self.flow.name!r} is {self.state}; only a running job can take a checkpoint"
+            )
             raise CheckpointError(msg)
         storage = self.storage  # a storage that cannot be written fails here, before the barrier
         t0 = time.monotonic()
@@ -229,7 +247,9 @@ class Recovery:
         )
         await asyncio.to_thread(storage.complete, cid, manifest)
         live_sinks = [i for i in self.plan.sinks if i not in self.outcomes]
-        await asyncio.gather(*(_quietly(self.handles[i].checkpoint_complete.remote(cid)) for i in live_sinks))
+        await asyncio.gather(
+            *(_quietly(self.handles[i].checkpoint_complete.remote(cid)) for i in live_sinks)
+        )
         states = [a["state"] for a in acks if "state" in a]
         stats = {
             "checkpoint_id": cid,
@@ -282,7 +302,9 @@ class Recovery:
         if not staged:
             return True
         try:
-            durable = [{"instance": i, "sink_state": st} for i, st in staged.items() if _durable(st)]
+            durable = [
+                {"instance": i, "sink_state": st} for i, st in staged.items() if _durable(st)
+            ]
             if durable and (self.config.checkpoint_interval_s > 0 or self.checkpoint_stats):
                 cid = self._next_epoch()
                 manifest = build_manifest(
@@ -303,7 +325,10 @@ class Recovery:
             )
         except Exception as e:  # noqa: BLE001 - a sink died while publishing: a failure like any
             iid = next(iter(staged))
-            cause = {"instance": iid, "error": f"publishing the output failed: {type(e).__name__}: {e}"}
+            cause = {
+                "instance": iid,
+                "error": f"publishing the output failed: {type(e).__name__}: {e}",
+            }
             await self._recover_or_fail(cause)
             return False
         for iid, res in zip(staged, results, strict=True):
@@ -319,14 +344,19 @@ class Recovery:
             return False
         delay = self.restart.next_delay()
         if delay is None:
-            cause = {**cause, "error": f"{cause['error']} (not recovered: {self.restart.why_not()})"}
+            cause = {
+                **cause,
+                "error": f"{cause['error']} (not recovered: {self.restart.why_not()})",
+            }
             await self._fail(cause)
             return False
         try:
             await self._recover(cause, delay)
         except Exception as e:  # noqa: BLE001 - a recovery that cannot start fails the job
             log.exception("job %s: recovery failed", self.flow.name)
-            await self._fail({**cause, "error": f"{cause['error']}; recovery failed: {type(e).__name__}: {e}"})
+            await self._fail(
+                {**cause, "error": f"{cause['error']}; recovery failed: {type(e).__name__}: {e}"}
+            )
             return False
         return True
 
@@ -341,7 +371,10 @@ class Recovery:
         self._attempt += 1
         log.warning(
             "job %s: instance %s failed (%s); recovering (attempt %d)",
-            self.flow.name, cause["instance"], cause["error"], self._attempt,
+            self.flow.name,
+            cause["instance"],
+            cause["error"],
+            self._attempt,
         )
         emitted = dict(self._source_emitted)
         old = dict(self.handles)
@@ -374,7 +407,9 @@ class Recovery:
         self.state = "running"
         replayed = 0
         for iid in self.plan.sources:
-            at = ((manifest or {}).get("instances", {}).get(f"{iid[0]}/{iid[1]}", {}).get("source") or {})
+            at = (manifest or {}).get("instances", {}).get(f"{iid[0]}/{iid[1]}", {}).get(
+                "source"
+            ) or {}
             if not at.get("finished"):
                 replayed += max(0, emitted.get(iid, 0) - int(at.get("offset", 0)))
         record = {

@@ -186,7 +186,9 @@ def restore_keyed(inst: OperatorInstance) -> None:
     storage = open_storage(restore["storage"])
     rows = 0
     for part in parts:
-        tmp = Path(tempfile.mkdtemp(prefix="raystream-restore-", dir=Path(proc.backend.path).parent))
+        tmp = Path(
+            tempfile.mkdtemp(prefix="raystream-restore-", dir=Path(proc.backend.path).parent)
+        )
         try:
             local = storage.materialize_state(part["state"], str(tmp / "db"))
             rows += proc.backend.restore_key_groups(local, part["key_groups"])
