@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -133,7 +134,8 @@ def test_db_uid_is_stable_across_reopen(tmp_path: Path) -> None:
 def test_upload_from_worker_threads(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    storage = CheckpointStorage(tmp_path / "chk", "job")
+    # As the instances get it: pickled (a Ray actor argument), through a file:// URI.
+    storage = pickle.loads(pickle.dumps(CheckpointStorage(f"file://{tmp_path}/chk", "job")))
     dbs = [small_db(tmp_path / f"db{i}", seed=i) for i in range(4)]
     snaps = [db.snapshot(tmp_path / f"snap{i}") for i, (db, _) in enumerate(dbs)]
     with ThreadPoolExecutor(4) as pool:

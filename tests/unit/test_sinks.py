@@ -393,3 +393,20 @@ def test_null_two_phase() -> None:
     again.restore(state)
     write_range(again, 70, 100)
     assert again.close() == 100
+
+
+def test_parquet_restore_of_another_index_publishes_its_files(tmp_path: Path) -> None:
+    """Recovery at a lower parallelism: instance 0 restores the state instance 1 recorded."""
+    sink = sinks.parquet(tmp_path)
+    w1 = sink.open(1, 2)
+    write_range(w1, 0, 30)
+    state = w1.pre_commit(4)
+    write_range(w1, 30, 40)  # after the checkpoint, in instance 1's .tmp
+    del w1
+    w0 = sink.open(0, 1)
+    w0.restore(state)
+    assert visible(tmp_path) == ["part-00001-00000004.parquet"]
+    assert (tmp_path / ".part-00001.parquet.tmp").exists()  # not index 0's to delete
+    write_range(w0, 30, 40)
+    assert w0.close().rows == 40
+    assert read_all(tmp_path).equals(oracle((0, 40)))
