@@ -5,7 +5,12 @@ instance, feeds the writer record batches, and at the end calls ``close()``, who
 picklable result goes back to the driver (``abort()`` instead when the job fails).
 
 Built-in sinks: :func:`collect` (batches back to the driver as one table), :func:`parquet`
-(one Parquet file per instance, written atomically) and :func:`null` (counts rows; benchmarks).
+(Parquet part files per instance, published atomically) and :func:`null` (counts rows).
+
+With checkpoints, writers commit in two phases (:class:`CommittingSinkWriter`): ``pre_commit`` at
+a checkpoint barrier returns a small state the checkpoint keeps, ``commit`` once that checkpoint is
+complete publishes, and ``restore`` after a failure publishes what the restored checkpoint had
+pre-committed and drops the rest (it is written again when the sources replay).
 
 Example::
 
@@ -20,16 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raystream.errors import ConfigError, SchemaError
+from raystream.errors import CheckpointError, ConfigError, SchemaError
 
 __all__ = [
     "CollectSink",
+    "CommittingSinkWriter",
     "NullSink",
     "ParquetSink",
     "Sink",
@@ -54,6 +61,24 @@ class SinkWriter(Protocol):
     def abort(self) -> None:
         """Give up; leaves nothing half-written."""
         ...
+
+
+@runtime_checkable
+class CommittingSinkWriter(SinkWriter, Protocol):
+    """A sink writer taking part in checkpoints (two-phase commit). Every built-in writer is one.
+
+    ``pre_commit(checkpoint_id)`` at the barrier: make what was written so far durable but not yet
+    visible, and return a small state for the checkpoint. ``commit(checkpoint_id)`` when that
+    checkpoint is complete: make visible everything pre-committed at it or before (idempotent).
+    ``restore(state)`` right after ``open`` on recovery, with the state of the latest complete
+    checkpoint (None if there is none).
+    """
+
+    def pre_commit(self, checkpoint_id: int) -> dict[str, Any]: ...
+
+    def commit(self, checkpoint_id: int) -> None: ...
+
+    def restore(self, state: dict[str, Any] | None) -> None: ...
 
 
 @runtime_checkable
@@ -97,30 +122,71 @@ class CollectSink:
 class _CollectWriter:
     def __init__(self) -> None:
         self._batches: list[pa.RecordBatch] | None = []
+        self._restored: list[pa.Table] = []
+        self._since = 0  # batches before this index were returned by pre_commit
 
     def write(self, batch: pa.RecordBatch) -> None:
         if self._batches is None:
             raise _closed_error("write")
         self._batches.append(batch)
 
+    def pre_commit(self, checkpoint_id: int) -> dict[str, Any]:
+        """``{"rows": table}``: the rows written since the previous pre-commit (the checkpoint
+        stores them; an empty table if none came)."""
+        if self._batches is None:
+            raise _closed_error("pre_commit")
+        new, self._since = self._batches[self._since :], len(self._batches)
+        if new:
+            return {"rows": _concat_batches(new)}
+        schema = self._batches[-1].schema if self._batches else pa.schema([])
+        return {"rows": schema.empty_table()}
+
+    def commit(self, checkpoint_id: int) -> None:
+        """Nothing to publish: the rows go back to the driver at ``close()``."""
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """``state = {"tables": [...]}``: the rows of every pre-commit up to the restored
+        checkpoint; ``close()`` returns them before the rows written after ``restore``."""
+        if self._batches is None:
+            raise _closed_error("restore")
+        if self._batches or self._restored:
+            msg = "restore() must come right after open(), before any write or restore"
+            raise RuntimeError(msg)
+        tables = (state or {}).get("tables", [])
+        self._restored = [t for t in tables if t.num_columns]
+
     def close(self) -> pa.Table | None:
         """All rows as one table (an empty one if only empty batches came); None if no batch."""
         if self._batches is None:
             raise _closed_error("close")
         batches, self._batches = self._batches, None
-        if not batches:
+        parts = list(self._restored)
+        if batches:
+            parts.append(_concat_batches(batches))
+        if not parts:
             return None
         try:
-            return pa.Table.from_batches(batches)
+            return pa.concat_tables(parts)
         except pa.ArrowInvalid as exc:
             msg = (
-                f"collect() received batches with different schemas ({exc}); expected one schema "
-                f"(the first was {batches[0].schema}). Cast the stream before the sink."
+                f"collect() restored rows with another schema than the new ones ({exc}); "
+                "expected one schema. Restore into the dataflow the checkpoint was taken from."
             )
             raise SchemaError(msg) from exc
 
     def abort(self) -> None:
         self._batches = None
+
+
+def _concat_batches(batches: list[pa.RecordBatch]) -> pa.Table:
+    try:
+        return pa.Table.from_batches(batches)
+    except pa.ArrowInvalid as exc:
+        msg = (
+            f"collect() received batches with different schemas ({exc}); expected one schema "
+            f"(the first was {batches[0].schema}). Cast the stream before the sink."
+        )
+        raise SchemaError(msg) from exc
 
 
 def collect() -> CollectSink:
@@ -143,10 +209,13 @@ def collect() -> CollectSink:
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """What a Parquet sink instance wrote: the file (None if it got no batch) and its rows."""
+    """What a Parquet sink instance published: ``paths``, every file in publishing order
+    (checkpoint parts, then the last part written at ``close()``); ``path``, the last of them
+    (None if it published none); ``rows``, the rows in those files."""
 
     path: str | None
     rows: int
+    paths: tuple[str, ...] = ()
 
 
 def _is_string_like(t: pa.DataType) -> bool:
@@ -214,8 +283,14 @@ def _conform(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> pa.RecordB
 
 @dataclass(frozen=True)
 class ParquetSink:
-    """Instance ``i`` writes ``{path}/part-{i:05d}.parquet`` (through a ``.tmp`` file renamed
-    on close, so a reader never sees a half-written part). Build it with :func:`parquet`."""
+    """Instance ``i`` writes Parquet part files into directory ``path``, each through a hidden
+    ``.tmp`` file, so a reader of ``path/*.parquet`` never sees a half-written or uncommitted part.
+
+    Without checkpoints an instance writes one ``part-{i:05d}.parquet``, published by ``close()``.
+    With checkpoints, ``pre_commit(c)`` turns the open part into a hidden
+    ``.part-{i:05d}-{c:08d}.parquet.pending`` and ``commit(c)`` renames it to
+    ``part-{i:05d}-{c:08d}.parquet``; rows after the last checkpoint end in
+    ``part-{i:05d}.parquet`` at ``close()``. Build it with :func:`parquet`."""
 
     path: str
 
@@ -230,52 +305,177 @@ class ParquetSink:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             msg = (
                 f"parquet sink path {self.path!r} is a file; expected a directory (each sink "
-                "instance writes part-NNNNN.parquet into it). Choose another path."
+                "instance writes part-NNNNN*.parquet into it). Choose another path."
             )
             raise ConfigError(msg)
         os.makedirs(self.path, exist_ok=True)
-        return _ParquetWriter(os.path.join(self.path, f"part-{index:05d}.parquet"))
+        return _ParquetWriter(self.path, index)
 
     def describe(self) -> str:
         return f"parquet({self.path!r})"
 
 
+# part-<index>.parquet (final), part-<index>-<checkpoint>.parquet (committed), with a leading "."
+# and ".pending" (pre-committed) or ".tmp" (being written) while not visible.
+_PART = re.compile(r"^(\.?)part-(\d+)(?:-(\d+))?\.parquet(\.pending|\.tmp)?$")
+
+
 class _ParquetWriter:
-    def __init__(self, final_path: str) -> None:
-        self._final = final_path
-        self._tmp = final_path + ".tmp"
+    def __init__(self, directory: str, index: int) -> None:
+        self._dir = directory
+        self._index = index
+        self._final = self._file(None)
+        self._tmp = os.path.join(directory, f".part-{index:05d}.parquet.tmp")
         self._writer: pq.ParquetWriter | None = None
         self._schema: pa.Schema | None = None
-        self._rows = 0
+        self._part_rows = 0
+        self._pending: list[dict[str, Any]] = []  # {"file", "checkpoint", "rows"}, in order
+        self._published: list[tuple[str, int]] = []
+        self._touched = False  # written, pre-committed or restored: restore() comes first
         self._open = True
+
+    def _file(self, checkpoint_id: int | None, *, pending: bool = False) -> str:
+        if checkpoint_id is None:
+            name = f"part-{self._index:05d}.parquet"
+        else:
+            name = f"part-{self._index:05d}-{checkpoint_id:08d}.parquet"
+        return os.path.join(self._dir, f".{name}.pending" if pending else name)
 
     def write(self, batch: pa.RecordBatch) -> None:
         if not self._open:
             raise _closed_error("write")
-        if self._writer is None:
+        self._touched = True
+        if self._schema is None:
             self._schema = batch.schema
-            self._writer = pq.ParquetWriter(self._tmp, batch.schema)
         else:
-            assert self._schema is not None
             batch = _conform(batch, self._schema, f"parquet sink {self._final!r}")
-        self._writer.write_batch(batch)
-        self._rows += batch.num_rows
-
-    def close(self) -> WrittenFile:
-        if not self._open:
-            raise _closed_error("close")
-        self._open = False
         if self._writer is None:
-            return WrittenFile(path=None, rows=0)
+            self._writer = pq.ParquetWriter(self._tmp, self._schema)
+        self._writer.write_batch(batch)
+        self._part_rows += batch.num_rows
+
+    def _finish_part(self, *, keep_empty: bool = False) -> tuple[bool, int]:
+        """Close the open part (the .tmp file): (True, rows) if it holds rows (or
+        ``keep_empty``), else drop it."""
+        if self._writer is None:
+            return False, 0
+        writer, self._writer = self._writer, None
+        rows, self._part_rows = self._part_rows, 0
         try:
-            self._writer.close()
-            os.replace(self._tmp, self._final)
+            writer.close()
         except BaseException:
             self._remove_tmp()
             raise
-        return WrittenFile(path=self._final, rows=self._rows)
+        if rows == 0 and not keep_empty:
+            self._remove_tmp()
+            return False, 0
+        return True, rows
+
+    def pre_commit(self, checkpoint_id: int) -> dict[str, Any]:
+        """Close the open part (if it has rows) as a hidden pending file of ``checkpoint_id``.
+        Returns ``{"index", "checkpoint", "pending": [{"file", "checkpoint", "rows"}]}``: every
+        file of this instance pre-committed and not committed yet (file names, JSON-able)."""
+        if not self._open:
+            raise _closed_error("pre_commit")
+        self._touched = True
+        cid = int(checkpoint_id)
+        done, rows = self._finish_part()
+        if done:
+            pending = self._file(cid, pending=True)
+            os.replace(self._tmp, pending)
+            self._pending.append(
+                {"file": os.path.basename(pending), "checkpoint": cid, "rows": rows}
+            )
+        return {
+            "index": self._index,
+            "checkpoint": cid,
+            "pending": [dict(p) for p in self._pending],
+        }
+
+    def commit(self, checkpoint_id: int) -> None:
+        """Publish every file pre-committed at ``checkpoint_id`` or before. Idempotent; a no-op
+        after ``close()``."""
+        cid = int(checkpoint_id)
+        ready = [p for p in self._pending if p["checkpoint"] <= cid]
+        for p in ready:
+            self._published.append((self._publish(p), p["rows"]))
+        self._pending = [p for p in self._pending if p["checkpoint"] > cid]
+
+    def _publish(self, entry: dict[str, Any]) -> str:
+        """Rename one pending file to its visible name (already done counts as done)."""
+        name = entry["file"]
+        match = _PART.match(name)
+        if match is None or match.group(4) != ".pending":
+            msg = f"parquet sink state lists {name!r}, which is not a pending part file name"
+            raise CheckpointError(msg)
+        pending = os.path.join(self._dir, name)
+        final = os.path.join(self._dir, name[1 : -len(".pending")])
+        try:
+            os.replace(pending, final)
+        except FileNotFoundError:
+            if not os.path.isfile(final):
+                msg = (
+                    f"parquet sink: the checkpoint lists {pending!r}, but neither it nor "
+                    f"{os.path.basename(final)!r} is in {self._dir!r}; was the output "
+                    "directory changed? Restore from a checkpoint whose files are intact."
+                )
+                raise CheckpointError(msg) from None
+        return final
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Recover from the checkpoint whose ``pre_commit`` state is ``state`` (None: no
+        checkpoint): publish the files it lists (a crash may have come between the checkpoint and
+        its commit), then delete every other file of this instance index written after that
+        checkpoint: pending and ``.tmp`` files, and parts published without a checkpoint
+        (``close()`` of the failed attempt; checkpoint parts numbered above the restored
+        checkpoint). Files of other instances and parts committed at the restored checkpoint or
+        before are left alone."""
+        if not self._open:
+            raise _closed_error("restore")
+        if self._touched:
+            msg = "restore() must come right after open(), before any write or pre_commit"
+            raise RuntimeError(msg)
+        self._touched = True
+        restored = int(state["checkpoint"]) if state else -1
+        keep = set()
+        for p in (state or {}).get("pending", []):
+            path = self._publish(p)
+            self._published.append((path, int(p["rows"])))
+            keep.add(os.path.basename(path))
+        for name in os.listdir(self._dir):
+            match = _PART.match(name)
+            if match is None or int(match.group(2)) != self._index or name in keep:
+                continue
+            hidden, cid, suffix = match.group(1), match.group(3), match.group(4)
+            # Pending or being written (hidden, suffix), or published after the checkpoint.
+            if hidden or suffix or cid is None or int(cid) > restored:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self._dir, name))
+
+    def close(self) -> WrittenFile:
+        """End of input (a final checkpoint): publish every pending file and the open part."""
+        if not self._open:
+            raise _closed_error("close")
+        self._open = False
+        self.commit(1 << 62)
+        # Only empty batches and nothing else published: an empty file still records the schema.
+        done, rows = self._finish_part(keep_empty=not self._published)
+        if done:
+            try:
+                os.replace(self._tmp, self._final)
+            except BaseException:
+                self._remove_tmp()
+                raise
+            self._published.append((self._final, rows))
+        paths = tuple(p for p, _ in self._published)
+        return WrittenFile(
+            path=paths[-1] if paths else None,
+            rows=sum(r for _, r in self._published),
+            paths=paths,
+        )
 
     def abort(self) -> None:
+        """Drop the part not pre-committed yet; pending files stay for ``restore``."""
         self._open = False
         if self._writer is not None:
             with contextlib.suppress(Exception):
@@ -289,12 +489,14 @@ class _ParquetWriter:
 
 
 def parquet(path: str | os.PathLike[str]) -> ParquetSink:
-    """Write Parquet: ``path`` is a directory; instance ``i`` writes ``part-{i:05d}.parquet``.
+    """Write Parquet: ``path`` is a directory; instance ``i`` writes ``part-{i:05d}.parquet``
+    (and, with checkpoints, ``part-{i:05d}-{checkpoint:08d}.parquet`` parts, see
+    :class:`ParquetSink`). Read the output as ``path/*.parquet``.
 
     The schema is the first batch's; later batches may reorder columns or use another type of
     the same family (int32 for int64, large_string for string, ...), which is cast safely;
     other columns or types raise :class:`SchemaError`. An instance that got no batch writes no
-    file. ``close()`` returns a :class:`WrittenFile`.
+    file (empty parts at checkpoints are skipped too). ``close()`` returns a :class:`WrittenFile`.
 
     Example::
 
@@ -329,6 +531,17 @@ class _NullWriter:
 
     def write(self, batch: pa.RecordBatch) -> None:
         self.rows += batch.num_rows
+
+    def pre_commit(self, checkpoint_id: int) -> dict[str, Any]:
+        """``{"rows": n}``: rows seen up to this checkpoint (restored ones included)."""
+        return {"rows": self.rows}
+
+    def commit(self, checkpoint_id: int) -> None:
+        """Nothing to publish."""
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Count from the rows seen up to the restored checkpoint."""
+        self.rows = int(state["rows"]) if state else 0
 
     def close(self) -> int:
         return self.rows

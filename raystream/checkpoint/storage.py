@@ -145,9 +145,10 @@ class CheckpointReader:
             name = _check_name(entry["name"], "a state file name")
             target = local / name
             try:
-                with self.fs.open_input_stream(self._abs(entry["path"])) as src, open(
-                    target, "wb"
-                ) as dst:
+                with (
+                    self.fs.open_input_stream(self._abs(entry["path"])) as src,
+                    open(target, "wb") as dst,
+                ):
                     shutil.copyfileobj(src, dst, 1 << 20)
             except (FileNotFoundError, OSError) as exc:
                 msg = (
@@ -301,9 +302,9 @@ class CheckpointStorage(CheckpointReader):
             pafs.FileSelector(self._abs(chk), allow_not_found=True, recursive=True)
         ):
             name = info.path.rsplit("/", 1)[-1]
-            if info.type == pafs.FileType.File and name not in (INTENT, MANIFEST):
-                if not name.endswith(".tmp"):
-                    files[info.path[len(self.root) + 1 :]] = info.size
+            own = name not in (INTENT, MANIFEST) and not name.endswith(".tmp")
+            if info.type == pafs.FileType.File and own:
+                files[info.path[len(self.root) + 1 :]] = info.size
         for rel, size in _file_refs(manifest):
             files[rel] = size
         why = self._verify_files(files)
@@ -341,8 +342,9 @@ class CheckpointStorage(CheckpointReader):
             manifest, why = self._load(cid)
             if manifest is not None:
                 return manifest
-            log.warning("checkpoint %d of job %r under %s is skipped: %s", cid, self.job,
-                        self.root, why)
+            log.warning(
+                "checkpoint %d of job %r under %s is skipped: %s", cid, self.job, self.root, why
+            )
         return None
 
     def load(self, checkpoint_id: int) -> dict[str, Any]:
@@ -387,8 +389,10 @@ class CheckpointStorage(CheckpointReader):
             rel = info.path[len(self.root) + 1 :]
             if rel in referenced:
                 continue
-            if rel.endswith(".tmp") and info.mtime is not None and (
-                now - info.mtime.timestamp() < _STALE_TMP_S
+            if (
+                rel.endswith(".tmp")
+                and info.mtime is not None
+                and (now - info.mtime.timestamp() < _STALE_TMP_S)
             ):
                 continue  # an upload in progress
             self.fs.delete_file(info.path)
@@ -422,7 +426,10 @@ class CheckpointStorage(CheckpointReader):
         for rel in sorted(manifest["storage_files"]):
             dst = _join(target, rel)
             fs.create_dir(dst.rsplit("/", 1)[0], recursive=True)
-            with self.fs.open_input_stream(self._abs(rel)) as src, fs.open_output_stream(dst) as out:
+            with (
+                self.fs.open_input_stream(self._abs(rel)) as src,
+                fs.open_output_stream(dst) as out,
+            ):
                 shutil.copyfileobj(src, out, 1 << 20)
         doc = dict(manifest)
         doc["savepoint"] = {

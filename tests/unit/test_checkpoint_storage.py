@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -26,8 +27,9 @@ def encode(keys: np.ndarray) -> list[bytes]:
     return encode_keys(kgs, np.zeros(len(keys), np.uint8), 0, pa.array(keys, pa.int64()))
 
 
-def write_keys(db: RocksStateBackend, oracle: dict[bytes, bytes], keys: np.ndarray,
-               rng: np.random.Generator) -> None:
+def write_keys(
+    db: RocksStateBackend, oracle: dict[bytes, bytes], keys: np.ndarray, rng: np.random.Generator
+) -> None:
     raw = encode(keys)
     values = [rng.bytes(100) for _ in range(len(raw))]
     db.write(raw, values)
@@ -57,9 +59,15 @@ def checkpoint(storage: CheckpointStorage, cid: int, db: RocksStateBackend, tmp:
     blob = storage.put_blob(cid, "sink/0", "rows", f"blob of {cid}".encode())
     storage.complete(
         cid,
-        {"job": "j", "checkpoint_id": cid, "instances": {"count/0": state}, "blob": blob,
-         "steps": {"src": "source", "count": "keyed", "sink": "sink"},
-         "num_key_groups": NUM_KEY_GROUPS, "sub_groups": 4},
+        {
+            "job": "j",
+            "checkpoint_id": cid,
+            "instances": {"count/0": state},
+            "blob": blob,
+            "steps": {"src": "source", "count": "keyed", "sink": "sink"},
+            "num_key_groups": NUM_KEY_GROUPS,
+            "sub_groups": 4,
+        },
     )
     return state
 
@@ -91,8 +99,10 @@ def test_incremental_checkpoint_uploads_only_new_ssts(tmp_path: Path) -> None:
     db.flush()
     second = storage.upload_state(2, "count/0", str(db.snapshot(tmp_path / "s2")), db.uid)
     storage.complete(2, {"job": "job", "state": second})
-    print(f"\nfirst checkpoint uploaded {first['uploaded_bytes']} bytes; after 1% of keys "
-          f"changed: uploaded {second['uploaded_bytes']}, referenced {second['referenced_bytes']}")
+    print(
+        f"\nfirst checkpoint uploaded {first['uploaded_bytes']} bytes; after 1% of keys "
+        f"changed: uploaded {second['uploaded_bytes']}, referenced {second['referenced_bytes']}"
+    )
     assert second["uploaded_bytes"] < 0.05 * first["uploaded_bytes"]
     assert second["referenced_bytes"] >= sum(f["size"] for f in ssts) * 0.99
     # Unchanged SSTs are one object in shared/, listed by both checkpoints.
@@ -124,14 +134,17 @@ def test_db_uid_is_stable_across_reopen(tmp_path: Path) -> None:
 def test_upload_from_worker_threads(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    storage = CheckpointStorage(tmp_path / "chk", "job")
+    # As the instances get it: pickled (a Ray actor argument), through a file:// URI.
+    storage = pickle.loads(pickle.dumps(CheckpointStorage(f"file://{tmp_path}/chk", "job")))
     dbs = [small_db(tmp_path / f"db{i}", seed=i) for i in range(4)]
     snaps = [db.snapshot(tmp_path / f"snap{i}") for i, (db, _) in enumerate(dbs)]
     with ThreadPoolExecutor(4) as pool:
-        states = list(pool.map(
-            lambda i: storage.upload_state(1, f"count/{i}", str(snaps[i]), dbs[i][0].uid),
-            range(4),
-        ))
+        states = list(
+            pool.map(
+                lambda i: storage.upload_state(1, f"count/{i}", str(snaps[i]), dbs[i][0].uid),
+                range(4),
+            )
+        )
     storage.complete(1, {"job": "job", "states": states})
     manifest = storage.load(1)
     for i, (_, oracle) in enumerate(dbs):
@@ -179,8 +192,9 @@ def test_latest_skips_incomplete_and_damaged_checkpoints(
 def test_complete_refuses_missing_files_and_non_json(tmp_path: Path) -> None:
     storage = CheckpointStorage(tmp_path / "chk", "j")
     with pytest.raises(CheckpointError, match="cannot complete: file 'shared/x/1.sst'"):
-        storage.complete(1, {"state": {"files": [{"name": "1.sst", "path": "shared/x/1.sst",
-                                                  "size": 3}]}})
+        storage.complete(
+            1, {"state": {"files": [{"name": "1.sst", "path": "shared/x/1.sst", "size": 3}]}}
+        )
     with pytest.raises(CheckpointError, match="must be JSON-able"):
         storage.complete(1, {"offsets": {1, 2}})
     assert storage.latest() is None
@@ -219,7 +233,9 @@ def test_retention_keeps_newest_and_deletes_unreferenced_shared_files(tmp_path: 
     storage.complete(7, {"job": "j", "instances": {"count/0": in_progress}})
     assert storage.checkpoints() == [5, 7]
     assert not (root / "chk-6").exists()
-    assert restored_rows(storage, storage.load(7)["instances"]["count/0"], tmp_path / "r7") == oracle
+    assert (
+        restored_rows(storage, storage.load(7)["instances"]["count/0"], tmp_path / "r7") == oracle
+    )
     db.close()
 
 
@@ -238,7 +254,9 @@ def test_savepoint_is_self_contained(tmp_path: Path) -> None:
     write_keys(db, oracle, np.arange(10, dtype=np.int64), np.random.default_rng(1))
     checkpoint(storage, 2, db, tmp_path)
     assert storage.checkpoints() == [2]
-    assert restored_rows(storage, storage.latest()["instances"]["count/0"], tmp_path / "r2") == oracle
+    assert (
+        restored_rows(storage, storage.latest()["instances"]["count/0"], tmp_path / "r2") == oracle
+    )
     with pytest.raises(CheckpointError, match="already holds a savepoint"):
         storage.savepoint(2, str(tmp_path / "sp"))
     shutil.rmtree(tmp_path / "chk")
@@ -253,15 +271,25 @@ def test_savepoint_is_self_contained(tmp_path: Path) -> None:
 
 
 def test_check_compatible_names_every_difference(tmp_path: Path) -> None:
-    manifest = {"job": "j", "checkpoint_id": 4, "num_key_groups": 64, "sub_groups": 4,
-                "steps": {"src": "source", "count": "keyed", "sink": "sink"}}
+    manifest = {
+        "job": "j",
+        "checkpoint_id": 4,
+        "num_key_groups": 64,
+        "sub_groups": 4,
+        "steps": {"src": "source", "count": "keyed", "sink": "sink"},
+    }
     check_compatible(manifest, "j", dict(manifest["steps"]), 64, 4)  # no error
     with pytest.raises(CheckpointError) as err:
         check_compatible(manifest, "k", {"src": "source", "count": "map", "out": "sink"}, 128, 8)
     text = str(err.value)
-    for fragment in ("job name is 'j', this job is 'k'", "steps ['sink'] of the checkpoint",
-                     "steps ['out'] of this job", "step 'count' was a 'keyed', is now a 'map'",
-                     "num_key_groups was 64, is now 128", "sub_groups was 4, is now 8"):
+    for fragment in (
+        "job name is 'j', this job is 'k'",
+        "steps ['sink'] of the checkpoint",
+        "steps ['out'] of this job",
+        "step 'count' was a 'keyed', is now a 'map'",
+        "num_key_groups was 64, is now 128",
+        "sub_groups was 4, is now 8",
+    ):
         assert fragment in text
 
 
