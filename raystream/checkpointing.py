@@ -78,8 +78,8 @@ def build_manifest(
     for step, index in finished_sources:
         instances.setdefault(f"{step}/{index}", {})["source"] = {"finished": True}
     for step, kind in steps.items():
-        if kind not in ("keyed", "keyed_batches"):
-            continue
+        if final or kind not in ("keyed", "keyed_batches"):
+            continue  # a final checkpoint (every input ended) holds no state, only the sinks
         covered = [
             g for k, e in instances.items() if _iid(k)[0] == step for g in e.get("key_groups", [])
         ]

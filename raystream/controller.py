@@ -344,10 +344,17 @@ class Controller(Recovery):
         migration's statistics once all state settled. A rescale requested while one runs waits
         for it (queued, in order)."""
         strat = self._check_rescale(step, parallelism, strategy, strategy_args)
+        attempt = self._attempt
         self._queued += 1
         try:
             async with self._rescale_lock:
                 self._queued -= 1
+                if self._attempt != attempt:
+                    msg = (
+                        f"job {self.flow.name!r} recovered from a failure while the rescale of "
+                        f"{step!r} to {parallelism} waited; request it again"
+                    )
+                    raise RescaleError(msg)
                 if self.state != "running":
                     msg = f"job {self.flow.name!r} is {self.state}; only a running job can be rescaled"
                     raise RescaleError(msg)
@@ -355,6 +362,14 @@ class Controller(Recovery):
                     return await self._rescale(step, parallelism, strat)
                 except Exception as e:
                     await asyncio.sleep(0.5)  # let the watcher record an instance failure first
+                    if self._attempt != attempt or self.state == "recovering":
+                        msg = (
+                            f"an instance of job {self.flow.name!r} failed during the rescale of "
+                            f"{step!r} to {parallelism}; the job recovers (or recovered) from its "
+                            "latest checkpoint at the parallelism it had there; request the "
+                            "rescale again"
+                        )
+                        raise RescaleError(msg) from e
                     if self.error is not None:
                         err = self.error
                         msg = f"job {self.flow.name!r} failed during the rescale, in instance {err['instance']}: {err['error']}"

@@ -12,7 +12,7 @@ import pyarrow as pa
 import ray
 
 from raystream.dataflow import Dataflow
-from raystream.errors import ConfigError, JobFailedError, JobNotFoundError
+from raystream.errors import RaystreamError, ConfigError, JobFailedError, JobNotFoundError
 from raystream.ingest import FeedContext
 from raystream.metrics import LatencyRecorder
 from raystream.runtime.actors import NAMESPACE, controller_actor_class, controller_name
@@ -237,7 +237,14 @@ def start(
             parallelism_given=tuple(parallelism or {}),
         )
     )
-    ray.get(controller.start.remote(controller))
+    try:
+        ray.get(controller.start.remote(controller))
+    except ray.exceptions.RayTaskError as e:
+        _kill_controller(Job(flow.name, controller))
+        cause = e.cause if isinstance(e.cause, RaystreamError) else None
+        if cause is not None:  # e.g. a checkpoint to restore from that does not fit
+            raise cause from None
+        raise
     job = Job(flow.name, controller)
     try:
         job.feeders = _start_feeders(flow, parallelism)

@@ -342,23 +342,22 @@ class Recovery:
         if self.config.checkpoint_interval_s <= 0:
             await self._fail(cause)
             return False
-        delay = self.restart.next_delay()
-        if delay is None:
-            cause = {
-                **cause,
-                "error": f"{cause['error']} (not recovered: {self.restart.why_not()})",
-            }
-            await self._fail(cause)
-            return False
-        try:
-            await self._recover(cause, delay)
-        except Exception as e:  # noqa: BLE001 - a recovery that cannot start fails the job
-            log.exception("job %s: recovery failed", self.flow.name)
-            await self._fail(
-                {**cause, "error": f"{cause['error']}; recovery failed: {type(e).__name__}: {e}"}
-            )
-            return False
-        return True
+        while True:
+            delay = self.restart.next_delay()
+            if delay is None:
+                why = self.restart.why_not()
+                await self._fail({**cause, "error": f"{cause['error']} (not recovered: {why})"})
+                return False
+            try:
+                await self._recover(cause, delay)
+                return True
+            except Exception as e:  # noqa: BLE001 - e.g. an instance died while redeploying
+                log.warning("job %s: recovery attempt failed: %s", self.flow.name, e)
+                cause = {
+                    **cause,
+                    "error": f"{cause['error']}; then recovery attempt {self._attempt} failed: "
+                    f"{type(e).__name__}: {e}",
+                }
 
     async def _fail(self: Any, cause: dict[str, Any]) -> None:
         self.error = cause
@@ -377,6 +376,7 @@ class Recovery:
             self._attempt,
         )
         emitted = dict(self._source_emitted)
+        emitted.update(await self._source_positions())
         old = dict(self.handles)
         futures = list(self._run_futures.values())
         for h in old.values():
@@ -391,6 +391,15 @@ class Recovery:
             self._barrier_expected.pop(epoch, None)
             done.set()
         await asyncio.sleep(delay_s)
+        # a rescale or checkpoint of the old attempt fails on the dead actors and lets go first
+        async with self._rescale_lock:
+            if self.state != "recovering":
+                return  # stopped meanwhile
+            await self._restart_from_latest(cause, t0, emitted)
+
+    async def _restart_from_latest(
+        self: Any, cause: dict[str, Any], t0: float, emitted: dict[ChannelId, int]
+    ) -> None:
         manifest = await asyncio.to_thread(self.storage.latest)
         old_dir = self.plan_dir
         for name, step in self.plan.steps.items():
@@ -424,6 +433,19 @@ class Recovery:
         }
         self.recoveries.append(record)
         log.warning("job %s: recovered: %s", self.flow.name, record)
+
+    async def _source_positions(self: Any) -> dict[ChannelId, int]:
+        """Rows each live source emitted, asked right before the restart (what is replayed)."""
+        live = [i for i in self.plan.sources if i not in self.outcomes]
+        beats = await asyncio.gather(
+            *(asyncio.wait_for(self.handles[i].heartbeat.remote(), 2.0) for i in live),
+            return_exceptions=True,
+        )
+        return {
+            i: int(b["rows_emitted"])
+            for i, b in zip(live, beats, strict=True)
+            if isinstance(b, dict) and "rows_emitted" in b
+        }
 
     async def _names_free(self: Any, old: dict[ChannelId, Any], timeout_s: float = 15.0) -> None:
         """Wait until the killed instances' actor names can be taken again."""
