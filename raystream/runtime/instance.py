@@ -537,7 +537,7 @@ class OperatorInstance:
         if self.processor is not None:
             self.processor.close()
         if self.writer is not None:
-            if self.checkpoints.two_phase(self.writer):
+            if self.checkpoints.two_phase(self.writer) and self.checkpoints.active:
                 # end of input is a final checkpoint: published once the controller recorded it
                 state = self.writer.pre_commit(snapshots.FINAL_CHECKPOINT)
                 in_memory = isinstance(state, dict) and "rows" in state  # collect: kept here

@@ -57,6 +57,14 @@ class CheckpointState:
         self._tasks: set[asyncio.Task[None]] = set()
         self.uploaded_bytes = 0
         self.referenced_bytes = 0
+        self.taken = 0  # checkpoints this instance took part in
+
+    @property
+    def active(self) -> bool:
+        """Whether this job's output goes through checkpoints (two-phase commit up to the end):
+        it checkpoints periodically, was restored from one, or took one on request."""
+        cfg = self.spec.config
+        return cfg.checkpoint_interval_s > 0 or self.spec.restore is not None or self.taken > 0
 
     @property
     def storage(self) -> Any:
@@ -76,6 +84,7 @@ class CheckpointState:
         record after the barrier was processed yet); return the slow part (an upload, run in a
         thread after the barrier went on) or None. A failure fails this checkpoint, not the job."""
         cid = barrier.epoch
+        self.taken += 1
         if self.spec.storage is None:
             info["error"] = "this job has no checkpoint storage"
             return None

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 import raystream as rs
+from raystream.checkpoint.storage import CheckpointStorage
 from raystream.runtime.processors import make_processor
 from raystream.state.handles import KeyedStates
 from raystream.state.rocks import RocksStateBackend
@@ -50,27 +51,36 @@ def test_checkpoint_holds_the_prefix_and_restores(tmp_path: Path) -> None:
     events = gen.generate_all()
     flow = keycount_flow("ckpt", gen)
     key_space = flow.key_space
-    job = rs.start(flow, parallelism={"count": 2}, batch_rows=10_000, linger_ms=10.0)
+    chk = tmp_path / "chk"
+    job = rs.start(
+        flow, parallelism={"count": 2}, batch_rows=10_000, linger_ms=10.0, checkpoint_dir=str(chk)
+    )
     with stop_on_error(job):
         _wait_for(lambda: _count_step_in(job) >= 30_000, 30, "records to reach the count step")
-        reply = job.checkpoint(str(tmp_path / "ckpt"))
+        reply = job.checkpoint()
         result = job.wait(120)
 
-    # -- the reply: where the barrier was, which snapshots hold which key groups ---------------
-    assert list(reply["source_offsets"]) == ["('source', 0)"]
-    offset = reply["source_offsets"]["('source', 0)"]
+    # -- the reply and the manifest: where the barrier was, which states hold which key groups --
+    assert list(reply["source_offsets"]) == ["source/0"]
+    offset = reply["source_offsets"]["source/0"]
     assert 30_000 <= offset < EVENTS, "the barrier must fall mid-stream"
-    snaps = reply["snapshots"]
-    assert sorted(snaps) == ["('count', 0)", "('count', 1)"]
-    groups = [set(s["key_groups"]) for s in snaps.values()]
+    assert reply["uploaded_bytes"] > 0
+    storage = CheckpointStorage(str(chk), flow.name)
+    manifest = storage.load(reply["checkpoint_id"])
+    states = {k: e for k, e in manifest["instances"].items() if "state" in e}
+    assert sorted(states) == ["count/0", "count/1"]
+    groups = [set(e["key_groups"]) for e in states.values()]
     assert set().union(*groups) == set(range(key_space.num_key_groups))
     assert sum(len(g) for g in groups) == key_space.num_key_groups  # disjoint
+    snaps = {}
+    for name, e in states.items():
+        path = storage.materialize_state(e["state"], str(tmp_path / "local" / name))
+        snaps[name] = {"path": path, "key_groups": e["key_groups"]}
 
     # -- each snapshot, restored into a fresh backend, holds the prefix counts of its groups --
     prefix_expected = oracle_counts(events.slice(0, offset))
     union: dict[Any, int] = {}
     for i, (name, snap) in enumerate(sorted(snaps.items())):
-        assert Path(snap["path"]).is_relative_to(tmp_path / "ckpt")
         backend = RocksStateBackend(tmp_path / "verify" / str(i))
         try:
             rows = backend.restore_key_groups(snap["path"], snap["key_groups"])
