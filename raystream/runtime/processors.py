@@ -263,7 +263,7 @@ class KeyedProcessor:
         batch, keys = materialise_key(batch, spec)
         self.key_kind = self.key_kind or key_kind(keys)
         if not self.track:  # migration support off: only check ownership per distinct key
-            kb = group_by_key(batch, keys, self.key_space, spec.key_column)
+            kb = group_by_key(batch, keys, self.key_space, self.key_column)
             gsg = kb.keys.key_group.astype(np.int64) * self.key_space.sub_groups + kb.keys.sub_group
             self.engine.split(kb.keys.keys, gsg, count=False)
             return self._run_user(kb, input)
@@ -275,7 +275,8 @@ class KeyedProcessor:
             return []
         if ready is not batch:
             keys = materialise_key(ready, spec)[1]
-        return self._run_user(group_by_key(ready, keys, self.key_space, spec.key_column), input)
+        # outputs name the key after the first input's key, whichever input the batch is
+        return self._run_user(group_by_key(ready, keys, self.key_space, self.key_column), input)
 
     def _run_user(self, kb: KeyedBatch, input: int = 0) -> list[pa.RecordBatch]:
         kb.watermark = self.watermark
