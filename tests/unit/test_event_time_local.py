@@ -193,3 +193,86 @@ def test_union_and_connect_are_checked_at_definition() -> None:
     assert step.upstream == ("a", "b") and step.inputs == (0, 1)
     assert [step.key_for(u).column for u in step.upstream] == ["k", "k"]
     assert s.step == "count"
+
+
+class _TimedReader:
+    """A pushed-style reader: ``plan`` is a list of (delay_s, batch or None); empty batches while
+    it waits, None at the end."""
+
+    def __init__(self, plan: list[tuple[float, pa.RecordBatch | None]]) -> None:
+        self.plan = list(plan)
+        self.due = None
+
+    async def aread(self, max_rows: int, timeout_s: float) -> pa.RecordBatch | None:
+        import time as _time
+
+        if not self.plan:
+            return None
+        delay, batch = self.plan[0]
+        if self.due is None:
+            self.due = _time.monotonic() + delay
+        if _time.monotonic() < self.due:
+            await asyncio.sleep(min(timeout_s, self.due - _time.monotonic()))
+            return _rows(0, 0)
+        self.plan.pop(0)
+        self.due = None
+        return batch
+
+    def close(self) -> None:
+        pass
+
+
+class _TimedSource:
+    def __init__(self, plans: list[list[tuple[float, pa.RecordBatch | None]]]) -> None:
+        self.plans = plans
+
+    def schema(self) -> pa.Schema:
+        return pa.schema([("key", pa.int64()), ("v", pa.int64()), ("t", pa.int64())])
+
+    def open(self, index: int, parallelism: int) -> _TimedReader:
+        return _TimedReader(self.plans[index])
+
+    def describe(self) -> str:
+        return "timed"
+
+
+def _rows(t0: int, t1: int) -> pa.RecordBatch:
+    t = np.arange(t0, t1, 10, dtype=np.int64)
+    return pa.record_batch({"key": t % 3, "v": np.ones(len(t), np.int64), "t": t})
+
+
+@pytest.mark.parametrize("idle_ms", [None, 100])
+def test_an_idle_source_instance_does_not_hold_the_watermark_back(
+    tmp_path: Path, idle_ms: float | None
+) -> None:
+    """Instance 1 sends a little, then nothing for 1.5 s; instance 0 keeps going. With idleness
+    windows fire while instance 1 is quiet; without, they wait for it."""
+    busy = [(0.02, _rows(1_000 + 1_000 * i, 2_000 + 1_000 * i)) for i in range(20)]
+    quiet = [(0.0, _rows(1_000, 1_100)), (1.5, _rows(1_100, 1_200)), (0.0, None)]
+    flow = rs.Dataflow(f"idle-{idle_ms}", num_key_groups=8, sub_groups=2)
+    (
+        flow.source(_TimedSource([busy, quiet]), event_time="t", watermark_idle_ms=idle_ms)
+        .key_by("key")
+        .apply(window_sum)
+        .sink(rs.sinks.collect(), name="out")
+    )
+    cfg = RuntimeConfig(linger_ms=1)
+    out = asyncio.run(run_local(flow, {"source": 2}, state_dir=tmp_path, config=cfg))["out"]
+    fired_at = out["fired_at"].to_numpy()
+    early = fired_at < WATERMARK_MAX
+    if idle_ms is None:
+        # instance 1's watermark stays at ~1190 until its end: windows ending later wait
+        assert (out["window_end"].to_numpy()[early] <= 1_200).all()
+        assert (~early).sum() > 100
+    else:
+        assert early.sum() > 100, "windows fired while instance 1 was idle"
+    total = defaultdict(int)
+    for k, s in zip(out["key"].to_pylist(), out["sum"].to_pylist(), strict=True):
+        total[k] += s
+    # without idleness nothing is late (instance 1 held the watermark back); with it, instance
+    # 1's rows after its pause are behind the watermark (late) and dropped by window_sum
+    last = 1_200 if idle_ms is None else 1_100
+    parts = [np.arange(1_000 + 1_000 * i, 2_000 + 1_000 * i, 10) for i in range(20)]
+    all_t = np.concatenate([*parts, np.arange(1_000, last, 10)])
+    uk, n = np.unique(all_t % 3, return_counts=True)
+    assert dict(total) == dict(zip(uk.tolist(), n.tolist(), strict=True))
