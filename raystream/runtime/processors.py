@@ -21,6 +21,7 @@ from raystream.errors import SchemaError, StateError
 from raystream.keys import KeySpace, key_kind, stable_hash
 from raystream.runtime.channels import materialise_key
 from raystream.runtime.migration import MigrationEngine
+from raystream.runtime.outputs import Outputs, tag_port
 from raystream.runtime.timers import (
     EVENT_TIMERS,
     MAX_FIRING_ROUNDS,
@@ -45,6 +46,11 @@ INPUT_META = b"raystream.input"  # which input of a two-input step a buffered ba
 def _to_batches(out: Any, step: str) -> list[pa.RecordBatch]:
     if out is None:
         return []
+    if isinstance(out, Outputs):
+        batches = _to_batches(out.main, step)
+        for port, value in out.side.items():
+            batches += [tag_port(b, port) for b in _to_batches(value, step)]
+        return batches
     if isinstance(out, pa.RecordBatch):
         return [out] if out.num_rows else []
     if isinstance(out, pa.Table):

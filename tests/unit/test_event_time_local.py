@@ -276,3 +276,53 @@ def test_an_idle_source_instance_does_not_hold_the_watermark_back(
     all_t = np.concatenate([*parts, np.arange(1_000, last, 10)])
     uk, n = np.unique(all_t % 3, return_counts=True)
     assert dict(total) == dict(zip(uk.tolist(), n.tolist(), strict=True))
+
+
+@rs.keyed_batches(state=rs.ValueState(object), on_timer=fire)
+def window_sum_late(batch: rs.KeyedBatch, state: Any) -> rs.Outputs:
+    """window_sum, with late records (their window fired already) to side output ``late``."""
+    et = batch.records.column("event_time").to_numpy()
+    late = et // WINDOW_MS * WINDOW_MS + WINDOW_MS - 1 <= batch.watermark
+    window_sum.fn(batch, state)
+    return rs.Outputs(main=None, late=batch.records.filter(pa.array(late)))
+
+
+def test_late_records_go_to_a_side_output(tmp_path: Path) -> None:
+    busy = [(0.02, _rows(1_000 + 1_000 * i, 2_000 + 1_000 * i)) for i in range(20)]
+    quiet = [(0.0, _rows(1_000, 1_100)), (1.0, _rows(1_100, 1_200)), (0.0, None)]
+    flow = rs.Dataflow("late-side", num_key_groups=8, sub_groups=2)
+    windows = (
+        flow.source(_TimedSource([busy, quiet]), event_time="t", watermark_idle_ms=100)
+        .key_by("key")
+        .apply(window_sum_late)
+    )
+    windows.sink(rs.sinks.collect(), name="out")
+    windows.side_output("late").sink(rs.sinks.collect(), name="late")
+    out = asyncio.run(
+        run_local(flow, {"source": 2}, state_dir=tmp_path, config=RuntimeConfig(linger_ms=1))
+    )
+    late = out["late"]
+    assert late is not None and sorted(late["t"].to_pylist()) == list(range(1_100, 1_200, 10))
+    assert "late" not in (out["out"].schema.metadata or {})
+    total = sum(out["out"]["sum"].to_pylist()) + late.num_rows
+    assert total == 20 * 100 + 20  # every row once: in a window or late
+
+
+def test_map_batches_side_output_and_definition_checks(tmp_path: Path) -> None:
+    @rs.map_batches
+    def split(batch: pa.RecordBatch) -> rs.Outputs:
+        even = pa.array(batch.column("x").to_numpy() % 2 == 0)
+        return rs.Outputs(main=batch.filter(even), odd=batch.filter(pa.compute.invert(even)))
+
+    flow = rs.Dataflow("side-map")
+    src = flow.source(rs.sources.from_table(pa.table({"x": list(range(100))})))
+    s = src.apply(split)
+    s.sink(rs.sinks.collect(), name="even")
+    s.side_output("odd").sink(rs.sinks.collect(), name="odd")
+    with pytest.raises(rs.DataflowDefinitionError, match="one operator step"):
+        src.side_output("odd")
+    with pytest.raises(rs.DataflowDefinitionError, match="identifier"):
+        s.side_output("main")
+    out = asyncio.run(run_local(flow, state_dir=tmp_path))
+    assert sorted(out["even"]["x"].to_pylist()) == list(range(0, 100, 2))
+    assert sorted(out["odd"]["x"].to_pylist()) == list(range(1, 100, 2))
