@@ -269,7 +269,8 @@ class Stream:
         """The records step ``self.step`` returned under ``name`` in ``rs.Outputs(...)``.
         Example::
 
-            counted = events.key_by("key").apply(count_on_time)   # returns rs.Outputs(main=..., late=...)
+            # count_on_time returns rs.Outputs(main=..., late=...)
+            counted = events.key_by("key").apply(count_on_time)
             counted.sink(rs.sinks.collect(), name="counts")
             counted.side_output("late").sink(rs.sinks.collect(), name="late")
         """

@@ -6,7 +6,8 @@ call). No rescaling, no controller. Example::
 
     >>> import asyncio, tempfile, pyarrow as pa, raystream as rs
     >>> flow = rs.Dataflow("local-demo")
-    >>> flow.source(rs.sources.from_table(pa.table({"x": [1, 2]}))).sink(rs.sinks.collect(), name="out")
+    >>> src = rs.sources.from_table(pa.table({"x": [1, 2]}))
+    >>> flow.source(src).sink(rs.sinks.collect(), name="out")
     >>> out = asyncio.run(run_local(flow, state_dir=tempfile.mkdtemp()))
     >>> out["out"].column("x").to_pylist()
     [1, 2]

@@ -104,7 +104,8 @@ def test_event_time_windows_survive_rescales_and_match_duckdb() -> None:
     assert len(pairs) == len(set(pairs)), "a window fired twice"
     got = dict(zip(pairs, out["sum"].to_pylist(), strict=True))
     missing = expected.keys() - got.keys()
-    wrong = {p: (got[p], expected[p]) for p in expected.keys() & got.keys() if got[p] != expected[p]}
+    both = expected.keys() & got.keys()
+    wrong = {p: (got[p], expected[p]) for p in both if got[p] != expected[p]}
     assert not missing and not wrong and len(got) == len(expected), (
         f"{len(missing)} windows missing, {len(wrong)} wrong e.g. {list(wrong.items())[:3]}"
     )
@@ -118,7 +119,9 @@ def test_event_time_windows_survive_rescales_and_match_duckdb() -> None:
     assert new and new[0]["records_out"] > 0
 
 
-@rs.keyed_batches(state={"balance": rs.ValueState(int, default=0), "n": rs.ValueState(int, default=0)})
+@rs.keyed_batches(
+    state={"balance": rs.ValueState(int, default=0), "n": rs.ValueState(int, default=0)}
+)
 def balance(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
     col = "amount" if batch.input == 0 else "paid"
     sign = 1 if batch.input == 0 else -1
@@ -165,12 +168,11 @@ def test_connected_streams_rescale_under_meces_matches_duckdb() -> None:
     con.register("dep", dep)
     con.register("pay", pay)
     got = dict(
-        con.execute(
-            "SELECT account, arg_max(balance, n) FROM out_t GROUP BY account"
-        ).fetchall()
+        con.execute("SELECT account, arg_max(balance, n) FROM out_t GROUP BY account").fetchall()
     )
     dup = con.execute(
-        "SELECT count(*) FROM (SELECT account, n FROM out_t GROUP BY account, n HAVING count(*) > 1)"
+        "SELECT count(*) FROM (SELECT account, n FROM out_t GROUP BY account, n"
+        " HAVING count(*) > 1)"
     ).fetchone()[0]
     expected = dict(
         con.execute(
