@@ -326,3 +326,42 @@ def test_map_batches_side_output_and_definition_checks(tmp_path: Path) -> None:
     out = asyncio.run(run_local(flow, state_dir=tmp_path))
     assert sorted(out["even"]["x"].to_pylist()) == list(range(0, 100, 2))
     assert sorted(out["odd"]["x"].to_pylist()) == list(range(1, 100, 2))
+
+
+def test_a_scale_out_sends_the_current_watermark_to_new_receivers(tmp_path: Path) -> None:
+    """The upstream side of a rescale: channels to added instances start with the watermark
+    the sender forwarded last, so a new instance catches up; old channels get no repeat."""
+    from raystream.keys import RoutingTable
+    from raystream.plan import physical_plan
+    from raystream.runtime.instance import OperatorInstance
+    from raystream.runtime.messages import Barrier, Watermark
+
+    flow = rs.Dataflow("wm-rescale", num_key_groups=8, sub_groups=2)
+    events = pa.table({"key": [1], "t": [5]})
+    (
+        flow.source(rs.sources.from_table(events), event_time="t")
+        .key_by("key")
+        .apply(count)
+        .sink(rs.sinks.collect())
+    )
+    plan = physical_plan(flow, {"count": 2}, RuntimeConfig(), 0, tmp_path)
+    src = OperatorInstance(plan.instances[("source", 0)])
+    sent: list[tuple[Any, Any]] = []
+
+    def sender(receiver: Any, payload: Any) -> Any:
+        sent.append((receiver, payload[2]))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+    async def go() -> None:
+        src.connect(sender, lambda e, i: None)
+        await src._send_watermark(Watermark(1_234))
+        sent.clear()
+        table = RoutingTable(epoch=1, owners=np.arange(8) % 3, parallelism=3)
+        await src._switch(Barrier(1, "rescale", {"step": "count", "table": table}))
+
+    asyncio.run(go())
+    to_new = [item for r, item in sent if r == ("count", 2)]
+    assert to_new[0] == Watermark(1_234) and isinstance(to_new[1], Barrier)
+    assert all(not isinstance(item, Watermark) for r, item in sent if r != ("count", 2))
