@@ -365,3 +365,25 @@ def test_a_scale_out_sends_the_current_watermark_to_new_receivers(tmp_path: Path
     to_new = [item for r, item in sent if r == ("count", 2)]
     assert to_new[0] == Watermark(1_234) and isinstance(to_new[1], Barrier)
     assert all(not isinstance(item, Watermark) for r, item in sent if r != ("count", 2))
+
+
+def test_processing_time_timers_fire_on_the_wall_clock_mid_stream(tmp_path: Path) -> None:
+    import time as _time
+
+    def on(timers: rs.FiredTimers) -> pa.RecordBatch:
+        now = int(_time.time() * 1000)
+        return timers.output({"due": timers.timestamps, "now": [now] * len(timers)})
+
+    @rs.keyed_batches(on_timer=on)
+    def remind(batch: rs.KeyedBatch) -> None:
+        batch.timers.register_processing(int(_time.time() * 1000) + 150)
+
+    plan = [(0.0, _rows(1_000, 1_030)), (0.6, _rows(2_000, 2_030)), (0.6, None)]
+    flow = rs.Dataflow("proc-timers", num_key_groups=8, sub_groups=2)
+    flow.source(_TimedSource([plan])).key_by("key").apply(remind).sink(rs.sinks.collect())
+    out = asyncio.run(run_local(flow, state_dir=tmp_path, config=RuntimeConfig(linger_ms=1)))
+    t = out["sink_0"]
+    # both batches' timers (3 keys each) fired, none before its time, none much after it
+    assert t.num_rows == 6 and sorted(set(t["key"].to_pylist())) == [0, 1, 2]
+    late_ms = t["now"].to_numpy() - t["due"].to_numpy()
+    assert (late_ms >= 0).all() and (late_ms < 400).all(), late_ms
