@@ -241,23 +241,23 @@ def _rows(t0: int, t1: int) -> pa.RecordBatch:
     return pa.record_batch({"key": t % 3, "v": np.ones(len(t), np.int64), "t": t})
 
 
-@pytest.mark.parametrize("idle_ms", [None, 100])
+@pytest.mark.parametrize(("idle_ms", "via_map"), [(None, False), (100, False), (100, True)])
 def test_an_idle_source_instance_does_not_hold_the_watermark_back(
-    tmp_path: Path, idle_ms: float | None
+    tmp_path: Path, idle_ms: float | None, via_map: bool
 ) -> None:
     """Instance 1 sends a little, then nothing for 1.5 s; instance 0 keeps going. With idleness
-    windows fire while instance 1 is quiet; without, they wait for it."""
+    windows fire while instance 1 is quiet; without, they wait for it. ``via_map``: a map step
+    (forward, one instance per source instance) passes the idleness on."""
     busy = [(0.02, _rows(1_000 + 1_000 * i, 2_000 + 1_000 * i)) for i in range(20)]
     quiet = [(0.0, _rows(1_000, 1_100)), (1.5, _rows(1_100, 1_200)), (0.0, None)]
-    flow = rs.Dataflow(f"idle-{idle_ms}", num_key_groups=8, sub_groups=2)
-    (
-        flow.source(_TimedSource([busy, quiet]), event_time="t", watermark_idle_ms=idle_ms)
-        .key_by("key")
-        .apply(window_sum)
-        .sink(rs.sinks.collect(), name="out")
-    )
+    flow = rs.Dataflow(f"idle-{idle_ms}-{via_map}", num_key_groups=8, sub_groups=2)
+    stream = flow.source(_TimedSource([busy, quiet]), event_time="t", watermark_idle_ms=idle_ms)
+    if via_map:
+        stream = stream.map_batches(lambda b: b, name="same")
+    stream.key_by("key").apply(window_sum).sink(rs.sinks.collect(), name="out")
     cfg = RuntimeConfig(linger_ms=1)
-    out = asyncio.run(run_local(flow, {"source": 2}, state_dir=tmp_path, config=cfg))["out"]
+    par = {"source": 2, "same": 2} if via_map else {"source": 2}
+    out = asyncio.run(run_local(flow, par, state_dir=tmp_path, config=cfg))["out"]
     fired_at = out["fired_at"].to_numpy()
     early = fired_at < WATERMARK_MAX
     if idle_ms is None:
