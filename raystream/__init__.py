@@ -66,6 +66,7 @@ __all__ = [
 
 from raystream import sinks, sources, spark  # noqa: E402
 from raystream.dataflow import (  # noqa: E402
+    ConnectedStreams,
     Dataflow,
     Operator,
     Stream,
@@ -78,12 +79,17 @@ from raystream.dataflow import (  # noqa: E402
 )
 from raystream.job import Job, JobResult, attach, run, start  # noqa: E402
 from raystream.runtime.instance import RuntimeConfig  # noqa: E402
+from raystream.runtime.messages import Watermark  # noqa: E402
+from raystream.runtime.outputs import Outputs  # noqa: E402
 from raystream.runtime.processors import KeyedBatch  # noqa: E402
+from raystream.runtime.timers import FiredTimers  # noqa: E402
 from raystream.state.handles import KeySet  # noqa: E402
 from raystream.state.spec import ListState, MapState, ValueState  # noqa: E402
 
 __all__ += [
+    "ConnectedStreams",
     "Dataflow",
+    "FiredTimers",
     "Job",
     "JobResult",
     "KeySet",
@@ -91,9 +97,11 @@ __all__ += [
     "ListState",
     "MapState",
     "Operator",
+    "Outputs",
     "RuntimeConfig",
     "Stream",
     "ValueState",
+    "Watermark",
     "attach",
     "filter",
     "flat_map",
