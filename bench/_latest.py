@@ -46,6 +46,7 @@ class _LatestWriter:
         self._pending: list[pa.Table] = []
         self._pending_rows = 0
         self.rows_seen = 0
+        self._committed: pa.Table | None = None  # the table at the last pre_commit
 
     def write(self, batch: pa.RecordBatch) -> None:
         part = pa.Table.from_batches([batch.select(["key", "count"])])
@@ -61,6 +62,33 @@ class _LatestWriter:
         self._pending, self._pending_rows = [], 0
         if parts:
             self._compacted = latest_counts(pa.concat_tables(parts))
+
+    # ---- two-phase commit (jobs with checkpoints): what came since the last checkpoint is a
+    # blob of that checkpoint; a recovery gives back every committed blob
+    def pre_commit(self, checkpoint_id: int) -> dict[str, pa.Table]:
+        self._compact()
+        table = self._compacted if self._compacted is not None else pa.table(
+            {"key": pa.array([], pa.int64()), "count": pa.array([], pa.int64())}
+        )
+        since = self._committed
+        self._committed = table
+        if since is None or since.num_rows == 0:
+            return {"rows": table}
+        # rows whose latest count changed since the previous checkpoint
+        joined = table.join(since, "key", join_type="left outer", right_suffix="_old")
+        changed = pc.or_kleene(
+            pc.is_null(joined["count_old"]), pc.not_equal(joined["count"], joined["count_old"])
+        )
+        return {"rows": joined.filter(pc.fill_null(changed, True)).select(["key", "count"])}
+
+    def commit(self, checkpoint_id: int) -> None:
+        """Nothing to publish: the table is returned by ``close``."""
+
+    def restore(self, state: dict[str, list[pa.Table]] | None) -> None:
+        tables = (state or {}).get("tables") or []
+        self._pending, self._pending_rows = [], 0
+        self._compacted = latest_counts(pa.concat_tables(tables)) if tables else None
+        self._committed = self._compacted
 
     def close(self) -> pa.Table | None:
         self._compact()

@@ -176,5 +176,21 @@ def print_summary(report: dict[str, Any]) -> None:
             f"p99 {ms(r['p99_latency_ms'])}; throughput dip {'-' if dip is None else f'{dip:.2f}'}",
         )
     for e in report.get("rescale_errors", []):
-        table.add_row("[red]rescale failed[/]", e)
+        table.add_row("[red]rescale or kill failed[/]", e)
+    ck = report.get("checkpoints") or {}
+    if ck.get("completed") or ck.get("failed"):
+        last = ck.get("last") or {}
+        table.add_row(
+            "checkpoints",
+            f"{ck['completed']} completed, {ck['failed']} failed; last took "
+            f"{last.get('duration_s', 0):.2f} s",
+        )
+    for r in report.get("recoveries", []):
+        table.add_row(
+            f"recovery at {r['at_s']:.1f} s ({'/'.join(map(str, r['instance']))} failed)",
+            f"from checkpoint {r['checkpoint_id']}, down {r['downtime_s']:.2f} s, "
+            f"{r['records_replayed']:,} records replayed",
+        )
+    if "exact" in report:
+        table.add_row("final counts equal the input", str(report["exact"]))
     Console(stderr=False).print(table)

@@ -99,23 +99,62 @@ def main() -> None:
     help="let the controller choose the keyed steps' parallelism: ds2, threshold, schedule, "
     "fixed, or module:attr (a policy in your job's folder)",
 )
+@click.option(
+    "--checkpoint-interval",
+    "checkpoint_interval_s",
+    type=float,
+    default=None,
+    help="take a checkpoint every S seconds and recover from the latest after a failure",
+)
+@click.option(
+    "--checkpoint-dir",
+    default=None,
+    help="where checkpoints go: a path or a pyarrow.fs URI (s3://, gs://, hdfs://, file://)",
+)
+@click.option(
+    "--from-checkpoint",
+    default=None,
+    help="resume from this job's checkpoints: 'latest' or a checkpoint id",
+)
+@click.option("--from-savepoint", default=None, help="resume from a savepoint folder")
 def run(
     job_file: str,
     parallelism: tuple[str, ...],
     flow_name: str | None,
     strategy: str,
     autoscaler: str | None,
+    checkpoint_interval_s: float | None,
+    checkpoint_dir: str | None,
+    from_checkpoint: str | None,
+    from_savepoint: str | None,
 ) -> None:
     """Run JOB_FILE (a Python file that builds a Dataflow) until its sources are exhausted."""
     import raystream as rs
 
     flow = _load_flow(job_file, flow_name)
+    checkpoints: dict[str, Any] = {}
+    if checkpoint_interval_s is not None:
+        checkpoints["checkpoint_interval_s"] = checkpoint_interval_s
+    if checkpoint_dir is not None:
+        checkpoints["checkpoint_dir"] = checkpoint_dir
     result = rs.run(
         flow,
         parallelism=_parallelism(parallelism) or None,
         migration=strategy,
         autoscaler=autoscaler,
+        from_checkpoint=from_checkpoint,
+        from_savepoint=from_savepoint,
+        **checkpoints,
     )
+    for r in result.recoveries:
+        click.echo(
+            f"recovered t={r['at_s']:.1f}s from checkpoint {r['checkpoint_id']} after "
+            f"{r['instance'][0]}/{r['instance'][1]} failed ({r['cause'].splitlines()[0][:120]}): "
+            f"down {r['downtime_s']:.2f} s, {r['records_replayed']:,} records replayed"
+        )
+    ck = result.checkpoints
+    if ck.get("completed") or ck.get("failed"):
+        click.echo(f"checkpoints: {ck['completed']} completed, {ck['failed']} failed ({ck['storage']})")
     for d in result.autoscaling:
         if d.get("to") != d.get("from"):  # a rescale (holds and warnings are in the log)
             click.echo(
@@ -185,6 +224,20 @@ def status(job: str, as_json: bool) -> None:
         f"in/s: records in per second over the last {RATE_WINDOW_S:g} s; busy %: share of time "
         "spent processing since the instances started; p50/p99: sink end-to-end latency"
     )
+    ck = st.get("checkpoints") or {}
+    if ck.get("completed") or ck.get("failed"):
+        last = ck.get("last") or {}
+        console.print(
+            f"checkpoints: {ck['completed']} completed, {ck['failed']} failed; last "
+            f"{last.get('checkpoint_id')} took {last.get('duration_s', 0):.2f} s "
+            f"({last.get('uploaded_bytes', 0):,} bytes uploaded)"
+        )
+    for r in st.get("recoveries") or []:
+        console.print(
+            f"recovery {r['attempt']}: t={r['at_s']:.1f}s {r['instance']} failed; restarted from "
+            f"checkpoint {r['checkpoint_id']}, down {r['downtime_s']:.2f} s, "
+            f"{r['records_replayed']:,} records replayed"
+        )
     if st.get("latency"):
         lat = st["latency"]
         console.print(
@@ -218,15 +271,45 @@ def rescale(job: str, step: str, parallelism: int, strategy: str | None) -> None
 @main.command()
 @click.argument("job")
 def stop(job: str) -> None:
-    """Stop the running JOB (its instances are killed; sinks abort their partial files)."""
+    """Stop the running JOB with a final checkpoint: sinks publish what came before it, and
+    `raystream run FILE --from-checkpoint latest` resumes from it. `cancel` stops at once."""
     import raystream as rs
 
     _connect()
     result = rs.attach(job).stop()
     if result is None:  # its driver saw the end first and removed the controller
         click.echo(f"job {job!r} stopped")
-    else:
-        click.echo(f"job {result.job!r} {result.state}")
+        return
+    last = result.checkpoints.get("last") or {}
+    final = f" after final checkpoint {last['checkpoint_id']}" if last else ""
+    click.echo(f"job {result.job!r} {result.state}{final}")
+
+
+@main.command()
+@click.argument("job")
+def cancel(job: str) -> None:
+    """Stop the running JOB at once, without a final checkpoint (unpublished output dropped)."""
+    import raystream as rs
+
+    _connect()
+    result = rs.attach(job).cancel()
+    click.echo(f"job {job!r} {'cancelled' if result is None else result.state}")
+
+
+@main.command()
+@click.argument("job")
+@click.argument("path")
+def savepoint(job: str, path: str) -> None:
+    """Take a savepoint of the running JOB into PATH (a folder or pyarrow.fs URI); resume with
+    `raystream run FILE --from-savepoint PATH` (at any parallelism)."""
+    import raystream as rs
+
+    _connect()
+    sp = rs.attach(job).savepoint(path)
+    click.echo(
+        f"savepoint of checkpoint {sp['checkpoint_id']} at {sp['savepoint']} "
+        f"({sp['duration_s']:.2f} s)"
+    )
 
 
 def _env_vars(values: tuple[str, ...]) -> dict[str, str]:
@@ -252,6 +335,10 @@ def _env_vars(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--env", "env", multiple=True, help="KEY=VALUE set for the job, repeatable")
 @click.option("--strategy", default=None, help="migration strategy for rescales")
 @click.option("--autoscaler", default=None, help="ds2, threshold, schedule, fixed or module:attr")
+@click.option("--checkpoint-interval", "checkpoint_interval_s", type=float, default=None)
+@click.option("--checkpoint-dir", default=None, help="a path or URI the cluster can write")
+@click.option("--from-checkpoint", default=None)
+@click.option("--from-savepoint", default=None)
 @click.option("--no-wait", is_flag=True, help="return once submitted; do not follow the log")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="give up waiting after s")
 def submit(
@@ -261,6 +348,10 @@ def submit(
     env: tuple[str, ...],
     strategy: str | None,
     autoscaler: str | None,
+    checkpoint_interval_s: float | None,
+    checkpoint_dir: str | None,
+    from_checkpoint: str | None,
+    from_savepoint: str | None,
     no_wait: bool,
     timeout_s: float | None,
 ) -> None:
@@ -272,8 +363,22 @@ def submit(
     from raystream.submit import Submission, check_job_file, dashboard_address, wait_for_job
     from raystream.submit import submit as do_submit
 
+    run_args: list[str] = []
+    for flag, value in (
+        ("--checkpoint-interval", checkpoint_interval_s),
+        ("--checkpoint-dir", checkpoint_dir),
+        ("--from-checkpoint", from_checkpoint),
+        ("--from-savepoint", from_savepoint),
+    ):
+        if value is not None:
+            run_args += [flag, str(value)]
     sub = Submission(
-        check_job_file(job_file), _parallelism(parallelism), _env_vars(env), strategy, autoscaler
+        check_job_file(job_file),
+        _parallelism(parallelism),
+        _env_vars(env),
+        strategy,
+        autoscaler,
+        tuple(run_args),
     )
     target = dashboard_address(address)
     client, sid = do_submit(sub, target)

@@ -69,6 +69,7 @@ class Submission:
     env: dict[str, str] = field(default_factory=dict)
     strategy: str | None = None
     autoscaler: str | None = None
+    run_args: tuple[str, ...] = ()  # more `raystream run` options (checkpoints, restore points)
 
     @property
     def working_dir(self) -> Path:
@@ -82,6 +83,7 @@ class Submission:
             args += ["--strategy", self.strategy]
         if self.autoscaler:
             args += ["--autoscaler", self.autoscaler]
+        args += list(self.run_args)
         return shlex.join(args)
 
     def runtime_env(self) -> dict[str, Any]:

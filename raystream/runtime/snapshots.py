@@ -203,9 +203,9 @@ def restore_keyed(inst: OperatorInstance) -> None:
             rows += proc.backend.restore_key_groups(local, part["key_groups"])
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    restored = getattr(proc, "on_restored", None)
-    if callable(restored):
-        restored()
+    timers = getattr(proc, "timers", None)
+    if timers is not None:  # timers came back with their key groups: index them
+        timers.reindex()
     inst.metrics.restored_rows = rows  # type: ignore[attr-defined]
 
 
