@@ -611,7 +611,14 @@ class Controller(Recovery):
         snaps += [o.get("metrics", {}) for o in self.outcomes.values()]
         lat = [s["latency"] for s in snaps if s.get("latency")]
         summary = LatencyRecorder.merge_snapshots(lat).summary() if lat else None
-        return {"job": self.flow.name, "state": self.state, "instances": snaps, "latency": summary}
+        return {
+            "job": self.flow.name,
+            "state": self.state,
+            "instances": snaps,
+            "latency": summary,
+            "recoveries": list(self.recoveries),
+            "checkpoints": self.checkpoint_summary(),
+        }
 
     async def status(self) -> dict[str, Any]:
         return {**self.describe(), **(await self.metrics())}

@@ -136,3 +136,29 @@ class RayMetricsExporter:
                     m.latency_p50.set(s["p50_ms"], tags=self.tags)
                     m.latency_p99.set(s["p99_ms"], tags=self.tags)
         self._last_ns = now_ns
+
+
+_job_metrics: dict[str, Any] = {}
+
+
+def export_job_event(job: str, event: str, seconds: float) -> None:
+    """The controller's events in Ray's metrics: ``raystream_checkpoints_total`` with
+    ``raystream_checkpoint_duration_s``, ``raystream_recoveries_total`` with
+    ``raystream_recovery_downtime_s`` (tag ``job``)."""
+    from ray.util.metrics import Counter, Gauge
+
+    if not _job_metrics:
+        p = METRIC_PREFIX
+        _job_metrics.update(
+            checkpoint=Counter(f"{p}checkpoints", "completed checkpoints", tag_keys=("job",)),
+            checkpoint_s=Gauge(
+                f"{p}checkpoint_duration_s", "the last checkpoint's duration", tag_keys=("job",)
+            ),
+            recovery=Counter(f"{p}recoveries", "recoveries from a checkpoint", tag_keys=("job",)),
+            recovery_s=Gauge(
+                f"{p}recovery_downtime_s", "the last recovery's downtime", tag_keys=("job",)
+            ),
+        )
+    tags = {"job": job}
+    _job_metrics[event].inc(1, tags=tags)
+    _job_metrics[f"{event}_s"].set(seconds, tags=tags)

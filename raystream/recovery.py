@@ -265,6 +265,7 @@ class Recovery:
             },
         }
         self.checkpoint_stats.append(stats)
+        self._export("checkpoint", stats["duration_s"])
         return stats
 
     def _finished_sink_states(self: Any) -> list[dict[str, Any]]:
@@ -275,6 +276,15 @@ class Recovery:
             for iid, out in self.outcomes.items()
             if iid in self.plan.sinks and _durable(out.get("sink_state"))
         ]
+
+    def _export(self: Any, event: str, seconds: float) -> None:
+        if self.config.metrics_export_s > 0:
+            try:
+                from raystream.metrics_export import export_job_event
+
+                export_job_event(self.flow.name, event, seconds)
+            except Exception as e:  # noqa: BLE001 - metrics never fail the job
+                log.debug("metrics export failed: %s", e)
 
     def checkpoint_summary(self: Any) -> dict[str, Any]:
         last = self.checkpoint_stats[-1] if self.checkpoint_stats else None
@@ -432,6 +442,7 @@ class Recovery:
             "records_replayed": replayed,
         }
         self.recoveries.append(record)
+        self._export("recovery", record["downtime_s"])
         log.warning("job %s: recovered: %s", self.flow.name, record)
 
     async def _source_positions(self: Any) -> dict[ChannelId, int]:
