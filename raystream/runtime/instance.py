@@ -194,6 +194,7 @@ class OperatorInstance:
         # event time: per-input watermarks, the last one forwarded, which input a channel is
         self.watermarks = WatermarkTracker(spec.inputs)
         self._wm_sent = WATERMARK_MIN
+        self._wm_deferred: int | None = None  # held back while moved sub-groups' records wait
         self._idle_sent = False
         self._input_of = {up: spec.step.input_of(up) for up in spec.step.upstream}
 
@@ -553,14 +554,14 @@ class OperatorInstance:
                     await self._on_barrier(channel, item)
                 elif isinstance(item, Watermark):
                     w = self.watermarks.on_watermark(channel, item.timestamp_ms, item.idle)
-                    await self._on_watermark(w)
+                    await self._advance_watermark(w)
                 elif isinstance(item, EndOfStream):
                     self._eos.add(channel)
                     w = self.watermarks.on_end(channel)
                     await self._complete_barriers()
                     if self._eos >= self.inputs:
                         break
-                    await self._on_watermark(w)
+                    await self._advance_watermark(w)
             await self._fire_processing_timers()
             await self._flush_due()
             await asyncio.sleep(0)
@@ -592,8 +593,11 @@ class OperatorInstance:
             with self.metrics.busy():
                 for piece in released:
                     await self._emit(self.processor.process(piece, count=False))
-                if self.watermarks.current > WATERMARK_MIN:  # due timers of arrived sub-groups
-                    await self._emit(self.processor.on_watermark(self.watermarks.current))
+                if self._wm_sent > WATERMARK_MIN:  # due timers of arrived sub-groups
+                    await self._emit(self.processor.on_watermark(self._wm_sent))
+        if self._wm_deferred is not None and not engine.pending_rows:
+            w, self._wm_deferred = self._wm_deferred, None
+            await self._on_watermark(w)
         task = engine.task
         if task is not None and engine.migrating and engine.over_limit:
             for ch in self._barrier_seen.get(task.epoch, set()):
@@ -739,6 +743,16 @@ class OperatorInstance:
         return min(deadlines) if deadlines else None
 
     # ---- event time -----------------------------------------------------------------------
+    async def _advance_watermark(self, watermark: int | None) -> None:
+        """A watermark never overtakes records: while records of sub-groups still on their way
+        (a rescale) wait here, the instance keeps its watermark and applies the newest one once
+        they ran (else they would count as late, and their windows fire without them)."""
+        engine = self.engine
+        if watermark is not None and engine is not None and engine.pending_rows:
+            self._wm_deferred = max(self._wm_deferred or watermark, watermark)
+            return
+        await self._on_watermark(watermark)
+
     async def _on_watermark(self, watermark: int | None) -> None:
         """This instance's watermark advanced (or not: None): fire due timers, forward it; once
         every input is idle, tell the receivers this instance is idle too."""
