@@ -462,7 +462,8 @@ def aggregate(
     """A user aggregation: ``create()`` a new accumulator, ``add(acc, record) -> acc`` one record
     (a dict), ``merge(a, b) -> acc`` two accumulators of the same key and window (in no
     particular order: make it commutative), ``result(acc)`` the output: one value (column
-    ``name``) or, with ``columns=``, a dict with exactly those keys. Accumulators are pickled into keyed state.
+    ``name``) or, with ``columns=``, a dict with exactly those keys. Accumulators are pickled
+    into keyed state.
 
     Example::
 
