@@ -17,9 +17,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-
-import raystream as rs
-from raystream.errors import DataflowDefinitionError
 from raystream.operators._support import (
     EVENT_TIME,
     check_name,
@@ -34,6 +31,9 @@ from raystream.operators.window_logic import (
     check_positive_ms,
     tumbling_starts,
 )
+
+import raystream as rs
+from raystream.errors import DataflowDefinitionError
 
 __all__ = ["interval_join", "join", "window_join"]
 

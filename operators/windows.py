@@ -38,9 +38,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-
-import raystream as rs
-from raystream.errors import DataflowDefinitionError
 from raystream.operators._support import (
     EVENT_TIME,
     INGEST_TS,
@@ -59,6 +56,9 @@ from raystream.operators.window_logic import (
     check_lateness,
     check_positive_ms,
 )
+
+import raystream as rs
+from raystream.errors import DataflowDefinitionError
 
 __all__ = ["session", "sliding", "tumbling"]
 
