@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+import raystream.operators as ops
+from raystream.operators import count, joins, windows
 
 import raystream as rs
 from raystream.errors import DataflowDefinitionError
-import raystream.operators as ops
-from raystream.operators import count, joins, windows
 from raystream.runtime.processors import KeyedProcessor
 from raystream.runtime.watermarks import WATERMARK_MAX
 
@@ -169,7 +169,8 @@ def test_interval_join_on_the_processor_vs_nested_loops(tmp_path: Path) -> None:
     lower, upper = -40, 25
     proc = _processor(tmp_path, joins.interval_join(lower, upper), two_inputs=True)
     outs, _ = _run(proc, table, seed=4, delay=250, inputs=inputs)
-    got = sorted(zip(*[_main(outs).column(c).to_pylist() for c in ("id_left", "id_right")]))
+    out = _main(outs)
+    got = sorted(zip(out["id_left"].to_pylist(), out["id_right"].to_pylist(), strict=True))
     rows = table.to_pylist()
     left = [r for r, s in zip(rows, inputs, strict=True) if s == 0]
     right = [r for r, s in zip(rows, inputs, strict=True) if s == 1]
