@@ -77,9 +77,10 @@ from raystream.dataflow import (  # noqa: E402
 )
 from raystream.job import Job, JobResult, attach, run, start  # noqa: E402
 from raystream.runtime.instance import RuntimeConfig  # noqa: E402
+from raystream.runtime.messages import Watermark  # noqa: E402
+from raystream.runtime.outputs import Outputs  # noqa: E402
 from raystream.runtime.processors import KeyedBatch  # noqa: E402
 from raystream.runtime.timers import FiredTimers  # noqa: E402
-from raystream.runtime.messages import Watermark  # noqa: E402
 from raystream.state.handles import KeySet  # noqa: E402
 from raystream.state.spec import ListState, MapState, ValueState  # noqa: E402
 
@@ -94,6 +95,7 @@ __all__ += [
     "ListState",
     "MapState",
     "Operator",
+    "Outputs",
     "RuntimeConfig",
     "Stream",
     "ValueState",

@@ -206,6 +206,7 @@ class Step:
     event_time: EventTimeSpec | None = None  # sources: event-time column and watermarks
     inputs: tuple[int, ...] = ()  # two-input keyed steps: input index of each upstream step
     keys: tuple[KeySpec, ...] = ()  # two-input keyed steps: how each input is keyed
+    ports: tuple[str, ...] = ()  # per upstream step: which of its outputs ('' main, or a side)
 
     @property
     def is_keyed(self) -> bool:
@@ -224,6 +225,10 @@ class Step:
             return 0
         return self.inputs[self.upstream.index(upstream)]
 
+    def port_for(self, upstream: str) -> str:
+        """Which output of step ``upstream`` this step reads: '' (main) or a side output."""
+        return self.ports[self.upstream.index(upstream)] if self.ports else ""
+
     def key_for(self, upstream: str) -> KeySpec | None:
         """How the records from step ``upstream`` are keyed on their way into this step."""
         keys = self.input_keys
@@ -240,19 +245,46 @@ class Stream:
         schema: pa.Schema | None,
         key: KeySpec | None = None,
         upstream: tuple[str, ...] = (),
+        ports: tuple[str, ...] = (),
     ) -> None:
         self._flow = flow
         self.step = step
         self.schema = schema
         self.key = key
         self.upstream = upstream or (step,)  # the steps whose outputs make this stream
+        self.ports = ports or ("",) * len(self.upstream)  # '' main output, else a side output
 
     def __repr__(self) -> str:
         keyed_by = f", keyed by {self.key.column or 'a function'}" if self.key else ""
         return f"Stream(from {self.step!r}{keyed_by})"
 
     def _with(self, schema: pa.Schema | None, key: KeySpec | None) -> Stream:
-        return Stream(self._flow, self.step, schema, key, self.upstream)
+        return Stream(self._flow, self.step, schema, key, self.upstream, self.ports)
+
+    @property
+    def _step_ports(self) -> tuple[str, ...]:
+        return self.ports if any(self.ports) else ()
+
+    def side_output(self, name: str) -> Stream:
+        """The records step ``self.step`` returned under ``name`` in ``rs.Outputs(...)``.
+        Example::
+
+            # count_on_time returns rs.Outputs(main=..., late=...)
+            counted = events.key_by("key").apply(count_on_time)
+            counted.sink(rs.sinks.collect(), name="counts")
+            counted.side_output("late").sink(rs.sinks.collect(), name="late")
+        """
+        from raystream.runtime.outputs import check_port_name
+
+        check_port_name(name)
+        step = self._flow.steps.get(self.step)
+        if len(self.upstream) != 1 or self.ports[0] or step is None or step.kind == "source":
+            msg = (
+                f"side_output({name!r}) needs the output stream of one operator step, got "
+                f"{self!r}; call it on what apply() returned"
+            )
+            raise DataflowDefinitionError(msg)
+        return Stream(self._flow, f"{self.step}.{name}", None, None, (self.step,), (name,))
 
     # ---- several inputs -------------------------------------------------------------------
     def union(self, *others: Stream) -> Stream:
@@ -264,6 +296,7 @@ class Stream:
         """
         streams = (self, *others)
         upstream: list[str] = []
+        ports: list[str] = []
         for st in streams:
             if not isinstance(st, Stream) or st._flow is not self._flow:
                 msg = f"union() takes streams of the same Dataflow, got {st!r}"
@@ -276,6 +309,7 @@ class Stream:
                     msg = f"union(): step {up!r} is in the union twice; each stream once"
                     raise DataflowDefinitionError(msg)
                 upstream.append(up)
+            ports += st.ports
         known = [st for st in streams if st.schema is not None]
         for st in known[1:]:
             diff = _schema_diff(known[0].schema, st.schema)  # type: ignore[arg-type]
@@ -287,7 +321,7 @@ class Stream:
                 raise DataflowDefinitionError(msg)
         schema = known[0].schema if len(known) == len(streams) else None
         name = "union(" + ", ".join(upstream) + ")"
-        return Stream(self._flow, name, schema, None, tuple(upstream))
+        return Stream(self._flow, name, schema, None, tuple(upstream), tuple(ports))
 
     def connect(self, other: Stream) -> ConnectedStreams:
         """Two keyed streams into one keyed step with shared state: ``.apply(op)`` adds it.
@@ -379,6 +413,7 @@ class Stream:
             state=op.state,
             parallelism=parallelism if parallelism is not None else op.parallelism,
             on_timer=op.on_timer,
+            ports=self._step_ports,
         )
         self._flow._add(step)
         schema = self.schema if op.kind == "filter" else None
@@ -402,7 +437,16 @@ class Stream:
             msg = f"sink() expects a sink such as rs.sinks.collect(), got {type(sink).__name__}: {sink!r}"
             raise DataflowDefinitionError(msg)
         step_name = name or f"sink_{sum(1 for s in self._flow.steps.values() if s.kind == 'sink')}"
-        self._flow._add(Step(step_name, "sink", sink, self.upstream, parallelism=parallelism or 1))
+        self._flow._add(
+            Step(
+                step_name,
+                "sink",
+                sink,
+                self.upstream,
+                parallelism=parallelism or 1,
+                ports=self._step_ports,
+            )
+        )
 
 
 class ConnectedStreams:
@@ -439,6 +483,7 @@ class ConnectedStreams:
             on_timer=op.on_timer,
             inputs=(0,) * len(a.upstream) + (1,) * len(b.upstream),
             keys=(a.key, b.key),
+            ports=(a.ports + b.ports) if any(a.ports + b.ports) else (),
         )
         a._flow._add(step)
         return Stream(a._flow, step_name, None)

@@ -70,6 +70,7 @@ def physical_plan(
                 parallelism=d.parallelism or 1,
                 partitioning=_partitioning(step, d),
                 key=d.key_for(name),
+                port=d.port_for(name),
                 routing=routing.get(d.name),
             )
             for d in downstream[name]

@@ -25,6 +25,7 @@ from raystream.metrics import InstanceMetrics, LatencyRecorder
 from raystream.runtime.channels import ByKeyGroup, Forward, Inbox, OutputChannel, Rebalance
 from raystream.runtime.messages import Barrier, ChannelId, EndOfStream, Watermark
 from raystream.runtime.migration import MigrationEngine, MigrationTask
+from raystream.runtime.outputs import port_of
 from raystream.runtime.processors import EVENT_TIME, INGEST_TS, KeyedProcessor, make_processor
 from raystream.runtime.watermarks import (
     WATERMARK_MAX,
@@ -80,6 +81,7 @@ class OutputSpec:
     partitioning: str  # forward | rebalance | key_group
     key: KeySpec | None = None
     routing: RoutingTable | None = None
+    port: str = ""  # which output of the step goes on this edge: '' main, else a side output
 
 
 @dataclass(frozen=True)
@@ -650,7 +652,10 @@ class OperatorInstance:
                 continue
             self._idle_sent = False  # rows make this sender active again downstream
             self.metrics.record_out(b.num_rows)
-            for part, channels in self.outputs:
+            port, b = port_of(b)
+            for (part, channels), out in zip(self.outputs, self.spec.outputs, strict=True):
+                if out.port != port:
+                    continue
                 for receiver, piece in part.split(b):
                     await channels[receiver].add(piece)
 

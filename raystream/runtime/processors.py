@@ -21,6 +21,7 @@ from raystream.errors import SchemaError, StateError
 from raystream.keys import KeySpace, key_kind, stable_hash
 from raystream.runtime.channels import materialise_key
 from raystream.runtime.migration import MigrationEngine
+from raystream.runtime.outputs import Outputs, tag_port
 from raystream.runtime.timers import (
     EVENT_TIMERS,
     MAX_FIRING_ROUNDS,
@@ -45,6 +46,11 @@ INPUT_META = b"raystream.input"  # which input of a two-input step a buffered ba
 def _to_batches(out: Any, step: str) -> list[pa.RecordBatch]:
     if out is None:
         return []
+    if isinstance(out, Outputs):
+        batches = _to_batches(out.main, step)
+        for port, value in out.side.items():
+            batches += [tag_port(b, port) for b in _to_batches(value, step)]
+        return batches
     if isinstance(out, pa.RecordBatch):
         return [out] if out.num_rows else []
     if isinstance(out, pa.Table):
@@ -263,7 +269,7 @@ class KeyedProcessor:
         batch, keys = materialise_key(batch, spec)
         self.key_kind = self.key_kind or key_kind(keys)
         if not self.track:  # migration support off: only check ownership per distinct key
-            kb = group_by_key(batch, keys, self.key_space, spec.key_column)
+            kb = group_by_key(batch, keys, self.key_space, self.key_column)
             gsg = kb.keys.key_group.astype(np.int64) * self.key_space.sub_groups + kb.keys.sub_group
             self.engine.split(kb.keys.keys, gsg, count=False)
             return self._run_user(kb, input)
@@ -275,7 +281,8 @@ class KeyedProcessor:
             return []
         if ready is not batch:
             keys = materialise_key(ready, spec)[1]
-        return self._run_user(group_by_key(ready, keys, self.key_space, spec.key_column), input)
+        # outputs name the key after the first input's key, whichever input the batch is
+        return self._run_user(group_by_key(ready, keys, self.key_space, self.key_column), input)
 
     def _run_user(self, kb: KeyedBatch, input: int = 0) -> list[pa.RecordBatch]:
         kb.watermark = self.watermark

@@ -172,11 +172,11 @@ class TimerService:
         self._indexed = held.copy()
 
     def reindex(self) -> None:
-        """Rebuild the whole index (after the backend was replaced by a restore)."""
+        """Forget the whole index (the backend was replaced by a restore); it is rebuilt on its
+        next use, so steps that never use timers pay nothing."""
         self._indexed[:] = False
         for arr in self.next_ts.values():
             arr[:] = NO_TIMER
-        self.sync()
 
     def _first(self, g: int, sid: int) -> int:
         kg, sg = divmod(g, self.key_space.sub_groups)

@@ -238,7 +238,8 @@ class KeyedStates:
         self.backend = backend
         self.key_space = key_space
         self.specs = specs
-        # state id 0 is reserved (timers); declared states get 1, 2, ... in declaration order
+        # state id 0 is reserved; declared states get 1, 2, ... (at most 250) in declaration
+        # order; timers use 253 and 254 (raystream.runtime.timers)
         self.ids = {name: i + 1 for i, name in enumerate(specs)}
 
     def vectorised(self) -> Any:
