@@ -15,12 +15,9 @@ from raystream.operators import count, joins, windows
 
 import raystream as rs
 from raystream.errors import DataflowDefinitionError
+from raystream.runtime.outputs import port_of
 from raystream.runtime.processors import KeyedProcessor
 from raystream.runtime.watermarks import WATERMARK_MAX
-
-NEEDS_OUTPUTS = pytest.mark.skipif(
-    not hasattr(rs, "Outputs"), reason="side outputs (rs.Outputs) are not in the runtime yet"
-)
 
 
 def _processor(tmp: Path, op: Any, two_inputs: bool = False) -> KeyedProcessor:
@@ -85,7 +82,7 @@ def _run(
 
 
 def _main(outs: list[Any]) -> pa.Table:
-    main = [o for o in outs if isinstance(o, pa.RecordBatch)]
+    main = [b for port, b in map(port_of, outs) if port == ""]
     return pa.Table.from_batches(main) if main else pa.table({})
 
 
@@ -139,20 +136,27 @@ def test_session_on_the_processor_vs_sorted_scan(tmp_path: Path) -> None:
     proc.close()
 
 
-@NEEDS_OUTPUTS
 def test_late_records_go_to_the_late_side_output(tmp_path: Path) -> None:
     table = _events(3, 3000, keys=8, late_fraction=0.05)
     size = 100
     proc = _processor(tmp_path, windows.tumbling(size, count()))
     outs, seen = _run(proc, table, seed=3, delay=100)
-    late_ids = sorted(
-        i
-        for o in outs
-        if not isinstance(o, pa.RecordBatch)
-        for b in [o.late]
-        if b is not None
-        for i in b.column("id").to_pylist()
+    ported = [port_of(o) for o in outs]
+    late_ids = sorted(i for port, b in ported if port == "late" for i in b.column("id").to_pylist())
+    main = pa.Table.from_batches([b for port, b in ported if port == ""])
+    on_time = table.filter(pa.array(~np.isin(table["id"].to_numpy(), late_ids)))
+    per_window = defaultdict(int)
+    for r in on_time.to_pylist():
+        per_window[(r["k"], r["event_time"] // size * size)] += 1
+    got = dict(
+        zip(
+            zip(main["k"].to_pylist(), main["window_start"].to_pylist(), strict=True),
+            main["count"].to_pylist(),
+            strict=True,
+        )
     )
+    assert main.num_rows == len(got), "a window fired twice"
+    assert got == per_window, "on-time records are counted, late ones are not"
     exp_late = sorted(
         r["id"]
         for r, wm in zip(table.to_pylist(), seen, strict=True)
