@@ -50,12 +50,13 @@ def test_window_state_and_timers_move_with_a_live_rescale(kind: str, targets: li
     agg = [ops.count(), ops.sum("x"), ops.max("x")]
     op = windows.tumbling(500, agg) if kind == "tumbling" else windows.session(1_500, agg)
     flow = rs.Dataflow(f"window-rescale-{kind}", num_key_groups=32, sub_groups=4)
-    (
+    out_stream = (
         flow.source(src, event_time="ts", max_out_of_orderness_ms=OUT_OF_ORDERNESS_MS)
         .key_by("k")
         .apply(op, name="window")
-        .sink(rs.sinks.collect(), name="out")
     )
+    out_stream.sink(rs.sinks.collect(), name="out")
+    out_stream.side_output("late").sink(rs.sinks.collect(), name="late")
     job = rs.start(flow, parallelism={"window": 2}, **RUNTIME)
     try:
         seen = RATE_EPS
@@ -87,6 +88,12 @@ def test_window_state_and_timers_move_with_a_live_rescale(kind: str, targets: li
     else:
         got = window_rows(out, "k", "window_start", "window_end", "count", "x_sum", "x_max")
         expected = session_oracle(prefix, 1_500)
+    late = [r for r in result.results.get("late", []) if r is not None]
+    late_rows = sum(t.num_rows for t in late)
+    assert late_rows == 0, (
+        f"{late_rows} records came out late, but no record is behind the source's watermark: "
+        "the rescale let the watermark overtake records"
+    )
     assert len(got) == len(set(got)), "a window was emitted twice"
     assert got == expected
     assert sent > RATE_EPS * (len(targets) + 1) // 2, f"only {sent} records were sent"
