@@ -3,6 +3,7 @@ Ray): batches and watermarks in, rows out, against brute-force Python oracles.""
 
 from __future__ import annotations
 
+import builtins
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -206,3 +207,71 @@ def test_definition_errors() -> None:
         joins.interval_join(5, 1)
     with pytest.raises(DataflowDefinitionError, match="keep must be 'all' or 'latest'"):
         joins.join(keep="some")
+
+
+def test_dedupe_on_the_processor_vs_python_rule(tmp_path: Path) -> None:
+    """Oracle: per record in arrival order, with the watermark its batch saw: it passes iff its
+    key has no entry whose expiry (passed time + within) is after that watermark; in one batch
+    only a key's first record can pass."""
+    table = _events(12, 3000, keys=40)
+    within = 150
+    proc = _processor(tmp_path, ops.dedupe(within))
+    rng = np.random.default_rng(6)
+    sizes = []
+    outs: list[Any] = []
+    seen: list[Any] = []
+    i, max_seen = 0, None
+    while i < table.num_rows:  # the same feeding as _run, remembering the batch boundaries
+        m = int(rng.integers(1, 80))
+        chunk = table.slice(i, m).to_batches()[0]
+        seen.append(proc.watermark)
+        outs += proc.process(chunk)
+        sizes.append(chunk.num_rows)
+        mx = int(np.max(chunk.column("event_time").to_numpy()))
+        max_seen = mx if max_seen is None else builtins.max(max_seen, mx)
+        if max_seen - 251 > proc.watermark:
+            outs += proc.on_watermark(max_seen - 251)
+        i += chunk.num_rows
+    got = sorted(_main(outs)["id"].to_pylist())
+    rows = table.to_pylist()
+    expiry: dict[str, int] = {}
+    expected = []
+    pos = 0
+    for size, wm in zip(sizes, seen, strict=True):
+        firsts: dict[str, dict[str, Any]] = {}
+        for r in rows[pos : pos + size]:
+            firsts.setdefault(r["k"], r)
+        for k, r in firsts.items():
+            if k not in expiry or expiry[k] <= wm:
+                expected.append(r["id"])
+                expiry[k] = r["event_time"] + within
+        pos += size
+    assert got == sorted(expected)
+    assert 40 < len(expected) < table.num_rows // 2, "some keys pass again, most records drop"
+    proc.close()
+
+
+def test_top_n_on_the_processor_vs_sorted_prefixes(tmp_path: Path) -> None:
+    """After every batch, the last emitted (key, rank) rows equal the top 3 of the key's
+    records so far (sorted by x descending, earlier first on ties)."""
+    table = _events(13, 1500, keys=7)
+    proc = _processor(tmp_path, ops.top_n(3, by="x"))
+    current: dict[tuple[str, int], int] = {}
+    pos = 0
+    rng = np.random.default_rng(8)
+    rows = table.to_pylist()
+    while pos < table.num_rows:
+        m = int(rng.integers(1, 60))
+        chunk = table.slice(pos, m).to_batches()[0]
+        for b in proc.process(chunk):
+            for r in b.to_pylist():
+                current[(r["k"], r["rank"])] = r["id"]
+        pos += chunk.num_rows
+        so_far: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for r in rows[:pos]:
+            so_far[r["k"]].append((-r["x"], r["id"]))
+        expected = {
+            (k, rank): rid for k, v in so_far.items() for rank, (_, rid) in enumerate(sorted(v)[:3])
+        }
+        assert current == expected
+    proc.close()
