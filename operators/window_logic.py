@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,36 +134,92 @@ class WindowTable:
         return WindowTable(e, e, e, np.empty(0, bool), {})
 
     # ---- per-key state values ----------------------------------------------------------------
+    # A key's windows are stored as one record array in bytes, ``(layout, bytes)``, when every
+    # partial is numeric (one vectorised encode for all keys of a batch, cheap to pickle); as a
+    # dict of arrays when a partial holds objects (top_k, user aggregates).
+
     @staticmethod
     def from_state(values: list[Any]) -> WindowTable:
         """The windows stored for every key (``values[i]`` of key ``i``; None: no windows)."""
+        packed: list[tuple[int, bytes]] = []
         tables = []
+        layout = None
         for i, v in enumerate(values):
-            if v:
+            if not v:
+                continue
+            if isinstance(v, tuple) and (layout is None or v[0] == layout):
+                layout = v[0]
+                packed.append((i, v[1]))
+            elif isinstance(v, tuple):  # another layout (not written by one operator)
+                tables.append(_unpack(_dtype_of(v[0]), [(i, v[1])]))
+            else:
                 n = len(v["start"])
                 tables.append(
                     WindowTable(
                         np.full(n, i, np.int64), v["start"], v["end"], v["fired"], v["parts"]
                     )
                 )
+        if packed:
+            assert layout is not None
+            tables.append(_unpack(_dtype_of(layout), packed))
         return WindowTable.concat(tables)
 
     def to_state(self, n_keys: int) -> list[Any]:
-        """Per key its windows as a storable dict, or None when it has none left."""
+        """Per key its windows as a storable value, or None when it has none left."""
         out: list[Any] = [None] * n_keys
         if not len(self):
             return out
         order = np.argsort(self.key, kind="stable")
         t = self.take(order)
         bounds = np.flatnonzero(np.r_[True, t.key[1:] != t.key[:-1], True])
-        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-            out[int(t.key[a])] = {
+        keys = t.key[bounds[:-1]].tolist()
+        if all(v.dtype != object for v in t.parts.values()):
+            layout, dtype = _layout_of(t)
+            rec = np.empty(len(t), dtype)
+            rec["start"], rec["end"], rec["fired"] = t.start, t.end, t.fired
+            for name, v in t.parts.items():
+                rec["p." + name] = v
+            raw = rec.tobytes()
+            size = dtype.itemsize
+            for k, a, b in zip(keys, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+                out[k] = (layout, raw[a * size : b * size])
+            return out
+        for k, a, b in zip(keys, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            out[k] = {
                 "start": t.start[a:b].copy(),
                 "end": t.end[a:b].copy(),
                 "fired": t.fired[a:b].copy(),
-                "parts": {k: v[a:b].copy() for k, v in t.parts.items()},
+                "parts": {name: v[a:b].copy() for name, v in t.parts.items()},
             }
         return out
+
+
+_LAYOUTS: dict[str, np.dtype] = {}
+
+
+def _layout_of(t: WindowTable) -> tuple[str, np.dtype]:
+    fields = [("start", "<i8"), ("end", "<i8"), ("fired", "|b1")]
+    fields += [("p." + name, v.dtype.str) for name, v in t.parts.items()]
+    layout = json.dumps(fields, separators=(",", ":"))
+    if layout not in _LAYOUTS:
+        _LAYOUTS[layout] = np.dtype(fields)
+    return layout, _LAYOUTS[layout]
+
+
+def _dtype_of(layout: str) -> np.dtype:
+    got = _LAYOUTS.get(layout)
+    if got is None:
+        got = np.dtype([tuple(f) for f in json.loads(layout)])
+        _LAYOUTS[layout] = got
+    return got
+
+
+def _unpack(dtype: np.dtype, packed: list[tuple[int, bytes]]) -> WindowTable:
+    rec = np.frombuffer(b"".join(raw for _, raw in packed), dtype)
+    counts = np.fromiter((len(raw) // dtype.itemsize for _, raw in packed), np.int64, len(packed))
+    key = np.repeat(np.fromiter((i for i, _ in packed), np.int64, len(packed)), counts)
+    parts = {n[2:]: rec[n].copy() for n in dtype.names if n.startswith("p.")}
+    return WindowTable(key, rec["start"].copy(), rec["end"].copy(), rec["fired"].copy(), parts)
 
 
 def _concat_parts(arrays: list[np.ndarray]) -> np.ndarray:
