@@ -108,16 +108,22 @@ _SIGNATURES = {
     "filter": "fn(record: dict) -> bool",
     "flat_map": "fn(record: dict) -> iterable of dicts",
     "map_batches": "fn(batch: pyarrow.RecordBatch) -> pyarrow.RecordBatch",
-    "keyed": "fn(key, records, state) with state=..., fn(key, records) without",
+    "keyed": (
+        "fn(key, records, state) with state=..., fn(key, records) without, and a last "
+        "argument timers with on_timer="
+    ),
     "keyed_batches": "fn(batch, state) with state=..., fn(batch) without",
 }
 
 
-def _check_arity(kind: str, fn: Callable[..., Any], name: str, has_state: bool) -> None:
+def _check_arity(
+    kind: str, fn: Callable[..., Any], name: str, has_state: bool, timed: bool = False
+) -> None:
     if not callable(fn):
         msg = f"@rs.{kind} needs a function, got {type(fn).__name__}: {fn!r}"
         raise DataflowDefinitionError(msg)
     want = {"keyed": 3 if has_state else 2, "keyed_batches": 2 if has_state else 1}.get(kind, 1)
+    want += kind == "keyed" and timed  # the per-key form gets the key's timers last
     required, maximum = _positional_arity(fn)
     if required > want or (maximum is not None and maximum < want):
         got = f"{required}" if maximum == required else f"{required}..{maximum or 'any'}"
@@ -143,7 +149,7 @@ def _decorator(kind: str) -> Callable[..., Any]:
                 msg = f"step {step_name!r}: only @rs.keyed and @rs.keyed_batches take state="
                 raise DataflowDefinitionError(msg)
             specs = check_state_specs(state, step_name) if kind in _KEYED else {}
-            _check_arity(kind, f, step_name, bool(specs))
+            _check_arity(kind, f, step_name, bool(specs), on_timer is not None)
             if on_timer is not None:
                 _check_on_timer(kind, on_timer, step_name, bool(specs))
             return Operator(kind, f, step_name, specs, parallelism, on_timer)
@@ -156,15 +162,21 @@ def _decorator(kind: str) -> Callable[..., Any]:
 
 
 def _check_on_timer(kind: str, fn: Any, name: str, has_state: bool) -> None:
-    if kind != "keyed_batches":
-        msg = f"step {name!r}: on_timer= is taken by @rs.keyed_batches only, not @rs.{kind}"
+    """``on_timer``: ``fn(timers: rs.FiredTimers[, state])`` for @rs.keyed_batches,
+    ``fn(key, timestamp[, state], timers)`` (yielding rows) for @rs.keyed."""
+    if kind not in _KEYED:
+        msg = f"step {name!r}: on_timer= is for @rs.keyed_batches and @rs.keyed, not @rs.{kind}"
         raise DataflowDefinitionError(msg)
-    want = 2 if has_state else 1
+    if kind == "keyed_batches":
+        want = 2 if has_state else 1
+        form = f"fn(timers: rs.FiredTimers{', state' * has_state})"
+    else:
+        want = 4 if has_state else 3
+        form = f"fn(key, timestamp{', state' * has_state}, timers)"
     required, maximum = _positional_arity(fn) if callable(fn) else (-1, -1)
     if required < 0 or required > want or (maximum is not None and maximum < want):
         msg = (
-            f"step {name!r}: on_timer must be fn(timers: rs.FiredTimers{', state' * has_state}) "
-            f"({want} positional argument(s)), got {fn!r}"
+            f"step {name!r}: on_timer must be {form} ({want} positional argument(s)), got {fn!r}"
         )
         raise DataflowDefinitionError(msg)
 

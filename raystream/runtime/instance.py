@@ -330,6 +330,7 @@ class OperatorInstance:
         snap["inputs"] = len(self.inputs)
         snap["eos"] = len(self._eos)
         snap["barriers_open"] = {e: len(v) for e, v in self._barrier_seen.items()}
+        snap["watermark_ms"] = self._wm_sent if self._wm_sent > WATERMARK_MIN else None
         return snap
 
     # ---- the loop -------------------------------------------------------------------------
@@ -671,15 +672,15 @@ class OperatorInstance:
 
     # ---- event time -----------------------------------------------------------------------
     async def _on_watermark(self, watermark: int | None) -> None:
-        """This instance's watermark advanced (or not: None): fire due timers, forward it."""
-        if watermark is None:
-            if self.watermarks.all_idle:
-                await self._send_watermark(Watermark(self._wm_sent, idle=True))
-            return
-        if isinstance(self.processor, KeyedProcessor):
-            with self.metrics.busy():
-                await self._emit(self.processor.on_watermark(watermark))
-        await self._send_watermark(Watermark(watermark))
+        """This instance's watermark advanced (or not: None): fire due timers, forward it; once
+        every input is idle, tell the receivers this instance is idle too."""
+        if watermark is not None:
+            if isinstance(self.processor, KeyedProcessor):
+                with self.metrics.busy():
+                    await self._emit(self.processor.on_watermark(watermark))
+            await self._send_watermark(Watermark(watermark))
+        if self.watermarks.all_idle:
+            await self._send_watermark(Watermark(self._wm_sent, idle=True))
 
     async def _send_watermark(self, wm: Watermark) -> None:
         """Forward on every output, after the rows before it; never backwards."""

@@ -8,6 +8,7 @@ output lacks them; keyed operators give each output the oldest ``ingest_ts`` and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from raystream.runtime.timers import (
     MAX_FIRING_ROUNDS,
     PROCESSING_TIMERS,
     FiredTimers,
+    KeyTimers,
     TimerRegistrar,
     TimerService,
     rounds,
@@ -385,6 +387,9 @@ class KeyedProcessor:
                     domain,
                     TimerRegistrar(self.timers, keyset, self.step.name),
                 )
+                if self.step.kind == "keyed":
+                    outs.extend(self._per_key_timers(fired))
+                    continue
                 out = fn(fired, self.states.vectorised()) if self.step.state else fn(fired)
                 outs.extend(_to_batches(out, self.step.name))
         msg = (
@@ -395,21 +400,46 @@ class KeyedProcessor:
         raise StateError(msg)
 
     def _per_key(self, kb: KeyedBatch) -> list[pa.RecordBatch]:
-        fn = self.step.fn
-        has_state = bool(self.step.state)
-        preloaded = self.states.preload(kb.keys) if has_state else {}
-        keys = kb.keys.keys.to_pylist()
-        rows: list[dict[str, Any]] = []
-        col = self.key_column
         names = kb.records.schema.names
         ingest = kb.reduce(INGEST_TS, "min").tolist() if INGEST_TS in names else None
         event = kb.reduce(EVENT_TIME, "max").tolist() if EVENT_TIME in names else None
+        return self._per_key_calls(
+            self.step.fn, kb.keys, kb.records_of, kb.timers, kb.watermark, ingest, event
+        )
+
+    def _per_key_timers(self, fired: FiredTimers) -> list[pa.RecordBatch]:
+        """on_timer of the per-key form: ``fn(key, timestamp[, state], timers)`` per timer."""
+        ts = fired.timestamps.tolist()
+        now = [time.time_ns()] * len(ts)
+        fn, keyset, timers, wm = self.step.on_timer, fired.keyset, fired.timers, fired.watermark
+        return self._per_key_calls(fn, keyset, ts.__getitem__, timers, wm, now, ts)
+
+    def _per_key_calls(
+        self,
+        fn: Any,
+        keyset: KeySet,
+        second: Any,
+        timers: TimerRegistrar | None,
+        watermark: int,
+        ingest: list[int] | None,
+        event: list[int] | None,
+    ) -> list[pa.RecordBatch]:
+        """Call ``fn(key, second(i)[, state][, timers])`` per key, state loaded and written back
+        in one go; each yielded row gets the key and, unless set, ``ingest``/``event`` times."""
+        has_state = bool(self.step.state)
+        timed = self.step.on_timer is not None
+        preloaded = self.states.preload(keyset) if has_state else {}
+        keys = keyset.keys.to_pylist()
+        rows: list[dict[str, Any]] = []
+        col = self.key_column
         for i, key in enumerate(keys):
-            records = kb.records_of(i)
+            args = [key, second(i)]
             if has_state:
-                out = fn(key, records, self.states.handles_for(preloaded, i))
-            else:
-                out = fn(key, records)
+                args.append(self.states.handles_for(preloaded, i))
+            if timed:
+                assert timers is not None
+                args.append(KeyTimers(timers, i, watermark))
+            out = fn(*args)
             for o in out or ():
                 if isinstance(o, tuple) and len(o) == 2:
                     k, v = o
@@ -429,7 +459,7 @@ class KeyedProcessor:
                     o[EVENT_TIME] = event[i]
                 rows.append(o)
         if has_state:
-            self.states.write_back(kb.keys, preloaded)
+            self.states.write_back(keyset, preloaded)
         return _rows_to_batch(rows, self.step.name)
 
     def close(self) -> None:

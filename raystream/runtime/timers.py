@@ -40,6 +40,7 @@ __all__ = [
     "EVENT_TIMERS",
     "PROCESSING_TIMERS",
     "FiredTimers",
+    "KeyTimers",
     "TimerRegistrar",
     "TimerService",
 ]
@@ -377,3 +378,41 @@ class TimerRegistrar:
 
     def delete_processing_at(self, index: Any, ts: Any) -> None:
         self._apply(PROCESSING_TIMERS, index, ts, True)
+
+
+class KeyTimers:
+    """``timers`` of the per-key form (``@rs.keyed(..., on_timer=fire)``): one key's timers.
+
+    Example::
+
+        @rs.keyed(state=rs.ValueState(int, default=0), on_timer=flush)
+        def count(key, records, state, timers):
+            state.value += len(records)
+            timers.register(records.column("event_time")[0].as_py() // 1000 * 1000 + 999)
+            return ()
+
+        def flush(key, timestamp, state, timers):
+            yield {"key": key, "second": timestamp // 1000, "count": state.value}
+            state.value = 0
+    """
+
+    __slots__ = ("_registrar", "_index", "watermark")
+
+    def __init__(self, registrar: TimerRegistrar, index: int, watermark: int) -> None:
+        self._registrar = registrar
+        self._index = np.array([index], np.int64)
+        self.watermark = watermark  # the instance's event-time watermark (int ms)
+
+    def register(self, ts: int) -> None:
+        """An event-time timer for this key at ``ts`` (ms)."""
+        self._registrar.register_at(self._index, int(ts))
+
+    def delete(self, ts: int) -> None:
+        self._registrar.delete_at(self._index, int(ts))
+
+    def register_processing(self, ts: int) -> None:
+        """A processing-time timer for this key at wall-clock ``ts`` (ms since the epoch)."""
+        self._registrar.register_processing_at(self._index, int(ts))
+
+    def delete_processing(self, ts: int) -> None:
+        self._registrar.delete_processing_at(self._index, int(ts))

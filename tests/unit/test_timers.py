@@ -270,8 +270,6 @@ def test_timers_need_on_timer_and_int_timestamps(tmp_path: Path) -> None:
         proc.process(pa.record_batch({"k": pa.array([1], pa.int64())}))
     proc.close()
     with pytest.raises(rs.DataflowDefinitionError, match="on_timer"):
-        rs.keyed(on_timer=lambda t: None)(lambda k, r: ())
-    with pytest.raises(rs.DataflowDefinitionError, match="on_timer"):
         rs.keyed_batches(state=rs.ValueState(int), on_timer=lambda t: None)(lambda b, s: None)
 
 
@@ -300,3 +298,53 @@ def test_timers_go_into_snapshots_and_fire_after_a_restore(tmp_path: Path) -> No
         oracle[k] += v
     assert sums == oracle
     proc.close()
+
+
+def flush(key: Any, timestamp: int, state: Any, timers: Any) -> Any:
+    counts = state.value
+    yield {"second_end": timestamp + 1, "count": counts.pop(timestamp), "wm": timers.watermark}
+    state.value = counts
+
+
+@rs.keyed(state=rs.ValueState(object, default={}), on_timer=flush)
+def count_per_second(key: Any, records: pa.RecordBatch, state: Any, timers: Any) -> Any:
+    """Per key: records per event-time second, emitted when the watermark passes the second."""
+    counts = state.value
+    for t in records.column("event_time").to_pylist():
+        end = t // 1000 * 1000 + 999
+        timers.register(end)
+        counts[end] = counts.get(end, 0) + 1
+    state.value = counts
+    return ()
+
+
+def test_per_key_form_timers_against_an_oracle(tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    n = 3000
+    et = np.sort(rng.integers(0, 20_000, n))
+    events = pa.table({"k": rng.integers(0, 7, n), "event_time": et})
+    proc = _processor(tmp_path, count_per_second, "cps")
+    outs: list[pa.RecordBatch] = []
+    for b in events.to_batches(max_chunksize=100):
+        outs += proc.process(b)
+        outs += proc.on_watermark(int(b.column("event_time").to_numpy().max()) - 1)
+    outs += proc.on_watermark(WATERMARK_MAX)
+    out = pa.Table.from_batches(outs)
+    got = dict(
+        zip(
+            zip(out["k"].to_pylist(), out["second_end"].to_pylist(), strict=True),
+            out["count"].to_pylist(),
+            strict=True,
+        )
+    )
+    expected: dict[tuple[int, int], int] = defaultdict(int)
+    for k, t in zip(events["k"].to_pylist(), et.tolist(), strict=True):
+        expected[(k, t // 1000 * 1000 + 1000)] += 1
+    assert got == expected
+    assert (out["wm"].to_numpy() >= out["second_end"].to_numpy() - 1).all()
+    assert (out["event_time"].to_numpy() == out["second_end"].to_numpy() - 1).all()
+    proc.close()
+    with pytest.raises(rs.DataflowDefinitionError, match="timers"):
+        rs.keyed(state=rs.ValueState(int), on_timer=flush)(lambda k, r, s: ())
+    with pytest.raises(rs.DataflowDefinitionError, match="on_timer must be"):
+        rs.keyed(on_timer=lambda k, t: ())(lambda k, r, t: ())
