@@ -25,6 +25,7 @@ from raystream.operators._support import (
     store,
     times_ms,
 )
+from raystream.operators.aggregations import Groups
 from raystream.operators.join_logic import Buffers, equal_pairs, joined_rows, range_pairs
 from raystream.operators.window_logic import (
     NO_WATERMARK,
@@ -267,7 +268,9 @@ def window_join(
                 batch.keys,
                 mine.values(len(batch.keys), records, key_index, batch.key_column),
             )
-            register(batch.timers, key_index, start + size - 1)
+            pairs = Groups.by_pairs(key_index, start)  # one timer per (key, window)
+            first = pairs.first()
+            register(batch.timers, key_index[first], start[first] + size - 1)
         late_out = None
         if late_rows is not None:
             ls = tumbling_starts(times_ms(late_rows, time_column, where), size, offset)

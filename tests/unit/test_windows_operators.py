@@ -275,3 +275,31 @@ def test_top_n_on_the_processor_vs_sorted_prefixes(tmp_path: Path) -> None:
         }
         assert current == expected
     proc.close()
+
+
+@pytest.mark.parametrize("kind", ["window", "all"])
+def test_window_and_regular_join_on_the_processor_vs_nested_loops(tmp_path: Path, kind) -> None:
+    n = 1200
+    table = _events(14, n, keys=15)
+    rng = np.random.default_rng(9)
+    inputs = np.repeat(rng.integers(0, 2, n // 8), 8)
+    op = joins.window_join(100) if kind == "window" else joins.join()
+    proc = _processor(tmp_path, op, two_inputs=True)
+    outs, _ = _run(proc, table, seed=5, delay=250, inputs=inputs)
+    out = _main(outs)
+    got = sorted(zip(out["id_left"].to_pylist(), out["id_right"].to_pylist(), strict=True))
+    rows = table.to_pylist()
+    left = [r for r, s in zip(rows, inputs, strict=True) if s == 0]
+    right = [r for r, s in zip(rows, inputs, strict=True) if s == 1]
+    exp = sorted(
+        (a["id"], b["id"])
+        for a in left
+        for b in right
+        if a["k"] == b["k"] and (kind == "all" or a["event_time"] // 100 == b["event_time"] // 100)
+    )
+    assert exp and got == exp
+    if kind == "window":
+        assert (out["window_start"].to_numpy() // 100 * 100 == out["window_start"].to_numpy()).all()
+        for side in ("left", "right"):
+            assert not list(proc.states.iter_values(side, "str")), f"{side} buffers not cleaned"
+    proc.close()
