@@ -115,3 +115,8 @@ __all__ += [
     "spark",
     "start",
 ]
+
+# last: the built-in operators are written against the public API above
+from raystream import operators  # noqa: E402
+
+__all__ += ["operators"]
