@@ -29,6 +29,7 @@ rules and distributions, not the same values. Deterministic for a given seed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -321,7 +322,6 @@ def _extra(
     """The reference's ``nextExtra``: pad to ``average`` bytes +- 20 %, a slice of one random
     string (empty when the event is already larger than ``average``)."""
     current_size = np.asarray(current_size, dtype=np.int64)
-    n = len(current_size)
     desired = average - current_size
     delta = np.floor(desired * 0.2 + 0.5).astype(np.int64)
     minimum = desired - delta
@@ -554,10 +554,8 @@ def write_parquet(
         return paths
     except BaseException:
         for w in writers.values():
-            try:
+            with contextlib.suppress(Exception):  # already failing; remove the parts
                 w.close()
-            except Exception:  # noqa: BLE001, S110 - already failing; remove the parts
-                pass
         for p in tmp.values():
             p.unlink(missing_ok=True)
         raise
