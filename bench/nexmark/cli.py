@@ -21,7 +21,6 @@ DuckDB oracle (the whole result is then collected in memory).
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile

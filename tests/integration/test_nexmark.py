@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import importlib
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-import raystream as rs
 
 REPO = Path(__file__).resolve().parents[2]
 
