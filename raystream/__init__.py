@@ -64,6 +64,7 @@ __all__ = [
 
 from raystream import sinks, sources, spark  # noqa: E402
 from raystream.dataflow import (  # noqa: E402
+    ConnectedStreams,
     Dataflow,
     Operator,
     Stream,
@@ -77,11 +78,15 @@ from raystream.dataflow import (  # noqa: E402
 from raystream.job import Job, JobResult, attach, run, start  # noqa: E402
 from raystream.runtime.instance import RuntimeConfig  # noqa: E402
 from raystream.runtime.processors import KeyedBatch  # noqa: E402
+from raystream.runtime.timers import FiredTimers  # noqa: E402
+from raystream.runtime.messages import Watermark  # noqa: E402
 from raystream.state.handles import KeySet  # noqa: E402
 from raystream.state.spec import ListState, MapState, ValueState  # noqa: E402
 
 __all__ += [
+    "ConnectedStreams",
     "Dataflow",
+    "FiredTimers",
     "Job",
     "JobResult",
     "KeySet",
@@ -92,6 +97,7 @@ __all__ += [
     "RuntimeConfig",
     "Stream",
     "ValueState",
+    "Watermark",
     "attach",
     "filter",
     "flat_map",

@@ -24,6 +24,13 @@ Operator forms:
 * ``@rs.map_batches``   fn(batch: pa.RecordBatch) -> pa.RecordBatch | None   (vectorised)
 * ``@rs.keyed``         fn(key, records: pa.RecordBatch, state) -> iterable of dicts / (key, value)
 * ``@rs.keyed_batches`` fn(batch: rs.KeyedBatch, state) -> pa.RecordBatch | None (vectorised)
+
+Event time and several inputs::
+
+    events = flow.source(src, event_time="ts", max_out_of_orderness_ms=500)  # watermarks
+    both = events.union(more_events)                        # same schema, one stream
+    joined = clicks.key_by("user").connect(views.key_by("user")).apply(join_op)  # batch.input
+    @rs.keyed_batches(state=rs.ValueState(int, default=0), on_timer=fire)  # timers
 """
 
 from __future__ import annotations
@@ -38,9 +45,11 @@ import pyarrow as pa
 
 from raystream.errors import DataflowDefinitionError
 from raystream.keys import KeySpace
+from raystream.runtime.watermarks import EventTimeSpec
 from raystream.state.spec import StateSpec, check_state_specs
 
 __all__ = [
+    "ConnectedStreams",
     "Dataflow",
     "KeySpec",
     "Operator",
@@ -68,6 +77,7 @@ class Operator:
     name: str
     state: dict[str, StateSpec] = field(default_factory=dict)
     parallelism: int | None = None
+    on_timer: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calling the operator calls the function itself (handy in unit tests)."""
@@ -125,6 +135,7 @@ def _decorator(kind: str) -> Callable[..., Any]:
         name: str | None = None,
         state: Any = None,
         parallelism: int | None = None,
+        on_timer: Callable[..., Any] | None = None,
     ) -> Any:
         def wrap(f: Callable[..., Any]) -> Operator:
             step_name = name or getattr(f, "__name__", kind)
@@ -133,13 +144,29 @@ def _decorator(kind: str) -> Callable[..., Any]:
                 raise DataflowDefinitionError(msg)
             specs = check_state_specs(state, step_name) if kind in _KEYED else {}
             _check_arity(kind, f, step_name, bool(specs))
-            return Operator(kind, f, step_name, specs, parallelism)
+            if on_timer is not None:
+                _check_on_timer(kind, on_timer, step_name, bool(specs))
+            return Operator(kind, f, step_name, specs, parallelism, on_timer)
 
         return wrap(fn) if fn is not None else wrap
 
     decorate.__name__ = kind
     decorate.__doc__ = f"Decorate ``{_SIGNATURES[kind]}`` into a ``{kind}`` operator."
     return decorate
+
+
+def _check_on_timer(kind: str, fn: Any, name: str, has_state: bool) -> None:
+    if kind != "keyed_batches":
+        msg = f"step {name!r}: on_timer= is taken by @rs.keyed_batches only, not @rs.{kind}"
+        raise DataflowDefinitionError(msg)
+    want = 2 if has_state else 1
+    required, maximum = _positional_arity(fn) if callable(fn) else (-1, -1)
+    if required < 0 or required > want or (maximum is not None and maximum < want):
+        msg = (
+            f"step {name!r}: on_timer must be fn(timers: rs.FiredTimers{', state' * has_state}) "
+            f"({want} positional argument(s)), got {fn!r}"
+        )
+        raise DataflowDefinitionError(msg)
 
 
 map = _decorator("map")  # noqa: A001 - the domain's word
@@ -175,26 +202,131 @@ class Step:
     key: KeySpec | None = None  # for keyed steps: how the input is keyed
     state: dict[str, StateSpec] = field(default_factory=dict)
     parallelism: int | None = None
+    on_timer: Callable[..., Any] | None = None  # keyed_batches: fn(timers, state)
+    event_time: EventTimeSpec | None = None  # sources: event-time column and watermarks
+    inputs: tuple[int, ...] = ()  # two-input keyed steps: input index of each upstream step
+    keys: tuple[KeySpec, ...] = ()  # two-input keyed steps: how each input is keyed
 
     @property
     def is_keyed(self) -> bool:
         return self.kind in _KEYED
+
+    @property
+    def input_keys(self) -> tuple[KeySpec, ...]:
+        """How each input is keyed (one entry, ``key``, for a single-input keyed step)."""
+        if self.keys:
+            return self.keys
+        return (self.key,) if self.key is not None else ()
+
+    def input_of(self, upstream: str) -> int:
+        """Which input (0 or 1) the records of step ``upstream`` are."""
+        if not self.inputs:
+            return 0
+        return self.inputs[self.upstream.index(upstream)]
+
+    def key_for(self, upstream: str) -> KeySpec | None:
+        """How the records from step ``upstream`` are keyed on their way into this step."""
+        keys = self.input_keys
+        return keys[self.input_of(upstream)] if keys else None
 
 
 class Stream:
     """A stream of Arrow record batches out of one step; optionally keyed."""
 
     def __init__(
-        self, flow: Dataflow, step: str, schema: pa.Schema | None, key: KeySpec | None = None
+        self,
+        flow: Dataflow,
+        step: str,
+        schema: pa.Schema | None,
+        key: KeySpec | None = None,
+        upstream: tuple[str, ...] = (),
     ) -> None:
         self._flow = flow
         self.step = step
         self.schema = schema
         self.key = key
+        self.upstream = upstream or (step,)  # the steps whose outputs make this stream
 
     def __repr__(self) -> str:
         keyed_by = f", keyed by {self.key.column or 'a function'}" if self.key else ""
         return f"Stream(from {self.step!r}{keyed_by})"
+
+    def _with(self, schema: pa.Schema | None, key: KeySpec | None) -> Stream:
+        return Stream(self._flow, self.step, schema, key, self.upstream)
+
+    # ---- several inputs -------------------------------------------------------------------
+    def union(self, *others: Stream) -> Stream:
+        """One stream of the records of this stream and ``others`` (same schema, any order
+        between them). Example::
+
+            both = flow.source(a, name="a").union(flow.source(b, name="b"))
+            both.key_by("key").apply(count).sink(rs.sinks.collect())
+        """
+        streams = (self, *others)
+        upstream: list[str] = []
+        for st in streams:
+            if not isinstance(st, Stream) or st._flow is not self._flow:
+                msg = f"union() takes streams of the same Dataflow, got {st!r}"
+                raise DataflowDefinitionError(msg)
+            if st.key is not None:
+                msg = f"union(): {st!r} is keyed; union the streams first, then key_by"
+                raise DataflowDefinitionError(msg)
+            for up in st.upstream:
+                if up in upstream:
+                    msg = f"union(): step {up!r} is in the union twice; each stream once"
+                    raise DataflowDefinitionError(msg)
+                upstream.append(up)
+        known = [st for st in streams if st.schema is not None]
+        for st in known[1:]:
+            diff = _schema_diff(known[0].schema, st.schema)  # type: ignore[arg-type]
+            if diff:
+                msg = (
+                    f"union(): streams from {known[0].step!r} and {st.step!r} must have the same "
+                    f"schema; {diff}. Select or cast columns with map_batches first."
+                )
+                raise DataflowDefinitionError(msg)
+        schema = known[0].schema if len(known) == len(streams) else None
+        name = "union(" + ", ".join(upstream) + ")"
+        return Stream(self._flow, name, schema, None, tuple(upstream))
+
+    def connect(self, other: Stream) -> ConnectedStreams:
+        """Two keyed streams into one keyed step with shared state: ``.apply(op)`` adds it.
+
+        The keys of both sides must be of one type; in ``op`` a batch holds records of one side
+        only, ``batch.input`` says which (0: this stream, 1: ``other``). Example::
+
+            @rs.keyed_batches(state=rs.ValueState(int, default=0))
+            def balance(batch, state):
+                sign = 1 if batch.input == 0 else -1
+                new = state.get(batch.keys) + sign * batch.reduce("amount", "sum")
+                state.put(batch.keys, new)
+                return batch.output({"balance": new})
+
+            deposits.key_by("account").connect(withdrawals.key_by("account")).apply(balance)
+        """
+        if not isinstance(other, Stream) or other._flow is not self._flow:
+            msg = f"connect() takes a stream of the same Dataflow, got {other!r}"
+            raise DataflowDefinitionError(msg)
+        if self.key is None or other.key is None:
+            side = "this stream" if self.key is None else "the other stream"
+            msg = f"connect(): {side} is not keyed; call .key_by(...) on both sides first"
+            raise DataflowDefinitionError(msg)
+        shared = set(self.upstream) & set(other.upstream)
+        if shared:
+            msg = (
+                f"connect(): step(s) {sorted(shared)} feed both sides; put a map step on one "
+                "side so each input comes from its own steps"
+            )
+            raise DataflowDefinitionError(msg)
+        a = _key_type(self)
+        b = _key_type(other)
+        if a is not None and b is not None and _key_family(a) != _key_family(b):
+            msg = (
+                f"connect(): the keys must have one type, but {self.key.column!r} is {a} and "
+                f"{other.key.column!r} is {b}; cast one side with map_batches first"
+            )
+            raise DataflowDefinitionError(msg)
+        return ConnectedStreams(self, other)
 
     # ---- keying ---------------------------------------------------------------------------
     def key_by(self, key: str | Callable[..., Any], *, per_record: bool = False) -> Stream:
@@ -207,7 +339,7 @@ class Stream:
                     f"has columns {self.schema.names}"
                 )
                 raise DataflowDefinitionError(msg)
-            return Stream(self._flow, self.step, self.schema, KeySpec(column=key))
+            return self._with(self.schema, KeySpec(column=key))
         if callable(key):
             required, maximum = _positional_arity(key)
             if required > 1 or maximum == 0:
@@ -216,9 +348,7 @@ class Stream:
                     f"RecordBatch, or a record with per_record=True), got {key!r}"
                 )
                 raise DataflowDefinitionError(msg)
-            return Stream(
-                self._flow, self.step, self.schema, KeySpec(fn=key, per_record=per_record)
-            )
+            return self._with(self.schema, KeySpec(fn=key, per_record=per_record))
         msg = f"key_by expects a column name or a function, got {type(key).__name__}: {key!r}"
         raise DataflowDefinitionError(msg)
 
@@ -244,10 +374,11 @@ class Stream:
             name=step_name,
             kind=op.kind,
             fn=op.fn,
-            upstream=(self.step,),
+            upstream=self.upstream,
             key=self.key if op.kind in _KEYED else None,
             state=op.state,
             parallelism=parallelism if parallelism is not None else op.parallelism,
+            on_timer=op.on_timer,
         )
         self._flow._add(step)
         schema = self.schema if op.kind == "filter" else None
@@ -271,7 +402,89 @@ class Stream:
             msg = f"sink() expects a sink such as rs.sinks.collect(), got {type(sink).__name__}: {sink!r}"
             raise DataflowDefinitionError(msg)
         step_name = name or f"sink_{sum(1 for s in self._flow.steps.values() if s.kind == 'sink')}"
-        self._flow._add(Step(step_name, "sink", sink, (self.step,), parallelism=parallelism or 1))
+        self._flow._add(Step(step_name, "sink", sink, self.upstream, parallelism=parallelism or 1))
+
+
+class ConnectedStreams:
+    """Two keyed streams, made by ``a.key_by(...).connect(b.key_by(...))``."""
+
+    def __init__(self, first: Stream, second: Stream) -> None:
+        self.first = first
+        self.second = second
+
+    def __repr__(self) -> str:
+        return f"ConnectedStreams({self.first!r}, {self.second!r})"
+
+    def apply(
+        self, op: Operator, *, name: str | None = None, parallelism: int | None = None
+    ) -> Stream:
+        """Add keyed operator ``op`` with both streams as inputs (``batch.input`` 0 or 1)."""
+        if not isinstance(op, Operator) or op.kind not in _KEYED:
+            msg = (
+                f"ConnectedStreams.apply() expects a keyed operator (@rs.keyed_batches or "
+                f"@rs.keyed), got {op!r}"
+            )
+            raise DataflowDefinitionError(msg)
+        a, b = self.first, self.second
+        assert a.key is not None and b.key is not None
+        step_name = name or op.name
+        step = Step(
+            name=step_name,
+            kind=op.kind,
+            fn=op.fn,
+            upstream=a.upstream + b.upstream,
+            key=a.key,
+            state=op.state,
+            parallelism=parallelism if parallelism is not None else op.parallelism,
+            on_timer=op.on_timer,
+            inputs=(0,) * len(a.upstream) + (1,) * len(b.upstream),
+            keys=(a.key, b.key),
+        )
+        a._flow._add(step)
+        return Stream(a._flow, step_name, None)
+
+
+def _key_type(stream: Stream) -> pa.DataType | None:
+    key = stream.key
+    if key is None or key.column is None or stream.schema is None:
+        return None
+    if key.column not in stream.schema.names:
+        return None
+    return stream.schema.field(key.column).type
+
+
+def _key_family(t: pa.DataType) -> str:
+    """Key types that hash alike (ints become int64, strings and large strings one type)."""
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_dictionary(t):
+        return _key_family(t.value_type)
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "string"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "binary"
+    return str(t)
+
+
+def _schema_diff(a: pa.Schema, b: pa.Schema) -> str:
+    """'' if the schemas have the same column names and types, else what differs."""
+    parts = []
+    only_a = [n for n in a.names if n not in b.names]
+    only_b = [n for n in b.names if n not in a.names]
+    if only_a:
+        parts.append(f"only the first has {only_a}")
+    if only_b:
+        parts.append(f"only the second has {only_b}")
+    types = [
+        f"{n}: {a.field(n).type} vs {b.field(n).type}"
+        for n in a.names
+        if n in b.names and a.field(n).type != b.field(n).type
+    ]
+    if types:
+        parts.append(f"types differ ({', '.join(types)})")
+    if not parts and a.names != b.names:
+        parts.append(f"column order differs ({a.names} vs {b.names})")
+    return "; ".join(parts)
 
 
 def _auto(fn: Any, kind: str) -> str:
@@ -305,17 +518,49 @@ class Dataflow:
         return f"Dataflow({self.name!r}, steps={list(self.steps)})"
 
     def source(
-        self, source: Any, *, name: str = "source", parallelism: int | None = None
+        self,
+        source: Any,
+        *,
+        name: str = "source",
+        parallelism: int | None = None,
+        event_time: str | None = None,
+        max_out_of_orderness_ms: int = 0,
+        watermark_idle_ms: float | None = None,
+        watermark: Callable[[pa.RecordBatch], Any] | None = None,
     ) -> Stream:
-        """Start a stream from a source (``rs.sources.generator(...)``, ``rs.sources.parquet(...)``)."""
+        """Start a stream from a source (``rs.sources.generator(...)``, ``rs.sources.parquet(...)``).
+
+        ``event_time="col"`` (a timestamp or int64 ms column) sets every record's ``event_time``
+        from that column, and the source emits watermarks: the largest event time seen minus
+        ``max_out_of_orderness_ms`` minus 1 (or ``watermark(batch) -> int ms``, if given).
+        After ``watermark_idle_ms`` without rows, the source is idle and does not hold
+        downstream watermarks back. Without ``event_time`` records get their ingest time and
+        the only watermark is the end of input. Example::
+
+            flow.source(rs.sources.parquet("trips"), event_time="dateTime",
+                        max_out_of_orderness_ms=2_000, watermark_idle_ms=5_000)
+        """
         if not (hasattr(source, "open") and callable(source.open)):
             msg = (
                 f"source() expects a source such as rs.sources.parquet(path), got "
                 f"{type(source).__name__}: {source!r}"
             )
             raise DataflowDefinitionError(msg)
-        self._add(Step(name, "source", source, parallelism=parallelism or 1))
         schema = source.schema() if hasattr(source, "schema") else None
+        spec = None
+        if event_time is not None:
+            if not isinstance(event_time, str):
+                msg = f"event_time= expects a column name, got {event_time!r}"
+                raise DataflowDefinitionError(msg)
+            spec = EventTimeSpec(event_time, max_out_of_orderness_ms, watermark_idle_ms, watermark)
+            spec.check_schema(schema, name)
+        elif watermark is not None or watermark_idle_ms is not None or max_out_of_orderness_ms:
+            msg = (
+                f"source {name!r}: watermark options need event_time='column' (the column that "
+                "holds each record's event time)"
+            )
+            raise DataflowDefinitionError(msg)
+        self._add(Step(name, "source", source, parallelism=parallelism or 1, event_time=spec))
         return Stream(self, name, schema)
 
     def _add(self, step: Step) -> None:

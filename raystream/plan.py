@@ -69,7 +69,7 @@ def physical_plan(
                 step=d.name,
                 parallelism=d.parallelism or 1,
                 partitioning=_partitioning(step, d),
-                key=d.key,
+                key=d.key_for(name),
                 routing=routing.get(d.name),
             )
             for d in downstream[name]

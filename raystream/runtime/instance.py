@@ -23,9 +23,16 @@ from raystream.ingest import IngestBuffer
 from raystream.keys import KeySpace, RoutingTable
 from raystream.metrics import InstanceMetrics, LatencyRecorder
 from raystream.runtime.channels import ByKeyGroup, Forward, Inbox, OutputChannel, Rebalance
-from raystream.runtime.messages import Barrier, ChannelId, EndOfStream
+from raystream.runtime.messages import Barrier, ChannelId, EndOfStream, Watermark
 from raystream.runtime.migration import MigrationEngine, MigrationTask
 from raystream.runtime.processors import EVENT_TIME, INGEST_TS, KeyedProcessor, make_processor
+from raystream.runtime.watermarks import (
+    WATERMARK_MAX,
+    WATERMARK_MIN,
+    SourceWatermarks,
+    WatermarkTracker,
+    event_time_ms,
+)
 from raystream.sources import RateSchedule
 
 __all__ = ["InstanceSpec", "OutputSpec", "OperatorInstance", "RuntimeConfig"]
@@ -134,6 +141,11 @@ class OperatorInstance:
         self.rows_emitted = 0  # sources: rows sent so far (offset in their partition)
         self._pace: tuple[RateSchedule | None, float] = (None, 0.0)  # sources: schedule, start
         self._stop = False
+        # event time: per-input watermarks, the last one forwarded, which input a channel is
+        self.watermarks = WatermarkTracker(spec.inputs)
+        self._wm_sent = WATERMARK_MIN
+        self._idle_sent = False
+        self._input_of = {up: spec.step.input_of(up) for up in spec.step.upstream}
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
@@ -178,6 +190,7 @@ class OperatorInstance:
             self.inbox.reset_channel(ch)
             self.inputs.add(ch)
             self._eos.discard(ch)
+            self.watermarks.add(ch)
 
     def prepare_migration(self, task: MigrationTask, fetcher: Any) -> None:
         engine = self.engine
@@ -264,6 +277,8 @@ class OperatorInstance:
                 part.table = table
                 while len(channels) < table.parallelism:
                     channels.append(self._channel_to((step, len(channels))))
+                    if self._wm_sent > WATERMARK_MIN:  # a new receiver catches up
+                        await channels[-1].push(Watermark(self._wm_sent))
 
     # ---- called by senders and the controller --------------------------------------------
     async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
@@ -379,8 +394,12 @@ class OperatorInstance:
         started_ns = time.time_ns()
         self._pace = (pace, started)
         warm = rate <= 0
+        event_time = self.step.event_time
+        source_wm = SourceWatermarks(event_time) if event_time is not None else None
         while not self._stop:
             await self._emit_pending_barriers()
+            if source_wm is not None and source_wm.check_idle():
+                await self._send_watermark(Watermark(self._wm_sent, idle=True))
             if self.paused:
                 await asyncio.sleep(0.001)
                 continue
@@ -410,8 +429,13 @@ class OperatorInstance:
                     ingest = started_ns + (pace.time_of_row(rows) * 1e9).astype(np.int64)
                 else:
                     ingest = np.full(batch.num_rows, time.time_ns(), np.int64)
-                batch = _stamp(batch, ingest)
+                event_ms = None if event_time is None else event_time_ms(batch, event_time.column)
+                batch = _stamp(batch, ingest, event_ms)
                 await self._emit([batch])
+                if source_wm is not None:
+                    w = source_wm.after_batch(batch, event_ms)  # type: ignore[arg-type]
+                    if w is not None:
+                        await self._send_watermark(Watermark(w))
             self.rows_emitted += batch.num_rows
             await self._flush_due()
             if not warm:
@@ -460,18 +484,28 @@ class OperatorInstance:
             if got is not None:
                 channel, item = got
                 if isinstance(item, pa.RecordBatch):
-                    await self._on_batch(item)
+                    self.watermarks.on_records(channel)
+                    await self._on_batch(item, channel)
                 elif isinstance(item, Barrier):
                     await self._on_barrier(channel, item)
+                elif isinstance(item, Watermark):
+                    w = self.watermarks.on_watermark(channel, item.timestamp_ms, item.idle)
+                    await self._on_watermark(w)
                 elif isinstance(item, EndOfStream):
                     self._eos.add(channel)
+                    w = self.watermarks.on_end(channel)
                     await self._complete_barriers()
                     if self._eos >= self.inputs:
                         break
+                    await self._on_watermark(w)
+            await self._fire_processing_timers()
             await self._flush_due()
             await asyncio.sleep(0)
         if engine is not None:
             await self._settle(engine)
+        if isinstance(self.processor, KeyedProcessor):  # end of input: every timer fires
+            with self.metrics.busy():
+                await self._emit(self.processor.on_watermark(WATERMARK_MAX))
         await self._finish_outputs()
         if self.processor is not None:
             self.processor.close()
@@ -488,6 +522,8 @@ class OperatorInstance:
             with self.metrics.busy():
                 for piece in released:
                     await self._emit(self.processor.process(piece, count=False))
+                if self.watermarks.current > WATERMARK_MIN:  # due timers of arrived sub-groups
+                    await self._emit(self.processor.on_watermark(self.watermarks.current))
         task = engine.task
         if task is not None and engine.migrating and engine.over_limit:
             for ch in self._barrier_seen.get(task.epoch, set()):
@@ -505,8 +541,10 @@ class OperatorInstance:
             await asyncio.sleep(0.002)
         await self._run_released(engine)
 
-    async def _on_batch(self, batch: pa.RecordBatch) -> None:
+    async def _on_batch(self, batch: pa.RecordBatch, channel: ChannelId = ("", 0)) -> None:
         m = self.metrics
+        keyed = isinstance(self.processor, KeyedProcessor)
+        kw = {"input": self._input_of.get(channel[0], 0)} if keyed else {}
         with m.busy():
             if self.role == "sink":
                 now = time.time_ns()
@@ -521,12 +559,12 @@ class OperatorInstance:
                 # processed as a smaller batch would be; order within the batch is kept)
                 for start in range(0, batch.num_rows, SERVE_SLICE_ROWS):
                     piece = batch.slice(start, SERVE_SLICE_ROWS)
-                    outs = self.processor.process(piece)
+                    outs = self.processor.process(piece, **kw)
                     m.record_in(piece.num_rows)
                     await self._emit(outs)
                     await asyncio.sleep(0)
             else:
-                outs = self.processor.process(batch)
+                outs = self.processor.process(batch, **kw)
                 m.record_in(batch.num_rows)
                 await self._emit(outs)
 
@@ -610,6 +648,7 @@ class OperatorInstance:
         for b in batches:
             if b.num_rows == 0:
                 continue
+            self._idle_sent = False  # rows make this sender active again downstream
             self.metrics.record_out(b.num_rows)
             for part, channels in self.outputs:
                 for receiver, piece in part.split(b):
@@ -619,7 +658,47 @@ class OperatorInstance:
         deadlines = [
             c.deadline for _, chans in self.outputs for c in chans if c.deadline is not None
         ]
+        if isinstance(self.processor, KeyedProcessor):
+            due_ms = self.processor.next_processing_ms()
+            if due_ms is not None:  # wall-clock ms -> monotonic s
+                deadlines.append(time.monotonic() + (due_ms - time.time() * 1000) / 1000)
         return min(deadlines) if deadlines else None
+
+    # ---- event time -----------------------------------------------------------------------
+    async def _on_watermark(self, watermark: int | None) -> None:
+        """This instance's watermark advanced (or not: None): fire due timers, forward it."""
+        if watermark is None:
+            if self.watermarks.all_idle:
+                await self._send_watermark(Watermark(self._wm_sent, idle=True))
+            return
+        if isinstance(self.processor, KeyedProcessor):
+            with self.metrics.busy():
+                await self._emit(self.processor.on_watermark(watermark))
+        await self._send_watermark(Watermark(watermark))
+
+    async def _send_watermark(self, wm: Watermark) -> None:
+        """Forward on every output, after the rows before it; never backwards."""
+        if wm.idle:
+            if self._idle_sent:
+                return
+        elif wm.timestamp_ms <= self._wm_sent:
+            return
+        else:
+            self._wm_sent = wm.timestamp_ms
+        self._idle_sent = wm.idle
+        for _, channels in self.outputs:
+            for c in channels:
+                await c.flush()
+                await c.push(wm)
+
+    async def _fire_processing_timers(self) -> None:
+        proc = self.processor
+        if isinstance(proc, KeyedProcessor) and proc.step.on_timer is not None:
+            due = proc.next_processing_ms()
+            now_ms = int(time.time() * 1000)
+            if due is not None and due <= now_ms:
+                with self.metrics.busy():
+                    await self._emit(proc.fire_processing(now_ms))
 
     async def _flush_due(self) -> None:
         now = time.monotonic()
@@ -630,6 +709,7 @@ class OperatorInstance:
                     await c.flush()
 
     async def _finish_outputs(self) -> None:
+        await self._send_watermark(Watermark(WATERMARK_MAX))  # end of input, before EndOfStream
         for _, channels in self.outputs:
             for c in channels:
                 await c.flush()
@@ -647,10 +727,20 @@ def _bind(sender: Sender, receiver: ChannelId, me: ChannelId) -> Callable[[Any],
     return send
 
 
-def _stamp(batch: pa.RecordBatch, ingest_ns: np.ndarray) -> pa.RecordBatch:
-    """Give every record an ingest timestamp (ns) and, if it has none, an event time (ms)."""
+def _stamp(
+    batch: pa.RecordBatch, ingest_ns: np.ndarray, event_ms: np.ndarray | None = None
+) -> pa.RecordBatch:
+    """Give every record an ingest timestamp (ns) and an event time (ms): from the source's
+    event-time column (``event_ms``), else kept if there, else the ingest time."""
     names = batch.schema.names
-    if EVENT_TIME not in names:
+    if event_ms is not None:
+        col = pa.array(event_ms, pa.int64())
+        if EVENT_TIME in names:
+            batch = batch.set_column(names.index(EVENT_TIME), EVENT_TIME, col)
+        else:
+            batch = batch.append_column(EVENT_TIME, col)
+        names = batch.schema.names
+    elif EVENT_TIME not in names:
         batch = batch.append_column(EVENT_TIME, pa.array(ingest_ns // 1_000_000))
     ingest = pa.array(ingest_ns)
     if INGEST_TS in names:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Barrier", "ChannelId", "EndOfStream"]
+__all__ = ["Barrier", "ChannelId", "EndOfStream", "Watermark"]
 
 # A channel is one (sender instance -> receiver instance) edge: ("step", index) of the sender.
 ChannelId = tuple[str, int]
@@ -27,3 +27,16 @@ class Barrier:
 @dataclass(frozen=True)
 class EndOfStream:
     """The sender has no more records for this channel."""
+
+
+@dataclass(frozen=True)
+class Watermark:
+    """The sender will send no more records with ``event_time <= timestamp_ms`` on this channel.
+
+    ``idle=True``: the sender has no input for a while; receivers leave this channel out of their
+    minimum until it sends records or a watermark again. The end of input is
+    ``Watermark(WATERMARK_MAX)`` (:mod:`raystream.runtime.watermarks`) before ``EndOfStream``.
+    """
+
+    timestamp_ms: int
+    idle: bool = False

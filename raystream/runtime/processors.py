@@ -17,10 +17,20 @@ import numpy as np
 import pyarrow as pa
 
 from raystream.dataflow import Step
-from raystream.errors import SchemaError
+from raystream.errors import SchemaError, StateError
 from raystream.keys import KeySpace, key_kind, stable_hash
 from raystream.runtime.channels import materialise_key
 from raystream.runtime.migration import MigrationEngine
+from raystream.runtime.timers import (
+    EVENT_TIMERS,
+    MAX_FIRING_ROUNDS,
+    PROCESSING_TIMERS,
+    FiredTimers,
+    TimerRegistrar,
+    TimerService,
+    rounds,
+)
+from raystream.runtime.watermarks import WATERMARK_MIN
 from raystream.state.handles import KeyedStates, KeySet
 from raystream.state.rocks import RocksStateBackend
 
@@ -29,6 +39,7 @@ __all__ = ["INGEST_TS", "EVENT_TIME", "KeyedBatch", "KeyedProcessor", "make_proc
 INGEST_TS = "ingest_ts"
 EVENT_TIME = "event_time"
 _META = (EVENT_TIME, INGEST_TS)
+INPUT_META = b"raystream.input"  # which input of a two-input step a buffered batch came from
 
 
 def _to_batches(out: Any, step: str) -> list[pa.RecordBatch]:
@@ -122,12 +133,20 @@ class KeyedBatch:
 
     ``records`` is sorted by key (stably, so per-key order is kept); ``keys`` holds the distinct
     keys with their key groups and sub-groups, ready for vectorised state access.
+
+    Event time: ``watermark`` is this instance's current watermark (int ms,
+    ``-(2**63)`` before the first one); ``timers`` sets and deletes timers of these keys
+    (:class:`raystream.runtime.timers.TimerRegistrar`, needs ``on_timer=``). With two inputs
+    (``a.connect(b).apply(op)``), ``input`` says which stream the batch came from (0 or 1).
     """
 
     records: pa.RecordBatch
     keys: KeySet
     offsets: np.ndarray
     key_column: str
+    watermark: int = WATERMARK_MIN
+    timers: TimerRegistrar | None = None
+    input: int = 0
 
     @property
     def counts(self) -> np.ndarray:
@@ -212,6 +231,7 @@ class KeyedProcessor:
         self.step = step
         self.key_space = key_space
         self.key_column = step.key.key_column
+        self.key_specs = step.input_keys
         self.cache_entries = cache_entries
         self.backend = RocksStateBackend(state_path, cache_entries=cache_entries)
         self.states = KeyedStates(self.backend, step.state, key_space)
@@ -219,17 +239,34 @@ class KeyedProcessor:
             self.backend, key_space.num_key_groups, key_space.sub_groups, owned
         )
         self.key_kind: str | None = None
+        self.watermark = WATERMARK_MIN  # set by the instance as its watermark advances
+        self.timers = TimerService(
+            self.backend, key_space, lambda: self.engine.held, self._firing_sub_groups
+        )
 
-    def process(self, batch: pa.RecordBatch, *, count: bool = True) -> list[pa.RecordBatch]:
+    def process(
+        self, batch: pa.RecordBatch, *, count: bool = True, input: int | None = None
+    ) -> list[pa.RecordBatch]:
         """Process the rows whose sub-groups are here; buffer (and fetch) the others.
-        ``count=False`` for buffered records released later (their heat was counted already)."""
-        batch, keys = materialise_key(batch, self.step.key)  # type: ignore[arg-type]
+        ``count=False`` for buffered records released later (their heat was counted already).
+        ``input``: which input of a two-input step (None: as tagged when it was buffered)."""
+        if len(self.key_specs) == 1:
+            input = 0
+        elif input is None:
+            meta = batch.schema.metadata or {}
+            input = int(meta.get(INPUT_META, b"0"))
+        else:  # buffered pieces must remember their input
+            meta = dict(batch.schema.metadata or {})
+            meta[INPUT_META] = str(input).encode()
+            batch = batch.replace_schema_metadata(meta)
+        spec = self.key_specs[input]
+        batch, keys = materialise_key(batch, spec)
         self.key_kind = self.key_kind or key_kind(keys)
         if not self.track:  # migration support off: only check ownership per distinct key
             kb = group_by_key(batch, keys, self.key_space, self.key_column)
             gsg = kb.keys.key_group.astype(np.int64) * self.key_space.sub_groups + kb.keys.sub_group
             self.engine.split(kb.keys.keys, gsg, count=False)
-            return self._run_user(kb)
+            return self._run_user(kb, input)
         h = stable_hash(keys)
         ks = self.key_space
         sub_group = ks.key_group(h).astype(np.int64) * ks.sub_groups + ks.sub_group(h)
@@ -237,13 +274,16 @@ class KeyedProcessor:
         if ready is None:
             return []
         if ready is not batch:
-            keys = materialise_key(ready, self.step.key)[1]  # type: ignore[arg-type]
-        return self._apply(ready, keys)
+            keys = materialise_key(ready, spec)[1]
+        # outputs name the key after the first input's key, whichever input the batch is
+        return self._run_user(group_by_key(ready, keys, self.key_space, self.key_column), input)
 
-    def _apply(self, batch: pa.RecordBatch, keys: pa.Array) -> list[pa.RecordBatch]:
-        return self._run_user(group_by_key(batch, keys, self.key_space, self.key_column))
-
-    def _run_user(self, kb: KeyedBatch) -> list[pa.RecordBatch]:
+    def _run_user(self, kb: KeyedBatch, input: int = 0) -> list[pa.RecordBatch]:
+        kb.watermark = self.watermark
+        kb.input = input
+        kb.timers = TimerRegistrar(
+            self.timers if self.step.on_timer is not None else None, kb.keys, self.step.name
+        )
         if self.step.kind == "keyed_batches":
             out = (
                 self.step.fn(kb, self.states.vectorised()) if self.step.state else self.step.fn(kb)
@@ -272,7 +312,65 @@ class KeyedProcessor:
         for kg in key_groups:
             held[kg * s : (kg + 1) * s] = True
         self.engine.held = held
+        self.timers.backend = fresh
+        self.timers.reindex()
         old.destroy()
+
+    # ---- timers ---------------------------------------------------------------------------
+    def _firing_sub_groups(self) -> np.ndarray:
+        """Held sub-groups, less those a running rescale hands out: once the switch began,
+        records of those go to their new owner, so their timers fire there."""
+        held = self.engine.held
+        task = self.engine.task
+        if task is None or not task.active or not task.outgoing:
+            return held
+        mask = held.copy()
+        mask[np.fromiter(task.outgoing, np.int64, len(task.outgoing))] = False
+        return mask
+
+    def on_watermark(self, watermark: int) -> list[pa.RecordBatch]:
+        """The instance's watermark advanced: fire every event-time timer at or before it."""
+        self.watermark = watermark
+        return self._fire(EVENT_TIMERS, watermark)
+
+    def fire_processing(self, now_ms: int) -> list[pa.RecordBatch]:
+        """Fire processing-time timers at or before ``now_ms`` (wall clock)."""
+        return self._fire(PROCESSING_TIMERS, now_ms)
+
+    def next_processing_ms(self) -> int | None:
+        """When the next processing-time timer is due (ms since the epoch), or None."""
+        if self.step.on_timer is None:
+            return None
+        return self.timers.next_due(PROCESSING_TIMERS)
+
+    def _fire(self, sid: int, limit_ms: int) -> list[pa.RecordBatch]:
+        fn = self.step.on_timer
+        if fn is None:
+            return []
+        outs: list[pa.RecordBatch] = []
+        domain = "event" if sid == EVENT_TIMERS else "processing"
+        for _ in range(MAX_FIRING_ROUNDS):
+            due = self.timers.take_due(sid, limit_ms)
+            if due is None:
+                return outs
+            for keys, ts, keyset in rounds(due):
+                fired = FiredTimers(
+                    keys,
+                    ts,
+                    keyset,
+                    self.watermark,
+                    self.key_column,
+                    domain,
+                    TimerRegistrar(self.timers, keyset, self.step.name),
+                )
+                out = fn(fired, self.states.vectorised()) if self.step.state else fn(fired)
+                outs.extend(_to_batches(out, self.step.name))
+        msg = (
+            f"step {self.step.name!r}: on_timer kept registering timers at or before "
+            f"{limit_ms} ({MAX_FIRING_ROUNDS} rounds); register follow-up timers later than "
+            "the timer that fires"
+        )
+        raise StateError(msg)
 
     def _per_key(self, kb: KeyedBatch) -> list[pa.RecordBatch]:
         fn = self.step.fn

@@ -97,6 +97,13 @@ class RocksStateBackend:
             return
         self._write_through(keys, values, deletes)
 
+    def write_direct(
+        self, keys: list[bytes], values: list[bytes], deletes: Iterable[bytes] = ()
+    ) -> None:
+        """Write straight to RocksDB, past the cache: for key ranges that are never read or
+        written through the cache (timers), so scanning them needs no cache flush."""
+        self._write_through(keys, values, deletes)
+
     def _write_through(
         self, keys: Iterable[bytes], values: Iterable[bytes | None], deletes: Iterable[bytes] = ()
     ) -> None:
@@ -134,9 +141,13 @@ class RocksStateBackend:
         self._write_dirty()
         self._cache.clear()
 
-    def scan(self, lower: bytes, upper: bytes) -> Iterator[tuple[bytes, bytes]]:
-        """Every (key, value) with lower <= key < upper, in key order."""
-        self.flush_cache()
+    def scan(
+        self, lower: bytes, upper: bytes, *, flush: bool = True
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, value) with lower <= key < upper, in key order. ``flush=False`` keeps the
+        cache: only for ranges never written through it (see :meth:`write_direct`)."""
+        if flush:
+            self.flush_cache()
         ro = ReadOptions()
         ro.set_iterate_upper_bound(upper)
         # rocksdict ignores the lower bound unless from_key is given, and stops early if the

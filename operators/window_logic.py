@@ -1,0 +1,397 @@
+"""Window logic over numpy arrays: assignment, per-(key, window) accumulation, session merging,
+firing and cleanup by watermark. No Ray and no state backend here; the window operators
+(:mod:`raystream.operators.windows`) feed it a batch, its keys' stored windows and the watermark.
+
+Times are int64 milliseconds. Windows are half-open ``[start, end)``; a window is *due* once the
+watermark reaches ``end - 1`` (its last possible timestamp) and *closed* once the watermark
+reaches ``end - 1 + allowed_lateness``. A record whose window is closed is *late*.
+
+Example::
+
+    >>> import numpy as np
+    >>> tumbling_starts(np.array([0, 59_999, 60_000, -1]), 60_000).tolist()
+    [0, 0, 60000, -60000]
+    >>> rec, start = sliding_assign(np.array([25]), size=30, slide=10)
+    >>> rec.tolist(), start.tolist()
+    ([0, 0, 0], [20, 10, 0])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from raystream.operators.aggregations import Aggregation, Groups, Parts, Rows
+
+from raystream.errors import DataflowDefinitionError
+
+__all__ = [
+    "NO_WATERMARK",
+    "BatchResult",
+    "FixedWindows",
+    "SessionWindows",
+    "WindowTable",
+    "check_positive_ms",
+    "sliding_assign",
+    "tumbling_starts",
+]
+
+NO_WATERMARK = np.iinfo(np.int64).min  # before the first watermark: nothing is due or late
+
+
+def check_positive_ms(value: Any, what: str, where: str) -> int:
+    """``value`` as an int > 0, or a DataflowDefinitionError saying what came."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        msg = f"{where}: {what} must be an int number of milliseconds > 0, got {value!r}"
+        raise DataflowDefinitionError(msg)
+    return int(value)
+
+
+def check_lateness(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        msg = f"{where}: allowed_lateness_ms must be an int >= 0 (milliseconds), got {value!r}"
+        raise DataflowDefinitionError(msg)
+    return int(value)
+
+
+# ------------------------------------------------------------------------------------------
+# assignment
+
+
+def tumbling_starts(times: np.ndarray, size: int, offset: int = 0) -> np.ndarray:
+    """The start of the tumbling window of every time: windows ``[offset + i*size, ...+size)``
+    (epoch-aligned with ``offset=0``; negative times floor correctly)."""
+    t = np.asarray(times, dtype=np.int64)
+    return t - np.mod(t - offset, size)
+
+
+def sliding_assign(
+    times: np.ndarray, size: int, slide: int, offset: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every (record, window start) pair of sliding windows of ``size`` every ``slide``: a time
+    ``t`` belongs to every window ``[s, s + size)`` with ``s ≡ offset (mod slide)`` and
+    ``s <= t < s + size`` (``size // slide`` or ``size // slide + 1`` windows).
+
+    Returns ``(record_index, start)``, ordered by record, then latest window first."""
+    t = np.asarray(times, dtype=np.int64)
+    per = -(-size // slide)  # ceil
+    last = t - np.mod(t - offset, slide)
+    starts = last[:, None] - (np.arange(per, dtype=np.int64) * slide)[None, :]
+    valid = starts + size > t[:, None]
+    rec = np.broadcast_to(np.arange(len(t), dtype=np.int64)[:, None], starts.shape)
+    return rec[valid], starts[valid]
+
+
+# ------------------------------------------------------------------------------------------
+# a table of windows
+
+
+@dataclass
+class WindowTable:
+    """Windows of several keys as parallel arrays: ``key`` (index into the batch's distinct
+    keys), ``start``, ``end``, ``fired`` (a result was emitted since the last change) and the
+    aggregation's partials."""
+
+    key: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    fired: np.ndarray
+    parts: Parts
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def take(self, idx: np.ndarray) -> WindowTable:
+        return WindowTable(
+            self.key[idx],
+            self.start[idx],
+            self.end[idx],
+            self.fired[idx],
+            {k: v[idx] for k, v in self.parts.items()},
+        )
+
+    @staticmethod
+    def concat(tables: list[WindowTable]) -> WindowTable:
+        tables = [t for t in tables if len(t)]
+        if not tables:
+            return WindowTable.empty()
+        if len(tables) == 1:
+            return tables[0]
+        names = list(tables[0].parts)
+        return WindowTable(
+            np.concatenate([t.key for t in tables]),
+            np.concatenate([t.start for t in tables]),
+            np.concatenate([t.end for t in tables]),
+            np.concatenate([t.fired for t in tables]),
+            {n: _concat_parts([t.parts[n] for t in tables]) for n in names},
+        )
+
+    @staticmethod
+    def empty() -> WindowTable:
+        e = np.empty(0, np.int64)
+        return WindowTable(e, e, e, np.empty(0, bool), {})
+
+    # ---- per-key state values ----------------------------------------------------------------
+    @staticmethod
+    def from_state(values: list[Any]) -> WindowTable:
+        """The windows stored for every key (``values[i]`` of key ``i``; None: no windows)."""
+        tables = []
+        for i, v in enumerate(values):
+            if v:
+                n = len(v["start"])
+                tables.append(
+                    WindowTable(
+                        np.full(n, i, np.int64), v["start"], v["end"], v["fired"], v["parts"]
+                    )
+                )
+        return WindowTable.concat(tables)
+
+    def to_state(self, n_keys: int) -> list[Any]:
+        """Per key its windows as a storable dict, or None when it has none left."""
+        out: list[Any] = [None] * n_keys
+        if not len(self):
+            return out
+        order = np.argsort(self.key, kind="stable")
+        t = self.take(order)
+        bounds = np.flatnonzero(np.r_[True, t.key[1:] != t.key[:-1], True])
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            out[int(t.key[a])] = {
+                "start": t.start[a:b].copy(),
+                "end": t.end[a:b].copy(),
+                "fired": t.fired[a:b].copy(),
+                "parts": {k: v[a:b].copy() for k, v in t.parts.items()},
+            }
+        return out
+
+
+def _concat_parts(arrays: list[np.ndarray]) -> np.ndarray:
+    if any(a.dtype == object for a in arrays):
+        out = np.empty(sum(len(a) for a in arrays), dtype=object)
+        i = 0
+        for a in arrays:
+            for item in a:
+                out[i] = item
+                i += 1
+        return out
+    return np.concatenate(arrays)
+
+
+@dataclass
+class BatchResult:
+    """What one batch (or one watermark advance) did to the windows of its keys.
+
+    ``state``: per distinct key its new stored windows (None: delete); ``emit``: windows whose
+    result goes out now; ``late_record``/``late_start``/``late_end``: the records (index into the
+    batch) that came after their window closed, with that window; ``timer_key``/``timer_ts``:
+    event-time timers to register (key index, time)."""
+
+    state: list[Any]
+    emit: WindowTable
+    late_record: np.ndarray
+    late_start: np.ndarray
+    late_end: np.ndarray
+    timer_key: np.ndarray
+    timer_ts: np.ndarray
+
+
+def _advance(table: WindowTable, watermark: int, lateness: int) -> tuple[WindowTable, WindowTable]:
+    """Fire the due windows not fired yet and drop the closed ones: (kept, emitted)."""
+    if not len(table):
+        return table, table
+    due = ~table.fired & (table.end - 1 <= watermark)
+    emitted = table.take(np.flatnonzero(due))
+    fired = table.fired | due
+    table = WindowTable(table.key, table.start, table.end, fired, table.parts)
+    keep = table.end - 1 + lateness > watermark
+    return (table if keep.all() else table.take(np.flatnonzero(keep))), emitted
+
+
+def _timers(changed: WindowTable, lateness: int) -> tuple[np.ndarray, np.ndarray]:
+    """Timers of changed windows: at ``end - 1`` to fire (if not fired) and, with allowed
+    lateness, at ``end - 1 + lateness`` to clean up."""
+    k = [changed.key[~changed.fired]]
+    t = [changed.end[~changed.fired] - 1]
+    if lateness:
+        k.append(changed.key)
+        t.append(changed.end - 1 + lateness)
+    return np.concatenate(k), np.concatenate(t)
+
+
+def _fire_changed(changed: WindowTable, watermark: int) -> WindowTable:
+    """Changed windows whose end already passed (allowed lateness): they go out now, again."""
+    fired = changed.end - 1 <= watermark
+    return WindowTable(changed.key, changed.start, changed.end, fired, changed.parts)
+
+
+@dataclass(frozen=True)
+class _Windows:
+    agg: Aggregation
+    lateness: int
+
+    def on_timer(self, state: list[Any], watermark: int | None) -> BatchResult:
+        """The watermark advanced: emit the due windows, drop the closed ones."""
+        wm = NO_WATERMARK if watermark is None else int(watermark)
+        kept, emitted = _advance(WindowTable.from_state(state), wm, self.lateness)
+        e = np.empty(0, np.int64)
+        return BatchResult(kept.to_state(len(state)), emitted, e, e, e, e, e)
+
+
+# ------------------------------------------------------------------------------------------
+# tumbling and sliding windows
+
+
+@dataclass(frozen=True)
+class FixedWindows(_Windows):
+    """Tumbling (``slide == size``) or sliding windows of ``size`` ms every ``slide`` ms."""
+
+    size: int
+    slide: int
+    offset: int = 0
+
+    def assign(self, times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.slide == self.size:
+            return np.arange(len(times), dtype=np.int64), tumbling_starts(
+                times, self.size, self.offset
+            )
+        return sliding_assign(times, self.size, self.slide, self.offset)
+
+    def on_batch(
+        self,
+        key_index: np.ndarray,
+        times: np.ndarray,
+        rows: Rows,
+        state: list[Any],
+        watermark: int | None,
+    ) -> BatchResult:
+        """Add a batch: ``key_index[i]`` is the distinct key of record ``i`` (into ``state``),
+        ``times[i]`` its event time, ``rows`` the records; ``state`` the stored windows."""
+        wm = NO_WATERMARK if watermark is None else int(watermark)
+        stored, emitted = _advance(WindowTable.from_state(state), wm, self.lateness)
+        rec, start = self.assign(times)
+        end = start + self.size
+        late = end - 1 + self.lateness <= wm
+        if late.any():
+            lrec, lstart, lend = rec[late], start[late], end[late]
+            rec, start, end = rec[~late], start[~late], end[~late]
+        else:
+            lrec = lstart = lend = np.empty(0, np.int64)
+        keys = key_index[rec]
+        groups = Groups.by_pairs(keys, start)
+        first = groups.first()
+        parts = self.agg.partial(Rows(rows.batch, rec), groups)
+        new = WindowTable(keys[first], start[first], end[first], np.zeros(groups.n, bool), parts)
+        changed = self._merge(stored, new)
+        changed = _fire_changed(changed, wm)
+        tk, tt = _timers(changed, self.lateness)
+        table = WindowTable.concat([self._untouched(stored, changed), changed])
+        emit = WindowTable.concat([emitted, changed.take(np.flatnonzero(changed.fired))])
+        return BatchResult(table.to_state(len(state)), emit, lrec, lstart, lend, tk, tt)
+
+    def _merge(self, stored: WindowTable, new: WindowTable) -> WindowTable:
+        """The windows of ``new`` combined with the same (key, start) of ``stored``."""
+        if not len(stored) or not len(new):
+            return new
+        both = WindowTable.concat([stored, new])
+        groups = Groups.by_pairs(both.key, both.start)
+        first = groups.first()
+        merged = self.agg.merge(both.parts, groups)
+        has_new = groups.reduce((np.arange(len(both)) >= len(stored)).astype(np.int8), np.maximum)
+        touched = np.flatnonzero(has_new > 0)
+        out = WindowTable(
+            both.key[first], both.start[first], both.end[first], np.zeros(groups.n, bool), merged
+        )
+        return out.take(touched)
+
+    @staticmethod
+    def _untouched(stored: WindowTable, changed: WindowTable) -> WindowTable:
+        if not len(stored) or not len(changed):
+            return stored
+        both = Groups.by_pairs(
+            np.concatenate([stored.key, changed.key]), np.concatenate([stored.start, changed.start])
+        )
+        ids = both.ids
+        hit = np.isin(ids[: len(stored)], ids[len(stored) :])
+        return stored.take(np.flatnonzero(~hit))
+
+
+# ------------------------------------------------------------------------------------------
+# session windows
+
+
+@dataclass(frozen=True)
+class SessionWindows(_Windows):
+    """Session windows: a record at ``t`` opens ``[t, t + gap)``; windows of one key that overlap
+    merge (records less than ``gap`` apart are in one session; exactly ``gap`` apart are not).
+    A new record can bridge, and so merge, two sessions."""
+
+    gap: int
+
+    def on_batch(
+        self,
+        key_index: np.ndarray,
+        times: np.ndarray,
+        rows: Rows,
+        state: list[Any],
+        watermark: int | None,
+    ) -> BatchResult:
+        """As :meth:`FixedWindows.on_batch`, for sessions."""
+        wm = NO_WATERMARK if watermark is None else int(watermark)
+        stored, emitted = _advance(WindowTable.from_state(state), wm, self.lateness)
+        n = len(times)
+        t = np.asarray(times, dtype=np.int64)
+        singles = Groups(np.arange(n), np.arange(n), np.arange(n))
+        new = WindowTable(
+            key_index.astype(np.int64),
+            t,
+            t + self.gap,
+            np.zeros(n, bool),
+            self.agg.partial(rows, singles),
+        )
+        both = WindowTable.concat([stored, new])
+        is_new = np.arange(len(both)) >= len(stored)
+        sid = _session_ids(both.key, both.start, both.end)
+        groups = Groups.of(sid)
+        first = groups.first()
+        start = groups.reduce(both.start, np.minimum)
+        end = groups.reduce(both.end, np.maximum)
+        has_new = groups.reduce(is_new.astype(np.int8), np.maximum) > 0
+        fired = groups.reduce(both.fired.astype(np.int8), np.minimum) > 0
+        merged = WindowTable(
+            both.key[first],
+            start,
+            end,
+            fired & ~has_new,
+            self.agg.merge(both.parts, groups) if len(both) else {},
+        )
+        closed = has_new & (end - 1 + self.lateness <= wm)
+        # a closed session holds only new records: closed stored sessions were dropped above
+        late_rows = np.flatnonzero(closed[sid] & is_new) - len(stored)
+        lstart, lend = merged.start[sid[late_rows + len(stored)]], end[sid[late_rows + len(stored)]]
+        changed = _fire_changed(merged.take(np.flatnonzero(has_new & ~closed)), wm)
+        tk, tt = _timers(changed, self.lateness)
+        table = WindowTable.concat([merged.take(np.flatnonzero(~has_new)), changed])
+        emit = WindowTable.concat([emitted, changed.take(np.flatnonzero(changed.fired))])
+        return BatchResult(table.to_state(len(state)), emit, late_rows, lstart, lend, tk, tt)
+
+
+def _session_ids(key: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Dense session ids of intervals ``[start, end)``: per key, overlapping intervals (also
+    through a chain) share an id. Vectorised: sort by (key, start); a row opens a new session
+    when its key changes or its start is at or past every earlier end of its key."""
+    n = len(key)
+    if n == 0:
+        return np.empty(0, np.int64)
+    order = np.lexsort((start, key))
+    k, s, e = key[order], start[order], end[order]
+    # ranks keep the order of starts and ends but are small, so key * span + rank fits in int64
+    _, inv = np.unique(np.concatenate([s, e]), return_inverse=True)
+    sr, er = inv[:n].astype(np.int64), inv[n:].astype(np.int64)
+    span = 2 * n + 1
+    k0 = k - k.min()
+    running = np.maximum.accumulate(k0 * span + er)  # per key, the largest end so far
+    opens = np.ones(n, bool)
+    opens[1:] = (k[1:] != k[:-1]) | (k0[1:] * span + sr[1:] >= running[:-1])
+    ids = np.empty(n, np.int64)
+    ids[order] = np.cumsum(opens) - 1
+    return ids
