@@ -418,27 +418,48 @@ def _q4(inputs: dict[str, rs.Stream]) -> rs.Stream:
 # q5: the hottest auctions of every hopping window (10 s, every 2 s)
 
 
-def _hot_acc() -> tuple[int, list[int]]:
-    return (0, [])
-
-
-def _hot_add(acc: tuple[int, list[int]], r: dict[str, Any]) -> tuple[int, list[int]]:
-    n = r["num"]
-    if n > acc[0]:
-        return (n, [r["auction"]])
-    if n == acc[0]:
-        return (n, [*acc[1], r["auction"]])
-    return acc
-
-
-def _hot_merge(a: tuple[int, list[int]], b: tuple[int, list[int]]) -> tuple[int, list[int]]:
-    if a[0] != b[0]:
-        return a if a[0] > b[0] else b
-    return (a[0], a[1] + b[1])
-
-
-def _hot_result(acc: tuple[int, list[int]]) -> dict[str, Any]:
-    return {"num": acc[0], "auctions": acc[1]}
+@rs.keyed_batches(
+    name="hot_items",
+    state={"top": rs.ValueState(object), "version": rs.ValueState(int, default=0)},
+)
+def hot_items(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
+    """Keyed by hop window start: the highest bid count among the window's auctions and every
+    auction that has it (ties kept, in arrival order). A new row, with the key's ``_version``,
+    whenever that changes. A window's counts come once each (the window step emits an auction's
+    count when the window closes), so this is the join of AuctionBids with MaxBids of the query,
+    updated as counts come, without depending on when they come."""
+    top = state.top.get(batch.keys)
+    num = batch.records.column("num").to_numpy()
+    auction = batch.records.column("auction").to_numpy()
+    offsets = batch.offsets
+    changed: list[int] = []
+    for i in range(len(top)):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        best = int(num[lo:hi].max())
+        ties = auction[lo:hi][num[lo:hi] == best].tolist()
+        old = top[i]
+        if old is None or best > old[0]:
+            top[i] = (best, ties)
+        elif best == old[0]:
+            top[i] = (best, old[1] + ties)
+        else:
+            continue
+        changed.append(i)
+    if not changed:
+        return None
+    idx = np.array(changed, np.int64)
+    sub = batch.keys.take(idx)
+    version = state.version.get(sub) + 1
+    state.top.put(sub, [top[i] for i in changed])
+    state.version.put(sub, version)
+    out = {
+        "hop_start": batch.keys.keys.take(pa.array(idx)),
+        "num": pa.array([top[i][0] for i in changed], pa.int64()),
+        "auctions": pa.array([top[i][1] for i in changed], pa.list_(pa.int64())),
+        VERSION: pa.array(version, pa.int64()),
+    }
+    _carry_meta(batch, idx, out)
+    return pa.RecordBatch.from_pydict(out)
 
 
 def _q5(inputs: dict[str, rs.Stream]) -> rs.Stream:
@@ -458,14 +479,11 @@ def _q5(inputs: dict[str, rs.Stream]) -> rs.Stream:
             },
         )
 
-    # every hop window's counts land in the 2 s tumbling window that ends with it: it fires
-    # once the watermark passed the hop window's end, when all its counts are in
-    hot = ops.aggregate(_hot_acc, _hot_add, _hot_merge, _hot_result, columns=["num", "auctions"])
     return (
         counts.apply(rs.map_batches(by_window, name="q5_by_window"))
         .key_by("hop_start")
-        .apply(windows.tumbling(2_000, hot, name="q5_hot"))
-    )  # hop_start, window_start, window_end (of the 2 s window), num, auctions
+        .apply(hot_items, name="q5_hot")
+    )  # hop_start, num, auctions, _version
 
 
 def _q5_finish(cols: dict[str, Any]) -> dict[str, Any]:
@@ -747,7 +765,17 @@ QUERIES: dict[str, Query] = {
     "q2": Query("q2", ("bid",), _stateless("q2", q2_selection), "q2"),
     "q3": Query("q3", ("person", "auction"), _q3, "q3", keyed=True),
     "q4": Query("q4", ("auction", "bid"), _q4, "q4", keyed=True, updating=True, key=("id",)),
-    "q5": Query("q5", ("bid",), _q5, "q5", keyed=True, windowed=True, finish=_as_rows(_q5_finish)),
+    "q5": Query(
+        "q5",
+        ("bid",),
+        _q5,
+        "q5",
+        keyed=True,
+        updating=True,
+        windowed=True,
+        key=("hop_start",),
+        finish=_as_rows(_q5_finish),
+    ),
     "q7": Query("q7", ("bid",), _q7, "q7", keyed=True, windowed=True),
     "q8": Query("q8", ("person", "auction"), _q8, "q8", keyed=True, windowed=True),
     "q9": Query("q9", ("auction", "bid"), _q9, "q9", keyed=True, updating=True, key=("id",)),
@@ -805,6 +833,14 @@ def final_result(query: str, table: pa.Table) -> pa.Table:
 
 def latest_by_version(table: pa.Table, key: tuple[str, ...]) -> pa.Table:
     """Per ``key``, the row with the highest ``_version`` (a key's versions are unique)."""
-    newest = table.group_by(list(key)).aggregate([(VERSION, "max")])
-    newest = newest.rename_columns([*key, VERSION])
-    return table.join(newest, keys=[*key, VERSION], join_type="inner")
+    if table.num_rows == 0:
+        return table
+    order = pc.sort_indices(
+        table, sort_keys=[*((k, "ascending") for k in key), (VERSION, "descending")]
+    ).to_numpy()
+    keys = [table.column(k).to_numpy().astype(np.int64)[order] for k in key]
+    new = np.zeros(len(order), bool)
+    new[0] = True
+    for k in keys:
+        new[1:] |= k[1:] != k[:-1]
+    return table.take(pa.array(order[new]))
