@@ -1,0 +1,5 @@
+"""``python -m bench.nexmark``: see :mod:`bench.nexmark.cli`."""
+
+from bench.nexmark.cli import main
+
+main()

@@ -1,0 +1,384 @@
+"""``python -m bench.nexmark``: run one NEXMark query on raystream; report events/s and latency.
+
+Examples (from the repository root)::
+
+    python -m bench.nexmark --query q1 --events 2000000 --rate 100000 --parallelism 2
+    python -m bench.nexmark --query q0 --input data/ --output out/ --report q0.json
+    python -m bench.nexmark --generate data/ --events 10000000     # only write the Parquet files
+
+Input: ``--input DIR`` with ``person.parquet``, ``auction.parquet``, ``bid.parquet`` (as
+:func:`bench.nexmark.generator.write_parquet` writes them), or ``--events N --rate EPS`` to
+generate them first into a temporary folder (``--rate`` is the event-time rate: ``dateTime``
+advances by ``1/EPS`` s per event). Each table the query reads is one source replaying its file
+in order (= ``dateTime`` order); ``--replay-rate`` throttles the replay in wall-clock time (each
+table at its share of the rate), else it runs as fast as the job takes it.
+
+``--output DIR`` writes the final result under ``DIR/<query>/`` as Parquet: append-only queries
+stream their rows into part files (one per sink instance); updating queries write the last
+value of every key once the job has finished. ``--check`` compares the final result with the
+DuckDB oracle (the whole result is then collected in memory).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import raystream as rs
+from bench.nexmark import generator, oracle
+from bench.nexmark.queries import QUERIES, SINK, build_flow, final_result
+
+__all__ = ["main", "run_query"]
+
+META = ("event_time", "ingest_ts", "_version")
+
+
+@dataclass(frozen=True)
+class PartFileSink:
+    """Instance ``i`` writes its rows, without the runtime's bookkeeping columns, to
+    ``{path}/part-{i:05d}.parquet`` (atomically); ``close()`` returns the row count."""
+
+    path: str
+
+    def open(self, index: int, parallelism: int) -> Any:
+        inner = rs.sinks.parquet(self.path).open(index, parallelism)
+        return _DropMeta(inner)
+
+    def describe(self) -> str:
+        return f"nexmark_parts({self.path!r})"
+
+
+class _DropMeta:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.rows = 0
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        keep = [n for n in batch.schema.names if n not in META]
+        self._inner.write(batch.select(keep))
+        self.rows += batch.num_rows
+
+    def close(self) -> int:
+        self._inner.close()
+        return self.rows
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+
+def _pickle_by_value() -> None:
+    """Ray workers need not import ``bench`` (it is not installed): ship it by value."""
+    from ray import cloudpickle
+
+    for name in ("bench.nexmark.queries", "bench.nexmark.cli", "bench.nexmark.oracle"):
+        module = sys.modules.get(name)
+        if module is not None:
+            cloudpickle.register_pickle_by_value(module)
+
+
+def table_sources(
+    directory: Path, tables: tuple[str, ...], *, batch_rows: int, replay_rate_eps: float = 0.0
+) -> dict[str, Any]:
+    """One Parquet source per table; with a replay rate, each at its share (1:3:46 of 50)."""
+    share = {"person": 1 / 50, "auction": 3 / 50, "bid": 46 / 50}
+    return {
+        t: rs.sources.parquet(
+            directory / f"{t}.parquet", batch_rows=batch_rows, rate_eps=replay_rate_eps * share[t]
+        )
+        for t in tables
+    }
+
+
+def run_query(
+    query: str,
+    sources: dict[str, Any],
+    *,
+    parallelism: int,
+    sink: Any = None,
+    rescales: list[tuple[int, float]] = (),  # type: ignore[assignment]
+    strategy: str = "meces",
+    timeout_s: float = 600.0,
+    max_out_of_orderness_ms: int = 0,
+    errors: list[str] | None = None,
+    **config: Any,
+) -> rs.JobResult:
+    """Build, start, rescale the query's step at the given times (P@T), wait; a job still
+    running at the timeout is stopped and raises."""
+    sink = sink if sink is not None else rs.sinks.collect()
+    flow, spec = build_flow(query, sources, sink, max_out_of_orderness_ms=max_out_of_orderness_ms)
+    job = rs.start(flow, parallelism={spec.step: parallelism}, migration=strategy, **config)
+    errors = errors if errors is not None else []
+
+    def drive() -> None:
+        t0 = time.monotonic()
+        for target, at in rescales:
+            time.sleep(max(0.0, at - (time.monotonic() - t0)))
+            try:
+                job.rescale(spec.step, target, strategy)
+            except Exception as e:  # noqa: BLE001 - reported, the job keeps running
+                errors.append(f"rescale to {target} at {at} s: {e}")
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    try:
+        result = job.wait(timeout_s)
+        driver.join(timeout=60)
+    except rs.RaystreamError:
+        raise
+    except BaseException:
+        job.stop()
+        raise
+    if result.state == "running":
+        job.stop()
+        msg = f"{query} did not finish within {timeout_s} s; it was stopped"
+        raise rs.JobFailedError(msg)
+    return result
+
+
+def build_report(
+    result: rs.JobResult, query: str, sources: tuple[str, ...], config: dict[str, Any]
+) -> dict[str, Any]:
+    """events/s (records the sources emitted per second of the run), sink latency, timeline."""
+    from bench._report import build_report as keycount_report
+
+    spec = QUERIES[query]
+    base = keycount_report(result, step=spec.step, config=config)
+    events = sum(int(m.get("records_out", 0)) for t in sources for m in result.step_metrics(t))
+    elapsed = float(result.elapsed_s)
+    base.update(
+        {
+            "benchmark": f"nexmark-{query}",
+            "query": query,
+            "events": events,
+            "throughput_eps": round(events / elapsed, 1) if elapsed > 0 else 0.0,
+            "step": spec.step,
+            "step_records_in": base.pop("events_in"),
+            "step_records_out": base.pop("events_out"),
+        }
+    )
+    return base
+
+
+def _parse_rescales(values: tuple[str, ...], num_key_groups: int) -> list[tuple[int, float]]:
+    from bench.keycount import _parse_rescales as parse
+
+    return parse(values, num_key_groups)
+
+
+def _connect_ray() -> bool:
+    from bench.keycount import _connect_ray as connect
+
+    return connect()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--query", type=click.Choice(sorted(oracle.QUERIES)), default="q0")
+@click.option("--events", type=click.IntRange(min=1), default=1_000_000, help="Events to generate.")
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10_000.0,
+    help="Event-time rate of the generator (events per second of dateTime).",
+)
+@click.option("--seed", type=int, default=0)
+@click.option(
+    "--input",
+    "input_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Directory with person/auction/bid.parquet; replaces the generator.",
+)
+@click.option(
+    "--generate",
+    "generate_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Only generate the Parquet files into this directory (and report rows/s).",
+)
+@click.option("--parallelism", type=click.IntRange(min=1), default=2)
+@click.option(
+    "--rescale", "rescale_at", multiple=True, metavar="P@T", help="Rescale at T s (keyed queries)."
+)
+@click.option("--strategy", default="meces", help="Migration strategy of rescales.")
+@click.option(
+    "--replay-rate",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Wall-clock replay rate in events/s over all tables (0: as fast as possible).",
+)
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--check", is_flag=True, help="Compare the final result with the DuckDB oracle.")
+@click.option("--batch-rows", type=click.IntRange(min=1), default=65_536)
+@click.option("--linger-ms", type=click.FloatRange(min=0), default=5.0)
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=3600.0)
+@click.option("--quiet", "-q", is_flag=True)
+def main(
+    query: str,
+    events: int,
+    rate: float,
+    seed: int,
+    input_dir: Path | None,
+    generate_dir: Path | None,
+    parallelism: int,
+    rescale_at: tuple[str, ...],
+    strategy: str,
+    replay_rate: float,
+    output: Path | None,
+    report: Path | None,
+    check: bool,
+    batch_rows: int,
+    linger_ms: float,
+    timeout_s: float,
+    quiet: bool,
+) -> None:
+    """One NEXMark query on raystream."""
+    config_gen = generator.NexmarkConfig(events=events, rate_eps=rate, seed=seed)
+    if generate_dir is not None:
+        t0 = time.perf_counter()
+        generator.write_parquet(config_gen, generate_dir)
+        dt = time.perf_counter() - t0
+        click.echo(
+            f"{events:,} events in {dt:.2f} s: {events / dt:,.0f} events/s -> {generate_dir}"
+        )
+        return
+    if query not in QUERIES:
+        msg = f"{query} has an oracle but no raystream dataflow yet; built: {sorted(QUERIES)}"
+        raise click.BadParameter(msg, param_hint="'--query'")
+    spec = QUERIES[query]
+    if parallelism > 128:
+        raise click.BadParameter(
+            "at most 128 (the number of key groups)", param_hint="'--parallelism'"
+        )
+    rescales = _parse_rescales(rescale_at, 128)
+    if rescales and not spec.keyed:
+        msg = f"{query} has no keyed step to rescale (only keyed steps rescale)"
+        raise click.BadParameter(msg, param_hint="'--rescale'")
+    if input_dir is not None:
+        missing = [t for t in spec.tables if not (input_dir / f"{t}.parquet").is_file()]
+        if missing:
+            msg = f"{str(input_dir)!r} has no {', '.join(f'{t}.parquet' for t in missing)}"
+            raise click.BadParameter(msg, param_hint="'--input'")
+    tmp: str | None = None
+    started_ray = False
+    try:
+        if input_dir is None:
+            tmp = tempfile.mkdtemp(prefix="raystream-nexmark-")
+            t0 = time.perf_counter()
+            generator.write_parquet(config_gen, tmp)
+            gen_s = time.perf_counter() - t0
+            data = Path(tmp)
+        else:
+            gen_s = None
+            data = input_dir
+        sources = table_sources(
+            data, spec.tables, batch_rows=batch_rows, replay_rate_eps=replay_rate
+        )
+        collect = spec.updating or check
+        if collect:
+            sink: Any = rs.sinks.collect()
+        elif output is not None:
+            sink = PartFileSink(str(output / query))
+        else:
+            sink = rs.sinks.null()
+        started_ray = _connect_ray()
+        _pickle_by_value()
+        errors: list[str] = []
+        try:
+            result = run_query(
+                query,
+                sources,
+                parallelism=parallelism,
+                sink=sink,
+                rescales=rescales,
+                strategy=strategy,
+                timeout_s=timeout_s,
+                errors=errors,
+                batch_rows=batch_rows,
+                source_batch_rows=batch_rows,
+                linger_ms=linger_ms,
+            )
+        except rs.RaystreamError as exc:
+            click.echo(f"Error: {query} failed: {exc}", err=True)
+            sys.exit(1)
+        config = {
+            "query": query,
+            "input": str(input_dir) if input_dir else None,
+            "events": events if input_dir is None else None,
+            "rate": rate if input_dir is None else None,
+            "seed": seed,
+            "parallelism": parallelism,
+            "rescale": [f"{p}@{t:g}" for p, t in rescales],
+            "strategy": strategy,
+            "replay_rate": replay_rate,
+            "batch_rows": batch_rows,
+            "linger_ms": linger_ms,
+        }
+        data_report = build_report(result, query, spec.tables, config)
+        data_report["rescale_errors"] = errors
+        if gen_s is not None:
+            data_report["generator_events_per_s"] = round(events / gen_s, 1)
+        if collect:
+            final = final_result(query, result.table(SINK))
+            data_report["result_rows"] = final.num_rows
+            if check:
+                want = oracle.run(query, data)
+                ok = final.equals(want)
+                data_report["oracle_equal"] = ok
+                if not ok:
+                    click.echo(
+                        f"Error: {query} result ({final.num_rows} rows) differs from the DuckDB "
+                        f"oracle ({want.num_rows} rows)",
+                        err=True,
+                    )
+            if output is not None:
+                out = output / query
+                out.mkdir(parents=True, exist_ok=True)
+                pq.write_table(final, out / "part-00000.parquet")
+        if report is not None:
+            from bench._report import write_json
+
+            write_json(report, data_report)
+        if not quiet:
+            _print(data_report)
+        if check and not data_report.get("oracle_equal", False):
+            sys.exit(1)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _print(r: dict[str, Any]) -> None:
+    lat = r["latency_ms"]
+    lines = [
+        f"{r['query']}: {r['events']:,} events in {r['elapsed_s']:.2f} s = "
+        f"{r['throughput_eps']:,.0f} events/s (parallelism {r['parallelism']})",
+        f"latency p50 {lat['p50']} ms, p99 {lat['p99']} ms, max {lat['max']} ms",
+    ]
+    if "result_rows" in r:
+        lines.append(f"result rows: {r['result_rows']:,}")
+    if "oracle_equal" in r:
+        lines.append(f"equal to the DuckDB oracle: {r['oracle_equal']}")
+    if "generator_events_per_s" in r:
+        lines.append(f"generator: {r['generator_events_per_s']:,.0f} events/s")
+    for e in r.get("rescale_errors", []):
+        lines.append(f"rescale failed: {e}")
+    click.echo("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

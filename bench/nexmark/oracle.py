@@ -1,0 +1,263 @@
+"""DuckDB SQL for the NEXMark queries: the final result over a completely consumed input.
+
+Each query follows the Flink SQL text of the nexmark/nexmark repository
+(``nexmark-flink/src/main/resources/queries/qN.sql``), written for a bounded input:
+
+* windows are epoch-aligned and half-open, ``[start, end)``, times in ms since the epoch;
+  window bounds are returned as int64 ms, ``dateTime`` columns keep ``timestamp[ms]``;
+* q4's ``AVG`` over BIGINT is integer division (truncated), as in Flink;
+* q7 keeps ``B.dateTime BETWEEN window_end - 10 s AND window_end`` inclusive at both ends, as
+  written (so a bid exactly at ``window_end`` with the previous window's top price matches);
+* q9 keeps, per auction, the bid of the highest price, ties broken by the earliest
+  ``dateTime`` (as written), and then by the smallest ``bidder`` so the answer is unique;
+* q11 sessions per bidder: a bid within 10 s (inclusive) of the session's previous bid joins
+  it (Flink merges session windows ``[t, t + gap)`` that touch); ``endtime`` is the last bid's
+  time + 10 s.
+
+Updating queries (q3, q4, q9, ...) give one row per key with its final value; every result is
+sorted by :data:`SORT_KEYS` so two results compare with ``equals``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from bench.nexmark.generator import SCHEMAS, NexmarkTables
+
+__all__ = ["QUERIES", "SORT_KEYS", "SQL", "canonical", "load_tables", "run", "run_all"]
+
+TABLES = ("person", "auction", "bid")
+
+SQL: dict[str, str] = {
+    "q0": """
+        SELECT auction, bidder, price, dateTime, extra FROM bid
+    """,
+    "q1": """
+        SELECT auction, bidder,
+               CAST(CAST(price AS DECIMAL(20, 0)) * 0.908 AS DECIMAL(23, 3)) AS price,
+               price * 908 AS price_milli,
+               dateTime, extra
+        FROM bid
+    """,
+    "q2": """
+        SELECT auction, price FROM bid WHERE auction % 123 = 0
+    """,
+    "q3": """
+        SELECT P.name, P.city, P.state, A.id
+        FROM auction AS A JOIN person AS P ON A.seller = P.id
+        WHERE A.category = 10 AND (P.state = 'OR' OR P.state = 'ID' OR P.state = 'CA')
+    """,
+    "q4": """
+        WITH Q AS (
+            SELECT MAX(B.price) AS final, A.category
+            FROM auction A, bid B
+            WHERE A.id = B.auction AND B.dateTime BETWEEN A.dateTime AND A.expires
+            GROUP BY A.id, A.category
+        )
+        SELECT category AS id, CAST(SUM(final) // COUNT(*) AS BIGINT) AS final
+        FROM Q GROUP BY category
+    """,
+    "q5": """
+        WITH B AS (SELECT auction, epoch_ms(dateTime) AS t FROM bid),
+        W AS (  -- HOP(size 10 s, slide 2 s): the five windows [s, s + 10 s) holding t
+            SELECT auction, (t // 2000 - k) * 2000 AS window_start
+            FROM B, range(0, 5) AS r(k)
+        ),
+        C AS (
+            SELECT auction, COUNT(*) AS num, window_start, window_start + 10000 AS window_end
+            FROM W GROUP BY auction, window_start
+        ),
+        M AS (SELECT window_start, MAX(num) AS maxn FROM C GROUP BY window_start)
+        SELECT C.auction, C.num, C.window_start, C.window_end
+        FROM C JOIN M ON C.window_start = M.window_start AND C.num >= M.maxn
+    """,
+    "q7": """
+        WITH B1 AS (
+            SELECT MAX(price) AS maxprice, (epoch_ms(dateTime) // 10000) * 10000 + 10000
+                   AS window_end
+            FROM bid GROUP BY window_end
+        )
+        SELECT B.auction, B.price, B.bidder, B.dateTime, B.extra, B1.window_end
+        FROM bid B JOIN B1 ON B.price = B1.maxprice
+        WHERE epoch_ms(B.dateTime) BETWEEN B1.window_end - 10000 AND B1.window_end
+    """,
+    "q8": """
+        WITH P AS (
+            SELECT id, name, (epoch_ms(dateTime) // 10000) * 10000 AS starttime
+            FROM person GROUP BY id, name, starttime
+        ),
+        A AS (
+            SELECT seller, (epoch_ms(dateTime) // 10000) * 10000 AS starttime
+            FROM auction GROUP BY seller, starttime
+        )
+        SELECT P.id, P.name, P.starttime AS stime
+        FROM P JOIN A ON P.id = A.seller AND P.starttime = A.starttime
+    """,
+    "q9": """
+        WITH J AS (
+            SELECT A.id, A.seller, A.category, B.bidder, B.price, B.dateTime AS bid_dateTime,
+                   ROW_NUMBER() OVER (PARTITION BY A.id
+                                      ORDER BY B.price DESC, B.dateTime ASC, B.bidder ASC)
+                   AS rownum
+            FROM auction A, bid B
+            WHERE A.id = B.auction AND B.dateTime BETWEEN A.dateTime AND A.expires
+        )
+        SELECT id, seller, category, bidder, price, bid_dateTime FROM J WHERE rownum <= 1
+    """,
+    "q11": """
+        WITH B AS (
+            SELECT bidder, epoch_ms(dateTime) AS t,
+                   epoch_ms(dateTime) - LAG(epoch_ms(dateTime))
+                       OVER (PARTITION BY bidder ORDER BY epoch_ms(dateTime)) AS gap
+            FROM bid
+        ),
+        S AS (
+            SELECT bidder, t,
+                   SUM(CASE WHEN gap IS NULL OR gap > 10000 THEN 1 ELSE 0 END)
+                       OVER (PARTITION BY bidder ORDER BY t
+                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS session
+            FROM B
+        )
+        SELECT bidder, COUNT(*) AS bid_count, MIN(t) AS starttime, MAX(t) + 10000 AS endtime
+        FROM S GROUP BY bidder, session
+    """,
+}
+
+QUERIES = tuple(SQL)
+
+SORT_KEYS: dict[str, tuple[str, ...]] = {
+    "q0": ("auction", "bidder", "price", "dateTime", "extra"),
+    "q1": ("auction", "bidder", "price_milli", "dateTime", "extra"),
+    "q2": ("auction", "price"),
+    "q3": ("id", "name", "city", "state"),
+    "q4": ("id",),
+    "q5": ("window_start", "auction"),
+    "q7": ("window_end", "auction", "price", "bidder", "dateTime", "extra"),
+    "q8": ("stime", "id"),
+    "q9": ("id",),
+    "q11": ("bidder", "starttime"),
+}
+
+SCHEMA: dict[str, pa.Schema] = {
+    "q0": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("dateTime", pa.timestamp("ms")),
+            ("extra", pa.string()),
+        ]
+    ),
+    "q1": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.decimal128(23, 3)),
+            ("price_milli", pa.int64()),
+            ("dateTime", pa.timestamp("ms")),
+            ("extra", pa.string()),
+        ]
+    ),
+    "q2": pa.schema([("auction", pa.int64()), ("price", pa.int64())]),
+    "q3": pa.schema(
+        [("name", pa.string()), ("city", pa.string()), ("state", pa.string()), ("id", pa.int64())]
+    ),
+    "q4": pa.schema([("id", pa.int64()), ("final", pa.int64())]),
+    "q5": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("num", pa.int64()),
+            ("window_start", pa.int64()),
+            ("window_end", pa.int64()),
+        ]
+    ),
+    "q7": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("price", pa.int64()),
+            ("bidder", pa.int64()),
+            ("dateTime", pa.timestamp("ms")),
+            ("extra", pa.string()),
+            ("window_end", pa.int64()),
+        ]
+    ),
+    "q8": pa.schema([("id", pa.int64()), ("name", pa.string()), ("stime", pa.int64())]),
+    "q9": pa.schema(
+        [
+            ("id", pa.int64()),
+            ("seller", pa.int64()),
+            ("category", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("bid_dateTime", pa.timestamp("ms")),
+        ]
+    ),
+    "q11": pa.schema(
+        [
+            ("bidder", pa.int64()),
+            ("bid_count", pa.int64()),
+            ("starttime", pa.int64()),
+            ("endtime", pa.int64()),
+        ]
+    ),
+}
+
+
+def load_tables(
+    source: NexmarkTables | Mapping[str, pa.Table] | str | os.PathLike[str],
+) -> dict[str, pa.Table]:
+    """The three tables from generated tables, a mapping, or a directory of the Parquet files
+    (a missing table is empty)."""
+    if isinstance(source, NexmarkTables):
+        return {t: source.table(t) for t in TABLES}
+    if isinstance(source, Mapping):
+        return {t: source.get(t, SCHEMAS[t].empty_table()) for t in TABLES}
+    import pyarrow.parquet as pq
+
+    base = Path(source)
+    out = {}
+    for t in TABLES:
+        path = base / f"{t}.parquet"
+        out[t] = pq.read_table(path) if path.exists() else SCHEMAS[t].empty_table()
+    return out
+
+
+def canonical(query: str, table: pa.Table) -> pa.Table:
+    """``table`` with the query's columns and types, sorted by its sort keys."""
+    schema = SCHEMA[query]
+    table = table.select(schema.names).cast(schema)
+    if table.num_rows == 0:
+        return table
+    return table.sort_by([(k, "ascending") for k in SORT_KEYS[query]])
+
+
+def run(
+    query: str, source: NexmarkTables | Mapping[str, pa.Table] | str | os.PathLike[str]
+) -> pa.Table:
+    """The final result of ``query`` (``"q0"`` ... ``"q11"``) over ``source``, canonical."""
+    if query not in SQL:
+        msg = f"no oracle for query {query!r}; expected one of {list(SQL)}"
+        raise KeyError(msg)
+    tables = load_tables(source)
+    con = duckdb.connect()
+    try:
+        for name, table in tables.items():
+            con.register(name, table)
+        result = con.sql(SQL[query]).to_arrow_table()
+    finally:
+        con.close()
+    if isinstance(result, pa.RecordBatchReader):
+        result = result.read_all()
+    return canonical(query, result)
+
+
+def run_all(
+    source: NexmarkTables | Mapping[str, pa.Table] | str | os.PathLike[str],
+) -> dict[str, pa.Table]:
+    tables = load_tables(source)
+    return {q: run(q, tables) for q in SQL}

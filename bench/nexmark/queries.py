@@ -1,0 +1,846 @@
+"""NEXMark queries as raystream dataflows, built from the public operator API.
+
+Input: one source per table (``person``, ``auction``, ``bid``), each replaying its Parquet file
+in ``dateTime`` order. Output: a stream whose rows, gathered by the sink and passed through
+:func:`final_result`, equal the DuckDB oracle's answer (:mod:`bench.nexmark.oracle`).
+
+Append-only queries emit their result rows once. Updating queries emit a new row for a key each
+time its value changes, with a per-key ``_version`` kept in keyed state (it moves with the
+key's state on a rescale), so the final value of a key is its row with the highest version,
+whatever order the sink saw them in.
+
+Example::
+
+    flow, spec = build_flow("q1", {"bid": rs.sources.parquet("data/bid.parquet")},
+                            rs.sinks.collect())
+    result = rs.run(flow, parallelism={spec.step: 2})
+    final = final_result("q1", result.table(SINK))
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import raystream.operators as ops
+from raystream.operators import windows
+
+import raystream as rs
+from bench.nexmark import oracle
+
+__all__ = ["QUERIES", "SINK", "Query", "build_flow", "final_result"]
+
+SINK = "result"
+VERSION = "_version"
+META = ("event_time", "ingest_ts")
+
+
+def _with_meta(batch: pa.RecordBatch, columns: dict[str, pa.Array]) -> pa.RecordBatch:
+    """``columns`` plus the runtime's event_time / ingest_ts columns of ``batch`` (same rows)."""
+    out = dict(columns)
+    for col in META:
+        if col in batch.schema.names:
+            out[col] = batch.column(col)
+    return pa.RecordBatch.from_pydict(out)
+
+
+# --------------------------------------------------------------------------------------------
+# q0-q2: stateless, vectorised over Arrow
+
+
+def q0_passthrough(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """q0: every bid, its five columns (a pass-through to measure the system's overhead)."""
+    return _with_meta(batch, {c: batch.column(c) for c in oracle.SCHEMA["q0"].names})
+
+
+_EURO = pa.scalar(Decimal("0.908"), pa.decimal128(4, 3))
+_PRICE_TYPE = pa.decimal128(23, 3)
+
+
+def q1_currency(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """q1: the price in euro, ``0.908 * price`` as DECIMAL(23, 3) (and in milli-euro, int64)."""
+    price = batch.column("price")
+    euro = pc.multiply(price.cast(pa.decimal128(19, 0)), _EURO).cast(_PRICE_TYPE)
+    return _with_meta(
+        batch,
+        {
+            "auction": batch.column("auction"),
+            "bidder": batch.column("bidder"),
+            "price": euro,
+            "price_milli": pc.multiply(price, 908),
+            "dateTime": batch.column("dateTime"),
+            "extra": batch.column("extra"),
+        },
+    )
+
+
+def q2_selection(batch: pa.RecordBatch) -> pa.RecordBatch | None:
+    """q2: auction and price of the bids whose auction id is a multiple of 123."""
+    auction = batch.column("auction").to_numpy(zero_copy_only=False)
+    mask = pa.array(auction % 123 == 0)
+    if not pc.any(mask).as_py():
+        return None
+    kept = batch.filter(mask)
+    return _with_meta(kept, {"auction": kept.column("auction"), "price": kept.column("price")})
+
+
+# --------------------------------------------------------------------------------------------
+# small vectorised pieces
+
+
+def _ms(column: pa.Array) -> np.ndarray:
+    """int64 ms since the epoch of a timestamp[ms] (or int64) column."""
+    if pa.types.is_timestamp(column.type):
+        column = column.cast(pa.int64())
+    return column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+
+
+def _ts(ms: Any) -> pa.Array:
+    return pa.array(np.asarray(ms, dtype=np.int64), pa.int64()).cast(pa.timestamp("ms"))
+
+
+def _select(
+    columns: tuple[str, ...], name: str, where: Callable[[pa.RecordBatch], Any] | None = None
+) -> rs.Operator:
+    """A map_batches step keeping ``columns`` (and the runtime's), optionally the rows where
+    ``where(batch)`` (a boolean array) holds."""
+
+    def select(batch: pa.RecordBatch) -> pa.RecordBatch | None:
+        if where is not None:
+            mask = where(batch)
+            if not pc.any(mask).as_py():
+                return None
+            batch = batch.filter(mask)
+        return _with_meta(batch, {c: batch.column(c) for c in columns})
+
+    return rs.map_batches(select, name=name)
+
+
+def _as_rows(finish: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[pa.Table], pa.Table]:
+    """A finishing function over column dicts, for tables and batches alike."""
+
+    def apply(table: pa.Table) -> pa.Table:
+        cols = {n: table.column(n) for n in table.schema.names}
+        return pa.table(finish(cols))
+
+    return apply
+
+
+# --------------------------------------------------------------------------------------------
+# q3: a regular join of category-10 auctions with their sellers in OR, ID, CA
+
+
+_SELLER_STATE = {
+    "person": rs.ValueState(object),  # (name, city, state) of the seller
+    "waiting": rs.ValueState(object),  # ids of auctions that came before their seller
+}
+
+
+@rs.keyed_batches(name="seller_join", state=_SELLER_STATE)
+def seller_join(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
+    """A regular inner join, keyed by the seller: input 0 auctions (id), input 1 persons (name,
+    city, state; one per id). Every auction is emitted once, when both it and its seller are
+    here; auctions that come first wait in state for their seller."""
+    keys, offsets, rec = batch.keys, batch.offsets, batch.records
+    person = state.person.get(keys)
+    out_idx: list[int] = []  # the key of every output row
+    out_ids: list[int] = []
+    if batch.input == 0:  # auctions
+        ids = rec.column("id").to_numpy()
+        known = [i for i, p in enumerate(person) if p is not None]
+        for i in known:
+            mine = ids[offsets[i] : offsets[i + 1]].tolist()
+            out_ids.extend(mine)
+            out_idx.extend([i] * len(mine))
+        unknown = np.array([i for i, p in enumerate(person) if p is None], np.int64)
+        if len(unknown):
+            waiting = state.waiting.get(keys.take(unknown))
+            stored = []
+            for j, i in enumerate(unknown.tolist()):
+                mine = ids[offsets[i] : offsets[i + 1]]
+                stored.append(mine if waiting[j] is None else np.concatenate([waiting[j], mine]))
+            state.waiting.put(keys.take(unknown), stored)
+    else:  # persons: the last row of each key
+        last = offsets[1:] - 1
+        cols = [rec.column(c).to_pylist() for c in ("name", "city", "state")]
+        for i, r in enumerate(last.tolist()):
+            person[i] = (cols[0][r], cols[1][r], cols[2][r])
+        state.person.put(keys, person)
+        waiting = state.waiting.get(keys)
+        settled = [i for i, w in enumerate(waiting) if w is not None]
+        for i in settled:
+            out_ids.extend(waiting[i].tolist())
+            out_idx.extend([i] * len(waiting[i]))
+        if settled:
+            state.waiting.delete(keys.take(np.array(settled, np.int64)))
+    if not out_ids:
+        return None
+    who = [person[i] for i in out_idx]
+    idx = np.array(out_idx, np.int64)
+    out = {
+        "name": pa.array([p[0] for p in who], pa.string()),
+        "city": pa.array([p[1] for p in who], pa.string()),
+        "state": pa.array([p[2] for p in who], pa.string()),
+        "id": pa.array(out_ids, pa.int64()),
+    }
+    _carry_meta(batch, idx, out)
+    return pa.RecordBatch.from_pydict(out)
+
+
+def _q3(inputs: dict[str, rs.Stream]) -> rs.Stream:
+    auctions = inputs["auction"].apply(
+        _select(("id", "seller"), "q3_auctions", lambda b: pc.equal(b.column("category"), 10))
+    )
+    persons = inputs["person"].apply(
+        _select(
+            ("id", "name", "city", "state"),
+            "q3_persons",
+            lambda b: pc.is_in(b.column("state"), pa.array(["OR", "ID", "CA"])),
+        )
+    )
+    return auctions.key_by("seller").connect(persons.key_by("id")).apply(seller_join, name="q3")
+
+
+# --------------------------------------------------------------------------------------------
+# q9 (and q4's first step): the winning bid of every auction, an updating join
+
+
+_WINNER_STATE = {
+    "auction": rs.ValueState(object),  # (seller, category, start_ms, expires_ms)
+    "best": rs.ValueState(object),  # (price, t_ms, bidder) of the winning bid so far
+    "pending": rs.ValueState(object),  # bids that came before their auction: int64 (n, 3)
+    "version": rs.ValueState(int, default=0),
+}
+_NO_BIDS = np.empty((0, 3), np.int64)
+
+
+def _best_row(bids: np.ndarray) -> tuple[int, int, int] | None:
+    """The winner of ``bids`` (rows price, t, bidder): highest price, then earliest, then the
+    smallest bidder."""
+    if not len(bids):
+        return None
+    i = np.lexsort((bids[:, 2], bids[:, 1], -bids[:, 0]))[0]
+    return int(bids[i, 0]), int(bids[i, 1]), int(bids[i, 2])
+
+
+def _better(new: tuple[int, int, int], old: tuple[int, int, int] | None) -> bool:
+    return old is None or (-new[0], new[1], new[2]) < (-old[0], old[1], old[2])
+
+
+@rs.keyed_batches(name="winner", state=_WINNER_STATE)
+def auction_winner(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
+    """Input 0: auctions (id, seller, category, start, expires); input 1: bids (auction, price,
+    t, bidder). Per auction, the bid with the highest price (earliest, then smallest bidder)
+    among the bids whose time lies in ``[start, expires]``; a new row whenever it changes, with
+    the previous winning price (null for the first) and the key's ``_version``."""
+    keys = batch.keys
+    n = len(keys)
+    auctions = state.auction.get(keys)
+    best = state.best.get(keys)
+    version = state.version.get(keys)
+    rec = batch.records
+    offsets = batch.offsets
+    changed: list[int] = []
+    previous: list[int | None] = []
+    if batch.input == 0:  # auctions: remember them, settle the bids that waited
+        seller = rec.column("seller").to_numpy()
+        category = rec.column("category").to_numpy()
+        start = rec.column("start").to_numpy()
+        expires = rec.column("expires").to_numpy()
+        pending = state.pending.get(keys)
+        clear = []
+        for i in range(n):
+            last = int(offsets[i + 1]) - 1  # an auction id comes once; keep the last if not
+            auctions[i] = (
+                int(seller[last]),
+                int(category[last]),
+                int(start[last]),
+                int(expires[last]),
+            )
+            waiting = pending[i]
+            if waiting is None:
+                continue
+            clear.append(i)
+            inside = waiting[(waiting[:, 1] >= auctions[i][2]) & (waiting[:, 1] <= auctions[i][3])]
+            cand = _best_row(inside)
+            if cand is not None and _better(cand, best[i]):
+                previous.append(None if best[i] is None else best[i][0])
+                best[i] = cand
+                changed.append(i)
+        state.auction.put(keys, auctions)
+        if clear:
+            state.pending.delete(keys.take(np.array(clear)))
+    else:  # bids
+        price = rec.column("price").to_numpy()
+        t = rec.column("t").to_numpy()
+        bidder = rec.column("bidder").to_numpy()
+        rows = np.stack([price, t, bidder], axis=1)
+        key_index = batch.key_index()
+        known = np.fromiter((a is not None for a in auctions), bool, n)
+        if not known.all():  # bids ahead of their auction wait for it
+            wait = np.flatnonzero(~known)
+            pending = state.pending.get(keys.take(wait))
+            stored = []
+            for j, i in enumerate(wait.tolist()):
+                mine = rows[offsets[i] : offsets[i + 1]]
+                stored.append(mine if pending[j] is None else np.concatenate([pending[j], mine]))
+            state.pending.put(keys.take(wait), stored)
+        if known.any():
+            lo = np.array([a[2] if a is not None else 0 for a in auctions], np.int64)
+            hi = np.array([a[3] if a is not None else -1 for a in auctions], np.int64)
+            inside = (t >= lo[key_index]) & (t <= hi[key_index])
+            if inside.any():
+                idx = np.flatnonzero(inside)
+                # per key, the winner among its bids in the window: sort, first of each key
+                order = idx[np.lexsort((bidder[idx], t[idx], -price[idx], key_index[idx]))]
+                ki = key_index[order]
+                first = order[np.r_[True, ki[1:] != ki[:-1]]]
+                for r in first.tolist():
+                    i = int(key_index[r])
+                    cand = (int(price[r]), int(t[r]), int(bidder[r]))
+                    if _better(cand, best[i]):
+                        previous.append(None if best[i] is None else best[i][0])
+                        best[i] = cand
+                        changed.append(i)
+    if not changed:
+        return None
+    idx = np.array(changed, np.int64)
+    version = np.asarray(version, np.int64).copy()
+    version[idx] += 1
+    sub = keys.take(idx)
+    state.best.put(sub, [best[i] for i in changed])
+    state.version.put(sub, version[idx])
+    won = [best[i] for i in changed]
+    auc = [auctions[i] for i in changed]
+    out = {
+        batch.key_column: keys.keys.take(pa.array(idx)),
+        "seller": pa.array([a[0] for a in auc], pa.int64()),
+        "category": pa.array([a[1] for a in auc], pa.int64()),
+        "bidder": pa.array([w[2] for w in won], pa.int64()),
+        "price": pa.array([w[0] for w in won], pa.int64()),
+        "bid_dateTime": _ts([w[1] for w in won]),
+        "prev_price": pa.array(previous, pa.int64()),
+        VERSION: pa.array(version[idx], pa.int64()),
+    }
+    _carry_meta(batch, idx, out)
+    return pa.RecordBatch.from_pydict(out)
+
+
+def _carry_meta(batch: rs.KeyedBatch, idx: np.ndarray, out: dict[str, Any]) -> None:
+    """The changed keys' oldest ingest_ts and newest event_time of this batch."""
+    names = batch.records.schema.names
+    if "ingest_ts" in names:
+        out["ingest_ts"] = pa.array(batch.reduce("ingest_ts", "min")[idx], pa.int64())
+    if "event_time" in names:
+        out["event_time"] = pa.array(batch.reduce("event_time", "max")[idx], pa.int64())
+
+
+def _winners(inputs: dict[str, rs.Stream], prefix: str, parallel_name: str) -> rs.Stream:
+    def auction_cols(batch: pa.RecordBatch) -> pa.RecordBatch:
+        return _with_meta(
+            batch,
+            {
+                "id": batch.column("id"),
+                "seller": batch.column("seller"),
+                "category": batch.column("category"),
+                "start": pa.array(_ms(batch.column("dateTime"))),
+                "expires": pa.array(_ms(batch.column("expires"))),
+            },
+        )
+
+    def bid_cols(batch: pa.RecordBatch) -> pa.RecordBatch:
+        return _with_meta(
+            batch,
+            {
+                "auction": batch.column("auction"),
+                "price": batch.column("price"),
+                "t": pa.array(_ms(batch.column("dateTime"))),
+                "bidder": batch.column("bidder"),
+            },
+        )
+
+    auctions = inputs["auction"].apply(rs.map_batches(auction_cols, name=f"{prefix}_auctions"))
+    bids = inputs["bid"].apply(rs.map_batches(bid_cols, name=f"{prefix}_bids"))
+    return (
+        auctions.key_by("id")
+        .connect(bids.key_by("auction"))
+        .apply(auction_winner, name=parallel_name)
+    )
+
+
+def _q9(inputs: dict[str, rs.Stream]) -> rs.Stream:
+    return _winners(inputs, "q9", "q9")
+
+
+# --------------------------------------------------------------------------------------------
+# q4: the average winning price per category (updating)
+
+
+@rs.keyed_batches(
+    name="category_average",
+    state={
+        "sum": rs.ValueState(int, default=0),
+        "count": rs.ValueState(int, default=0),
+        "version": rs.ValueState(int, default=0),
+    },
+)
+def category_average(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    """Per category, the integer average (truncated) of its auctions' current winning prices.
+    A winner's update replaces its previous price in the sum (``prev_price``); the first one
+    of an auction also counts it. Additions commute, so the order updates come in (also across
+    a rescale of the step before) does not change the final value."""
+    price = batch.records.column("price").to_numpy()
+    prev = batch.records.column("prev_price")
+    first = prev.is_null().to_numpy(zero_copy_only=False)
+    delta = price - np.where(first, 0, prev.fill_null(0).to_numpy())
+    starts = batch.offsets[:-1]
+    total = state.sum.get(batch.keys) + np.add.reduceat(delta, starts)
+    count = state.count.get(batch.keys) + np.add.reduceat(first.astype(np.int64), starts)
+    version = state.version.get(batch.keys) + 1
+    state.sum.put(batch.keys, total)
+    state.count.put(batch.keys, count)
+    state.version.put(batch.keys, version)
+    return batch.output({"id": batch.keys.keys, "final": total // count, VERSION: version})
+
+
+def _q4(inputs: dict[str, rs.Stream]) -> rs.Stream:
+    winners = _winners(inputs, "q4", "q4")
+    return winners.key_by("category").apply(category_average, name="q4_average")
+
+
+# --------------------------------------------------------------------------------------------
+# q5: the hottest auctions of every hopping window (10 s, every 2 s)
+
+
+@rs.keyed_batches(
+    name="hot_items",
+    state={"top": rs.ValueState(object), "version": rs.ValueState(int, default=0)},
+)
+def hot_items(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
+    """Keyed by hop window start: the highest bid count among the window's auctions and every
+    auction that has it (ties kept, in arrival order). A new row, with the key's ``_version``,
+    whenever that changes. A window's counts come once each (the window step emits an auction's
+    count when the window closes), so this is the join of AuctionBids with MaxBids of the query,
+    updated as counts come, without depending on when they come."""
+    top = state.top.get(batch.keys)
+    num = batch.records.column("num").to_numpy()
+    auction = batch.records.column("auction").to_numpy()
+    offsets = batch.offsets
+    changed: list[int] = []
+    for i in range(len(top)):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        best = int(num[lo:hi].max())
+        ties = auction[lo:hi][num[lo:hi] == best].tolist()
+        old = top[i]
+        if old is None or best > old[0]:
+            top[i] = (best, ties)
+        elif best == old[0]:
+            top[i] = (best, old[1] + ties)
+        else:
+            continue
+        changed.append(i)
+    if not changed:
+        return None
+    idx = np.array(changed, np.int64)
+    sub = batch.keys.take(idx)
+    version = state.version.get(sub) + 1
+    state.top.put(sub, [top[i] for i in changed])
+    state.version.put(sub, version)
+    out = {
+        "hop_start": batch.keys.keys.take(pa.array(idx)),
+        "num": pa.array([top[i][0] for i in changed], pa.int64()),
+        "auctions": pa.array([top[i][1] for i in changed], pa.list_(pa.int64())),
+        VERSION: pa.array(version, pa.int64()),
+    }
+    _carry_meta(batch, idx, out)
+    return pa.RecordBatch.from_pydict(out)
+
+
+def _q5(inputs: dict[str, rs.Stream]) -> rs.Stream:
+    counts = (
+        inputs["bid"]
+        .key_by("auction")
+        .apply(windows.sliding(10_000, 2_000, ops.count(name="num"), name="q5"))
+    )  # auction, window_start, window_end, num; event_time = window_end - 1
+
+    def by_window(batch: pa.RecordBatch) -> pa.RecordBatch:
+        return _with_meta(
+            batch,
+            {
+                "hop_start": batch.column("window_start"),
+                "auction": batch.column("auction"),
+                "num": batch.column("num"),
+            },
+        )
+
+    return (
+        counts.apply(rs.map_batches(by_window, name="q5_by_window"))
+        .key_by("hop_start")
+        .apply(hot_items, name="q5_hot")
+    )  # hop_start, num, auctions, _version
+
+
+def _q5_finish(cols: dict[str, Any]) -> dict[str, Any]:
+    auctions = cols["auctions"]
+    if isinstance(auctions, pa.ChunkedArray):
+        auctions = auctions.combine_chunks()
+    parent = pc.list_parent_indices(auctions)
+    start = pc.take(cols["hop_start"], parent)
+    return {
+        "auction": pc.list_flatten(auctions).cast(pa.int64()),
+        "num": pc.take(cols["num"], parent),
+        "window_start": start,
+        "window_end": pc.add(start, 10_000),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# q7: the highest bids of every 10 s window
+
+
+_Q7_COLS = ("auction", "price", "bidder", "t", "ingest_ts")  # int64 columns kept per row
+
+
+def _rows_of(rec: pa.RecordBatch, idx: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """Rows ``idx`` of ``rec`` as an int64 (n, 5) array of :data:`_Q7_COLS` and the extras."""
+    cols = [rec.column(c).to_numpy(zero_copy_only=False)[idx] for c in _Q7_COLS]
+    return np.stack(cols, axis=1).astype(np.int64), rec.column("extra").take(
+        pa.array(idx)
+    ).to_pylist()
+
+
+def _q7_fire(timers: Any, state: Any) -> pa.RecordBatch | None:
+    """A window's bids with its top price (its own, and those exactly at its end)."""
+    values = state.get(timers.keyset)
+    parts, extras, ends = [], [], []
+    for w, v in zip(timers.keys.to_pylist(), values, strict=True):
+        if v is None or v[0] is None:
+            continue
+        top, own, own_extra, edge, edge_extra = v
+        hit = edge[:, 1] == top
+        rows = np.concatenate([own, edge[hit]])
+        parts.append(rows)
+        extras.extend(own_extra + [e for e, h in zip(edge_extra, hit.tolist(), strict=True) if h])
+        ends.append(np.full(len(rows), w + 10_000, np.int64))
+    state.delete(timers.keyset)
+    if not parts:
+        return None
+    rows = np.concatenate(parts)
+    end = np.concatenate(ends)
+    return pa.RecordBatch.from_pydict(
+        {
+            "auction": pa.array(rows[:, 0]),
+            "price": pa.array(rows[:, 1]),
+            "bidder": pa.array(rows[:, 2]),
+            "dateTime": _ts(rows[:, 3]),
+            "extra": pa.array(extras, pa.string()),
+            "window_end": pa.array(end),
+            "event_time": pa.array(end - 1),
+            "ingest_ts": pa.array(rows[:, 4]),
+        }
+    )
+
+
+@rs.keyed_batches(name="window_top_bids", state=rs.ValueState(object), on_timer=_q7_fire)
+def window_top_bids(batch: rs.KeyedBatch, state: Any) -> None:
+    """Keyed by window start ``w``: the top price of the bids in ``[w, w + 10 s)`` and the bids
+    that have it, plus the bids at exactly ``w + 10 s`` (``edge``) that may match it (the
+    query's BETWEEN includes the window's end). Emitted when the watermark passes the end."""
+    rec = batch.records
+    price = rec.column("price").to_numpy()
+    edge = rec.column("edge").to_numpy(zero_copy_only=False)
+    values = state.get(batch.keys)
+    offsets = batch.offsets
+    for i in range(len(values)):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        top, own, own_extra, old_edge, edge_extra = values[i] or (
+            None,
+            np.empty((0, 5), np.int64),
+            [],
+            np.empty((0, 5), np.int64),
+            [],
+        )
+        mine = np.arange(lo, hi)
+        is_own = ~edge[lo:hi]
+        if is_own.any():
+            new_top = int(price[mine[is_own]].max())
+            if top is None or new_top > top:
+                top, own, own_extra = new_top, own[:0], []
+            if new_top == top:
+                r, e = _rows_of(rec, mine[is_own][price[mine[is_own]] == top])
+                own, own_extra = np.concatenate([own, r]), own_extra + e
+        if (~is_own).any():
+            r, e = _rows_of(rec, mine[~is_own])
+            old_edge, edge_extra = np.concatenate([old_edge, r]), edge_extra + e
+        if top is not None and len(old_edge):  # an edge bid below the top can never match
+            keep = old_edge[:, 1] >= top
+            old_edge = old_edge[keep]
+            edge_extra = [x for x, k in zip(edge_extra, keep.tolist(), strict=True) if k]
+        values[i] = (top, own, own_extra, old_edge, edge_extra)
+    state.put(batch.keys, values)
+    batch.timers.register(batch.keys.keys.to_numpy() + 10_000)  # all bids <= the end are in
+    return None
+
+
+def _q7_windows(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Each bid keyed by its window start ``w``; a bid exactly on a boundary also goes to the
+    window that ends there (``edge``)."""
+    t = _ms(batch.column("dateTime"))
+    w = t - t % 10_000
+    on_edge = np.flatnonzero(t % 10_000 == 0)
+    idx = np.concatenate([np.arange(len(t)), on_edge])
+    window = np.concatenate([w, w[on_edge] - 10_000])
+    edge = np.zeros(len(idx), bool)
+    edge[len(t) :] = True
+    take = pa.array(idx)
+    cols = {
+        "w": pa.array(window),
+        "edge": pa.array(edge),
+        "t": pa.array(t[idx]),
+        **{c: batch.column(c).take(take) for c in ("auction", "price", "bidder", "extra")},
+    }
+    for c in META:
+        if c in batch.schema.names:
+            cols[c] = batch.column(c).take(take)
+    return pa.RecordBatch.from_pydict(cols)
+
+
+def _q7(inputs: dict[str, rs.Stream]) -> rs.Stream:
+    return (
+        inputs["bid"]
+        .apply(rs.map_batches(_q7_windows, name="q7_windows"))
+        .key_by("w")
+        .apply(window_top_bids, name="q7")
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# q8: new persons who opened an auction in the same 10 s window
+
+
+_NEW_SELLER_STATE = {
+    "persons": rs.ValueState(object),  # {window start: [names]} of the persons with this id
+    "windows": rs.ValueState(object),  # window starts in which this id sold something
+    "emitted": rs.ValueState(object),  # (window start, name) pairs already emitted
+}
+
+
+@rs.keyed_batches(name="new_sellers", state=_NEW_SELLER_STATE)
+def new_sellers(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
+    """Keyed by person id = seller: input 0 persons (name, w), input 1 auctions (w), ``w`` the
+    10 s window start. Emits (id, name, w) once, as soon as a person and an auction of theirs
+    are seen in the same window. A window's entries are dropped once the watermark passed its
+    end (nothing of it can come any more)."""
+    keys, offsets, rec = batch.keys, batch.offsets, batch.records
+    persons = state.persons.get(keys)
+    windows_ = state.windows.get(keys)
+    emitted = state.emitted.get(keys)
+    w = rec.column("w").to_numpy()
+    names = rec.column("name").to_pylist() if batch.input == 0 else None
+    closed = batch.watermark - 10_000  # windows starting at or before this are complete
+    out_idx: list[int] = []
+    out_name: list[str] = []
+    out_w: list[int] = []
+    for i in range(len(keys)):
+        ps = {k: v for k, v in (persons[i] or {}).items() if k > closed}
+        ws = {x for x in (windows_[i] or set()) if x > closed}
+        done = {x for x in (emitted[i] or set()) if x[0] > closed}
+        for r in range(int(offsets[i]), int(offsets[i + 1])):
+            if names is not None:
+                ps.setdefault(int(w[r]), []).append(names[r])
+            else:
+                ws.add(int(w[r]))
+        for start in ws:
+            for name in ps.get(start, ()):
+                if (start, name) not in done:
+                    done.add((start, name))
+                    out_idx.append(i)
+                    out_name.append(name)
+                    out_w.append(start)
+        persons[i], windows_[i], emitted[i] = ps or None, ws or None, done or None
+    store_all = (
+        (state.persons, persons),
+        (state.windows, windows_),
+        (state.emitted, emitted),
+    )
+    for handle, values in store_all:
+        present = np.fromiter((v is not None for v in values), bool, len(values))
+        if present.any():
+            handle.put(keys.take(np.flatnonzero(present)), [v for v in values if v is not None])
+        if not present.all():
+            handle.delete(keys.take(np.flatnonzero(~present)))
+    if not out_idx:
+        return None
+    idx = np.array(out_idx, np.int64)
+    out = {
+        "id": keys.keys.take(pa.array(idx)),
+        "name": pa.array(out_name, pa.string()),
+        "stime": pa.array(out_w, pa.int64()),
+    }
+    _carry_meta(batch, idx, out)
+    return pa.RecordBatch.from_pydict(out)
+
+
+def _window_of(columns: tuple[str, ...], name: str) -> rs.Operator:
+    def window(batch: pa.RecordBatch) -> pa.RecordBatch:
+        t = _ms(batch.column("dateTime"))
+        cols = {c: batch.column(c) for c in columns}
+        cols["w"] = pa.array(t - t % 10_000)
+        return _with_meta(batch, cols)
+
+    return rs.map_batches(window, name=name)
+
+
+def _q8(inputs: dict[str, rs.Stream]) -> rs.Stream:
+    persons = inputs["person"].apply(_window_of(("id", "name"), "q8_persons"))
+    sellers = inputs["auction"].apply(_window_of(("seller",), "q8_auctions"))
+    return persons.key_by("id").connect(sellers.key_by("seller")).apply(new_sellers, name="q8")
+
+
+# --------------------------------------------------------------------------------------------
+# q11: bids per bidder session (10 s of inactivity ends one)
+
+# The session operator merges records *less than* gap apart, into [first, last + gap). Flink
+# merges session windows [t, t + 10 s) that touch, i.e. bids at most 10 s apart: with integer
+# ms that is "less than 10,001 ms apart", and the session's end is then window_end - 1.
+_Q11_GAP_MS = 10_001
+
+
+def _q11(inputs: dict[str, rs.Stream]) -> rs.Stream:
+    return (
+        inputs["bid"]
+        .key_by("bidder")
+        .apply(windows.session(_Q11_GAP_MS, ops.count(name="bid_count"), name="q11"))
+    )
+
+
+def _q11_finish(cols: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "bidder": cols["bidder"],
+        "bid_count": cols["bid_count"],
+        "starttime": cols["window_start"],
+        "endtime": pc.subtract(cols["window_end"], _Q11_GAP_MS - 10_000),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# the registry
+
+
+@dataclass(frozen=True)
+class Query:
+    """One query: the tables it reads, how to build it, the step that ``--parallelism`` (and a
+    rescale, when keyed) applies to, whether its result is updating (then ``key`` names a
+    result row), and ``finish``: sink rows -> the result's columns (row by row)."""
+
+    name: str
+    tables: tuple[str, ...]
+    build: Callable[[dict[str, rs.Stream]], rs.Stream]
+    step: str
+    keyed: bool = False
+    updating: bool = False
+    windowed: bool = False
+    key: tuple[str, ...] = ()
+    finish: Callable[[pa.Table], pa.Table] | None = None
+
+
+def _stateless(
+    name: str, fn: Callable[[pa.RecordBatch], Any]
+) -> Callable[[dict[str, rs.Stream]], rs.Stream]:
+    def build(inputs: dict[str, rs.Stream]) -> rs.Stream:
+        return inputs["bid"].apply(rs.map_batches(fn, name=name))
+
+    return build
+
+
+QUERIES: dict[str, Query] = {
+    "q0": Query("q0", ("bid",), _stateless("q0", q0_passthrough), "q0"),
+    "q1": Query("q1", ("bid",), _stateless("q1", q1_currency), "q1"),
+    "q2": Query("q2", ("bid",), _stateless("q2", q2_selection), "q2"),
+    "q3": Query("q3", ("person", "auction"), _q3, "q3", keyed=True),
+    "q4": Query("q4", ("auction", "bid"), _q4, "q4", keyed=True, updating=True, key=("id",)),
+    "q5": Query(
+        "q5",
+        ("bid",),
+        _q5,
+        "q5",
+        keyed=True,
+        updating=True,
+        windowed=True,
+        key=("hop_start",),
+        finish=_as_rows(_q5_finish),
+    ),
+    "q7": Query("q7", ("bid",), _q7, "q7", keyed=True, windowed=True),
+    "q8": Query("q8", ("person", "auction"), _q8, "q8", keyed=True, windowed=True),
+    "q9": Query("q9", ("auction", "bid"), _q9, "q9", keyed=True, updating=True, key=("id",)),
+    "q11": Query(
+        "q11", ("bid",), _q11, "q11", keyed=True, windowed=True, finish=_as_rows(_q11_finish)
+    ),
+}
+
+
+def _supports_event_time() -> bool:
+    return "event_time" in inspect.signature(rs.Dataflow.source).parameters
+
+
+def build_flow(
+    query: str,
+    sources: Mapping[str, Any],
+    sink: Any,
+    *,
+    max_out_of_orderness_ms: int = 0,
+    num_key_groups: int = 128,
+    name: str | None = None,
+) -> tuple[rs.Dataflow, Query]:
+    """The dataflow of ``query`` over ``sources`` (table name -> raystream source), ending in
+    ``sink`` (step name :data:`SINK`). With a runtime that knows event time, each source's
+    event time is its ``dateTime`` column, with watermarks ``max_out_of_orderness_ms`` behind."""
+    if query not in QUERIES:
+        msg = f"query {query!r} is not built as a raystream dataflow; built: {sorted(QUERIES)}"
+        raise KeyError(msg)
+    spec = QUERIES[query]
+    missing = [t for t in spec.tables if t not in sources]
+    if missing:
+        msg = f"{query} reads tables {list(spec.tables)}; no source given for {missing}"
+        raise rs.ConfigError(msg)
+    flow = rs.Dataflow(name or f"nexmark-{query}", num_key_groups=num_key_groups)
+    inputs: dict[str, rs.Stream] = {}
+    for table in spec.tables:
+        kwargs: dict[str, Any] = {"name": table}
+        if _supports_event_time():
+            kwargs.update(event_time="dateTime", max_out_of_orderness_ms=max_out_of_orderness_ms)
+        inputs[table] = flow.source(sources[table], **kwargs)
+    spec.build(inputs).sink(sink, name=SINK)
+    return flow, spec
+
+
+def final_result(query: str, table: pa.Table) -> pa.Table:
+    """The final result from what the sink received: for an updating query the row of the
+    highest ``_version`` per key; canonical (columns, types, order) as the oracle's."""
+    spec = QUERIES[query]
+    if spec.updating and table.num_rows:
+        table = latest_by_version(table, spec.key)
+    if spec.finish is not None:
+        table = spec.finish(table)
+    return oracle.canonical(query, table)
+
+
+def latest_by_version(table: pa.Table, key: tuple[str, ...]) -> pa.Table:
+    """Per ``key``, the row with the highest ``_version`` (a key's versions are unique)."""
+    if table.num_rows == 0:
+        return table
+    order = pc.sort_indices(
+        table, sort_keys=[*((k, "ascending") for k in key), (VERSION, "descending")]
+    ).to_numpy()
+    keys = [table.column(k).to_numpy().astype(np.int64)[order] for k in key]
+    new = np.zeros(len(order), bool)
+    new[0] = True
+    for k in keys:
+        new[1:] |= k[1:] != k[:-1]
+    return table.take(pa.array(order[new]))

@@ -1,0 +1,119 @@
+"""NEXMark queries as raystream dataflows against the DuckDB oracle (bench/nexmark).
+
+Every built query runs at parallelism 1 and 3 over a small generated input (Parquet files, one
+source per table); every stateful one once more with a live rescale under meces. The final
+result must equal the oracle's exactly (same rows, same types).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _import(name: str) -> Any:
+    root = str(REPO)
+    added = root not in sys.path
+    if added:
+        sys.path.insert(0, root)
+    try:
+        return importlib.import_module(name)
+    finally:
+        if added:
+            sys.path.remove(root)
+
+
+generator = _import("bench.nexmark.generator")
+oracle = _import("bench.nexmark.oracle")
+queries = _import("bench.nexmark.queries")
+cli = _import("bench.nexmark.cli")
+
+BUILT = sorted(queries.QUERIES, key=lambda q: int(q[1:]))
+STATEFUL = [q for q in BUILT if queries.QUERIES[q].keyed]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ship_bench() -> None:
+    """Ray workers cannot import bench/ (not installed): its modules travel by value."""
+    from ray import cloudpickle
+
+    for name in ("bench.nexmark.queries", "bench.nexmark.cli", "bench.nexmark.oracle"):
+        cloudpickle.register_pickle_by_value(sys.modules[name])
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """60,000 events at 2,000 events/s of event time: 30 s of auctions, several windows."""
+    out = tmp_path_factory.mktemp("nexmark")
+    generator.write_parquet(generator.NexmarkConfig(events=60_000, rate_eps=2_000, seed=42), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(data: Path) -> dict[str, Any]:
+    return {q: oracle.run(q, data) for q in BUILT}
+
+
+def _run(query: str, data: Path, parallelism: int, **kw: Any) -> Any:
+    spec = queries.QUERIES[query]
+    sources = cli.table_sources(data, spec.tables, batch_rows=4096)
+    result = cli.run_query(query, sources, parallelism=parallelism, timeout_s=120, **kw)
+    assert result.state == "finished", result.state
+    return result
+
+
+@pytest.mark.parametrize("parallelism", [1, 3])
+@pytest.mark.parametrize("query", BUILT)
+def test_query_equals_oracle(query: str, parallelism: int, data: Path, expected: Any) -> None:
+    result = _run(query, data, parallelism, batch_rows=4096, linger_ms=2)
+    got = queries.final_result(query, result.table(queries.SINK))
+    want = expected[query]
+    assert want.num_rows > 0, "the input must exercise the query"
+    assert got.num_rows == want.num_rows
+    assert got.equals(want)
+    step = queries.QUERIES[query].step
+    assert len(result.step_metrics(step)) == parallelism
+
+
+# Queries whose rescaled step is an event-time window of raystream.operators.windows: records
+# that a new owner buffers while their sub-group's state is on its way are processed after
+# the instance's watermark passed them, so the window step finds them late (seen as an
+# AttributeError for rs.Outputs, the side output the late records go to, not in the runtime
+# yet). A runtime issue (watermark vs meces buffering), not of these dataflows; it shows up
+# in some runs only, hence not strict.
+LATE_AFTER_MOVE = {"q5", "q11"}
+
+
+def _rescale_param(q: str) -> Any:
+    if q not in LATE_AFTER_MOVE:
+        return q
+    reason = "runtime: records buffered during a meces move are late once processed"
+    return pytest.param(q, marks=pytest.mark.xfail(strict=False, reason=reason))
+
+
+@pytest.mark.parametrize("query", [_rescale_param(q) for q in STATEFUL])
+def test_query_equals_oracle_across_a_live_rescale(query: str, data: Path, expected: Any) -> None:
+    spec = queries.QUERIES[query]
+    sources = cli.table_sources(data, spec.tables, batch_rows=2048, replay_rate_eps=40_000)
+    errors: list[str] = []
+    result = cli.run_query(
+        query,
+        sources,
+        parallelism=2,
+        rescales=[(3, 0.6)],
+        strategy="meces",
+        timeout_s=120,
+        errors=errors,
+        batch_rows=2048,
+        linger_ms=2,
+    )
+    assert errors == []
+    assert [r["to"] for r in result.rescales] == [3]
+    got = queries.final_result(query, result.table(queries.SINK))
+    assert got.equals(expected[query])
