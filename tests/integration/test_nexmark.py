@@ -81,23 +81,7 @@ def test_query_equals_oracle(query: str, parallelism: int, data: Path, expected:
     assert len(result.step_metrics(step)) == parallelism
 
 
-# Queries whose rescaled step is an event-time window of raystream.operators.windows: records
-# that a new owner buffers while their sub-group's state is on its way are processed after
-# the instance's watermark passed them, so the window step finds them late (seen as an
-# AttributeError for rs.Outputs, the side output the late records go to, not in the runtime
-# yet). A runtime issue (watermark vs meces buffering), not of these dataflows; it shows up
-# in some runs only, hence not strict.
-LATE_AFTER_MOVE = {"q5", "q11"}
-
-
-def _rescale_param(q: str) -> Any:
-    if q not in LATE_AFTER_MOVE:
-        return q
-    reason = "runtime: records buffered during a meces move are late once processed"
-    return pytest.param(q, marks=pytest.mark.xfail(strict=False, reason=reason))
-
-
-@pytest.mark.parametrize("query", [_rescale_param(q) for q in STATEFUL])
+@pytest.mark.parametrize("query", STATEFUL)
 def test_query_equals_oracle_across_a_live_rescale(query: str, data: Path, expected: Any) -> None:
     spec = queries.QUERIES[query]
     sources = cli.table_sources(data, spec.tables, batch_rows=2048, replay_rate_eps=40_000)
