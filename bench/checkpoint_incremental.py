@@ -15,6 +15,7 @@ a dict of all keys.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -40,8 +41,10 @@ def _encode(keys: np.ndarray) -> list[bytes]:
 @click.option("--flushes", default=2, show_default=True, help="SST files of the first state")
 @click.option("--rounds", default=6, show_default=True)
 @click.option("--seed", default=1, show_default=True)
-def main(keys: int, changed: float, flushes: int, rounds: int, seed: int) -> None:
+@click.option("--report", type=click.Path(dir_okay=False), default=None, help="write JSON here")
+def main(keys: int, changed: float, flushes: int, rounds: int, seed: int, report: str | None) -> None:
     rng = np.random.default_rng(seed)
+    lines: list[dict[str, object]] = []
     oracle: dict[bytes, bytes] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -72,12 +75,24 @@ def main(keys: int, changed: float, flushes: int, rounds: int, seed: int) -> Non
             for c in read_snapshot_key_groups(local, range(NUM_KEY_GROUPS)):
                 rows.update(zip(c.column(0).to_pylist(), c.column(1).to_pylist(), strict=True))
             assert rows == oracle, f"checkpoint {cid} does not restore the state it was taken of"
+            lines.append(
+                {
+                    "checkpoint": cid,
+                    "uploaded_bytes": state["uploaded_bytes"],
+                    "referenced_bytes": state["referenced_bytes"],
+                    "uploaded_pct_of_first": round(100 * state["uploaded_bytes"] / first, 2),
+                    "sst_files": len(ssts),
+                }
+            )
             click.echo(
                 f"checkpoint {cid}: uploaded {state['uploaded_bytes']:>10,} B "
                 f"({100 * state['uploaded_bytes'] / first:5.1f}% of the first), referenced "
                 f"{state['referenced_bytes']:>10,} B, SSTs {ssts}"
             )
         db.close()
+    if report:
+        config = {"keys": keys, "value_bytes": 100, "changed": changed, "rounds": rounds}
+        Path(report).write_text(json.dumps({"config": config, "checkpoints": lines}, indent=1))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,8 @@ class Controller(Recovery):
     async def start(self, self_handle: Any) -> dict[str, Any]:
         """Create every instance actor, wire the channels, start the loops (sources last)."""
         self._self = self_handle
+        if self.config.checkpoint_interval_s > 0 or self.config.checkpoint_dir:
+            await asyncio.to_thread(lambda: self.storage)  # not writable: fail now, say where
         if self.restore_from is not None:
             manifest = await self._resolve_restore(*self.restore_from)
             self._replan(manifest, self.state_dir)

@@ -298,6 +298,9 @@ def test_savepoint_restores_at_another_parallelism(tmp_path: Path) -> None:
 
 def test_incompatible_or_missing_restore_points_are_refused(tmp_path: Path) -> None:
     out = tmp_path / "out"
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(rs.CheckpointError, match="is a file"):
+        _start(_flow("rec-badchk", out, 1000, 0), tmp_path, checkpoint_dir=str(tmp_path / "a-file"))
     with pytest.raises(rs.CheckpointError, match="no complete checkpoint"):
         _start(_flow("rec-none", out, 1000, 0), tmp_path, from_checkpoint="latest")
     job = _start(_flow("rec-compat", out, 100_000, 50_000), tmp_path, checkpoint_interval_s=0.0)
