@@ -314,3 +314,52 @@ def test_incompatible_or_missing_restore_points_are_refused(tmp_path: Path) -> N
     )
     with pytest.raises(rs.CheckpointError, match=r"(?s)counter.*num_key_groups was 64"):
         _start(other, tmp_path, parallelism={"counter": 2}, from_savepoint=str(tmp_path / "sp"))
+
+
+def test_a_hung_instance_is_killed_and_the_job_recovers(tmp_path: Path) -> None:
+    """An operator whose event loop blocks (here: once, on its first batch) answers no
+    heartbeat; after heartbeat_timeout_s it is killed and the job recovers, exactly once."""
+    marker = tmp_path / "stalled-once"
+
+    @rs.map_batches
+    def stall_once(batch: pa.RecordBatch) -> pa.RecordBatch:
+        if not marker.exists():
+            marker.write_text("x")
+            time.sleep(60)  # blocks the actor's event loop
+        return batch
+
+    out = tmp_path / "out"
+    events = 100_000
+    gen = rs.sources.generator(events=events, keys=KEYS, zipf=1.1, seed=11, rate_eps=40_000)
+    flow = rs.Dataflow("rec-hung", num_key_groups=64, sub_groups=8)
+    (
+        flow.source(gen)
+        .apply(stall_once, name="stall")
+        .key_by("key")
+        .apply(running_count, name="count")
+        .sink(rs.sinks.parquet(str(out)), name="out")
+    )
+    job = _start(flow, tmp_path, heartbeat_timeout_s=2.0)
+    try:
+        result = job.wait(120)
+    finally:
+        job.cancel()
+    _check_recovered(result, 1, "stall")
+    assert "answered no heartbeat" in result.recoveries[0]["cause"]
+    assert_exactly_once(out, events)
+
+
+def test_a_user_error_reaches_the_caller_with_its_traceback(tmp_path: Path) -> None:
+    @rs.map_batches
+    def broken_parser(batch: pa.RecordBatch) -> pa.RecordBatch:
+        raise ValueError("price column holds 'abc'")
+
+    gen = rs.sources.generator(events=10_000, keys=10)
+    flow = rs.Dataflow("rec-traceback")
+    flow.source(gen).apply(broken_parser, name="parse").sink(rs.sinks.collect(), name="out")
+    with pytest.raises(rs.JobFailedError) as info:
+        rs.run(flow, timeout_s=60)
+    text = str(info.value)
+    assert "step 'parse', instance 0: ValueError: price column holds 'abc'" in text
+    assert "Traceback" in text and "in broken_parser" in text
+    assert info.value.step == "parse"  # type: ignore[attr-defined]
