@@ -432,3 +432,13 @@ def test_watermarks_travel_only_where_rows_can(tmp_path: Path) -> None:
     # map 1 saw source 0's mark but only forwarded the end of input (+inf) of its own input
     from_map1 = [item for r, item in sent if isinstance(item, Watermark) and r[0] == "sink_0"]
     assert from_map1 == [Watermark(WATERMARK_MAX)]
+
+
+def test_run_local_reports_a_failing_step(tmp_path: Path) -> None:
+    def boom(record: dict) -> dict:
+        raise ValueError("bad record")
+
+    flow = rs.Dataflow("local-fail")
+    flow.source(rs.sources.from_table(pa.table({"x": [1, 2]}))).map(boom).sink(rs.sinks.collect())
+    with pytest.raises(rs.JobFailedError, match="bad record"):
+        asyncio.run(run_local(flow, state_dir=tmp_path, timeout_s=30))
