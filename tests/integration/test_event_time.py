@@ -133,6 +133,8 @@ def balance(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
 
 
 def test_connected_streams_rescale_under_meces_matches_duckdb() -> None:
+    """Deposits (2 source instances) and the union of two payment sources feed one keyed step
+    with shared state; it scales out under meces while records flow."""
     rng = np.random.default_rng(9)
     nd, np_ = 160_000, 120_000
     dep = pa.table({"account": rng.integers(0, 3000, nd), "amount": rng.integers(1, 100, nd)})
@@ -141,7 +143,9 @@ def test_connected_streams_rescale_under_meces_matches_duckdb() -> None:
     )
     flow = rs.Dataflow("et-connect", num_key_groups=32, sub_groups=8)
     d = flow.source(rs.sources.from_table(dep, rate_eps=40_000), name="deposits")
-    p = flow.source(rs.sources.from_table(pay, rate_eps=30_000), name="payments")
+    half = np_ // 2  # the payments come from two sources, unioned
+    p = flow.source(rs.sources.from_table(pay.slice(0, half), rate_eps=15_000), name="pay_a")
+    p = p.union(flow.source(rs.sources.from_table(pay.slice(half), rate_eps=15_000), name="pay_b"))
     (
         d.key_by("account")
         .connect(p.key_by("acct"))
