@@ -50,6 +50,7 @@ class RuntimeConfig:
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
     state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
     metrics_export_s: float = 1.0  # period of the Ray metrics (Prometheus) export; 0: off
+    rescale_timeout_s: float = 120.0  # a migration step not settled by then fails the job
 
     def __post_init__(self) -> None:
         from raystream.errors import ConfigError
@@ -61,6 +62,10 @@ class RuntimeConfig:
                 raise ConfigError(msg)
         if not isinstance(self.linger_ms, (int, float)) or self.linger_ms < 0:
             msg = f"linger_ms must be a number >= 0, got {self.linger_ms!r}"
+            raise ConfigError(msg)
+        t = self.rescale_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            msg = f"rescale_timeout_s must be a number of seconds > 0, got {t!r}"
             raise ConfigError(msg)
 
 
@@ -134,6 +139,9 @@ class OperatorInstance:
         self.rows_emitted = 0  # sources: rows sent so far (offset in their partition)
         self._pace: tuple[RateSchedule | None, float] = (None, 0.0)  # sources: schedule, start
         self._stop = False
+        self._barriers_closed = False  # sources: past the last barrier they will ever emit
+        self._outputs_closed = False  # EndOfStream sent (or being sent) on every output
+        self._unconnected: set[ChannelId] = set()  # new receivers not routed to yet
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
@@ -170,6 +178,22 @@ class OperatorInstance:
     @property
     def engine(self) -> MigrationEngine | None:
         return self.processor.engine if isinstance(self.processor, KeyedProcessor) else None
+
+    async def add_receivers(self, receivers: list[ChannelId]) -> None:
+        """New downstream instances (a scale-out of a step this one sends to). They get a
+        channel when the rescale barrier passes here (:meth:`_apply_rescale`). If this instance
+        ends its output before that (its input ended before the barrier came), they still get an
+        EndOfStream from it, now or when it ends, so they never wait for it."""
+        have = {c.receiver for _, channels in self.outputs for c in channels}
+        self._unconnected.update(r for r in receivers if r not in have)
+        if self._outputs_closed:
+            await self._end_unconnected()
+
+    async def _end_unconnected(self) -> None:
+        while self._unconnected:
+            channel = self._channel_to(self._unconnected.pop())
+            await channel.push(EndOfStream())
+            await channel.drain()
 
     def add_inputs(self, channels: list[ChannelId]) -> None:
         """New upstream instances (a scale-out of the step before this one). A channel id can
@@ -263,15 +287,21 @@ class OperatorInstance:
                 # rows already buffered per channel were split by the old table and go first
                 part.table = table
                 while len(channels) < table.parallelism:
-                    channels.append(self._channel_to((step, len(channels))))
+                    receiver = (step, len(channels))
+                    self._unconnected.discard(receiver)
+                    channels.append(self._channel_to(receiver))
 
     # ---- called by senders and the controller --------------------------------------------
     async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
         await self.inbox.put(channel, seq, item)
 
-    def inject_barrier(self, barrier: Barrier) -> None:
-        """Sources: emit ``barrier`` at the next batch boundary."""
+    def inject_barrier(self, barrier: Barrier) -> bool:
+        """Sources: emit ``barrier`` at the next batch boundary. False (barrier not taken) once
+        the source has passed the last point where it emits barriers: its input ended."""
+        if self._barriers_closed:
+            return False
         self._pending_barriers.append(barrier)
+        return True
 
     def stop(self) -> None:
         self._stop = True
@@ -427,6 +457,7 @@ class OperatorInstance:
                 self._pace = (pace, started)
             await asyncio.sleep(0)
         await self._emit_pending_barriers()
+        self._barriers_closed = True  # no await since the last look at _pending_barriers
         self.reader.close()
         await self._finish_outputs()
 
@@ -630,6 +661,7 @@ class OperatorInstance:
                     await c.flush()
 
     async def _finish_outputs(self) -> None:
+        self._outputs_closed = True  # receivers added from now on get EndOfStream at once
         for _, channels in self.outputs:
             for c in channels:
                 await c.flush()
@@ -637,6 +669,7 @@ class OperatorInstance:
         for _, channels in self.outputs:
             for c in channels:
                 await c.drain()
+        await self._end_unconnected()
 
 
 def _bind(sender: Sender, receiver: ChannelId, me: ChannelId) -> Callable[[Any], Awaitable[Any]]:
