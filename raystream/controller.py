@@ -340,10 +340,10 @@ class Controller:
     def _not_started(self, step: str, parallelism: int) -> str:
         """The message for a rescale the job's end overtook before any state moved."""
         return (
-            f"the job {self.flow.name!r} finished (its sources reached the end of their input) "
-            f"before the rescale of {step!r} to {parallelism} could start; nothing was moved, "
-            f"the step ran to the end at parallelism {self.parallelism[step]} and results are "
-            "exact. Rescale a job only while its sources still read"
+            f"job {self.flow.name!r} reached the end of its input before the rescale of {step!r} "
+            f"to {parallelism} could start: its sources had finished, so nothing was moved; "
+            f"{step!r} keeps parallelism {self.parallelism[step]} until the job finishes and "
+            "results stay exact. Rescale a job only while its sources still read"
         )
 
     async def _rescale(

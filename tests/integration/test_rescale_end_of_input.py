@@ -126,6 +126,9 @@ def test_a_job_that_ends_while_a_scale_out_is_prepared_gets_a_rescale_error() ->
     assert result.rescales == []
     out = pa.concat_tables([t for t in result.results["out"] if t is not None])
     assert_exact(out, prefix_counts(gen, events), events)
+    # a rescale sent once the job (and so its controller) ended: a RescaleError, not a dead actor
+    with pytest.raises(rs.RescaleError, match=r"finished before the rescale of 'count' to 3"):
+        live.job.rescale(STEP, 3, "meces")
 
 
 def test_a_rescale_that_does_not_settle_in_time_fails_the_job_naming_what_waits() -> None:
