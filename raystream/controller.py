@@ -198,7 +198,7 @@ class Controller(Recovery):
                     break
         if self.state != "running":
             return
-        self.state = "finished"
+        self.state = "failed" if self.error is not None else "finished"  # a rescale may fail it
         self.ended_at = time.time()
         await self._release()
 
@@ -209,6 +209,8 @@ class Controller(Recovery):
             if deadline is not None and time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)
+        if self.state not in ("created", "running"):
+            await self._rescales_settled(10.0)
         return self.outcome()
 
     def outcome(self) -> dict[str, Any]:
@@ -360,8 +362,11 @@ class Controller(Recovery):
                 if self.state != "running":
                     msg = f"job {self.flow.name!r} is {self.state}; only a running job can be rescaled"
                     raise RescaleError(msg)
+                switched: list[int] = []  # migration steps whose barrier a source emitted
                 try:
-                    return await self._rescale(step, parallelism, strat)
+                    return await self._rescale(step, parallelism, strat, switched)
+                except RescaleError:
+                    raise
                 except Exception as e:
                     await asyncio.sleep(0.5)  # let the watcher record an instance failure first
                     if self._attempt != attempt or self.state == "recovering":
@@ -376,6 +381,8 @@ class Controller(Recovery):
                         err = self.error
                         msg = f"job {self.flow.name!r} failed during the rescale, in instance {err['instance']}: {err['error']}"
                         raise JobFailedError(msg) from e
+                    if (self.state != "running" or self._sources_done()) and not switched:
+                        raise RescaleError(self._not_started(step, parallelism)) from e
                     if self.state != "running" or self._sources_done():
                         msg = (
                             f"job {self.flow.name!r} reached the end of its input while rescaling "
@@ -404,7 +411,21 @@ class Controller(Recovery):
             raise RescaleError(msg)
         return load_plugin(MIGRATION_STRATEGIES, strategy or self.config.migration, **args)
 
-    async def _rescale(self, step: str, parallelism: int, strategy: Any) -> dict[str, Any]:
+    def _not_started(self, step: str, parallelism: int) -> str:
+        """The message for a rescale the job's end overtook before any state moved."""
+        return (
+            f"job {self.flow.name!r} reached the end of its input before the rescale of {step!r} "
+            f"to {parallelism} could start: its sources had finished, so nothing was moved; "
+            f"{step!r} keeps parallelism {self.parallelism[step]} until the job finishes and "
+            "results stay exact. Rescale a job only while its sources still read"
+        )
+
+    async def _rescale(
+        self, step: str, parallelism: int, strategy: Any, switched: list[int]
+    ) -> dict[str, Any]:
+        """``switched`` gets the index of every migration step whose barrier a source emitted."""
+        if self._sources_done():
+            raise RescaleError(self._not_started(step, parallelism))
         t0 = time.time()
         old = self.routing[step]
         s = self.flow.key_space.sub_groups
@@ -425,6 +446,8 @@ class Controller(Recovery):
         moved: set[int] = set()
         policy = plan.policy
         for k, table in enumerate(plan.steps):
+            if self._sources_done() and not switched:
+                raise RescaleError(self._not_started(step, parallelism))
             if self._sources_done():
                 msg = f"the sources finished; {k} of {len(plan.steps)} migration steps were done"
                 raise RuntimeError(msg)
@@ -444,12 +467,19 @@ class Controller(Recovery):
                 if policy.full_restore:
                     await self._stop_and_restore(step, barrier, table, width, peers)
                 else:
-                    await asyncio.gather(
+                    taken = await asyncio.gather(
                         *(self.handles[i].inject_barrier.remote(barrier) for i in self.plan.sources)
                     )
-                stats += await asyncio.gather(
-                    *(peers[i].migration_done.remote(epoch) for i in range(width))
-                )
+                    if not any(taken):
+                        # every source had ended its output: no instance will see this barrier,
+                        # so nothing of this step moves; instances started for it get
+                        # EndOfStream from their (ended) upstream and finish empty
+                        if not switched:
+                            raise RescaleError(self._not_started(step, parallelism))
+                        msg = f"the sources finished; {k} of {len(plan.steps)} migration steps done"
+                        raise RuntimeError(msg)
+                switched.append(k)
+                stats += await self._await_migration(step, parallelism, epoch, peers, width)
             finally:
                 if policy.pause_sources:
                     await asyncio.gather(
@@ -484,6 +514,63 @@ class Controller(Recovery):
         }
         self.rescales.append(record)
         return record
+
+    async def _await_migration(
+        self, step: str, parallelism: int, epoch: int, peers: dict[int, Any], width: int
+    ) -> list[dict[str, Any]]:
+        """Every instance's statistics of migration step ``epoch`` once its part is done. If that
+        takes longer than ``rescale_timeout_s``, the job fails and a RescaleError says which
+        instances did not finish and what they were waiting for."""
+        calls = [
+            asyncio.ensure_future(_result_of(peers[i].migration_done.remote(epoch)))
+            for i in range(width)
+        ]
+        timeout_s = float(self.config.rescale_timeout_s)
+        _, pending = await asyncio.wait(
+            calls, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION
+        )
+        for c in pending:
+            c.cancel()
+        for c in calls:
+            error = None if c in pending else c.exception()
+            if error is not None:
+                raise error  # an instance's migration failed: the job fails with that error
+        if not pending:
+            return [c.result() for c in calls]
+        stuck = [i for i, c in enumerate(calls) if c in pending]
+        snaps = await asyncio.gather(
+            *(asyncio.wait_for(_result_of(peers[i].metrics.remote()), 10) for i in stuck),
+            return_exceptions=True,
+        )
+        waits = "; ".join(
+            f"{(step, i)} {_waiting_for(snap, epoch)}" for i, snap in zip(stuck, snaps, strict=True)
+        )
+        what = (
+            f"the rescale of {step!r} to {parallelism} (migration step epoch {epoch}) did not "
+            f"finish within rescale_timeout_s={timeout_s:g} s; {len(stuck)} of {width} instances "
+            f"had not finished their part: {waits}."
+        )
+        if self.config.checkpoint_interval_s > 0:  # a failure like any other: recover
+            for i in stuck:
+                self._hung[(step, i)] = f"RescaleError: {what}"
+                ray.kill(peers[i], no_restart=True)
+            msg = f"{what} Those instances were stopped; the job recovers from its latest checkpoint"
+            raise RescaleError(msg)
+        msg = (
+            f"{what} The job {self.flow.name!r} is failed and stopped; restart it (a larger "
+            "rescale_timeout_s if that much state has to move)"
+        )
+        self.error = {"instance": (step, stuck[0]), "error": f"RescaleError: {msg}"}
+        self.state = "failed"
+        await self._stop_all()
+        raise RescaleError(msg)
+
+    async def _rescales_settled(self, timeout_s: float) -> None:
+        """The job ended: give rescales still in flight or queued a moment to answer (with a
+        RescaleError) before the caller of :meth:`wait` ends this controller."""
+        deadline = time.monotonic() + timeout_s
+        while (self._rescale_lock.locked() or self._queued) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def _fill_standby(self) -> None:
         """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs."""
@@ -530,8 +617,9 @@ class Controller(Recovery):
         upstream = [
             iid
             for iid in self.specs
-            # a finished upstream instance never sends on a new channel: leave it out
-            if iid[0] in template.step.upstream and iid not in self.retired and iid not in self.outcomes
+            # an upstream instance that ended (or ends before the barrier reaches it) sends
+            # EndOfStream to the new instances when they are added (add_receivers)
+            if iid[0] in template.step.upstream and iid not in self.retired
         ]
         new: dict[ChannelId, Any] = {}
         for i in indexes:
@@ -631,6 +719,34 @@ async def _quietly(ref: Any) -> None:
         await ref
     except Exception:  # noqa: BLE001, S110 - the actor may already be gone
         pass
+
+
+async def _result_of(ref: Any) -> Any:
+    return await ref
+
+
+def _waiting_for(snap: Any, epoch: int) -> str:
+    """What one instance still waits for in migration step ``epoch``, from its metrics."""
+    if not isinstance(snap, dict):
+        return f"did not answer ({type(snap).__name__}: {snap})"
+    mig = snap.get("migration") or {}
+    if mig.get("epoch") != epoch:
+        return f"has no migration task of epoch {epoch} (it has {mig.get('epoch')})"
+    live = int(snap.get("inputs", 0)) - int(snap.get("eos", 0))
+    seen = int((snap.get("barriers_open") or {}).get(epoch, 0))
+    parts = []
+    if not mig.get("active"):
+        parts.append(f"has not seen the rescale barrier on any of its {live} live inputs")
+    elif not mig.get("sealed"):
+        parts.append(f"saw the rescale barrier on {seen} of {live} live inputs (not sealed)")
+    parts.append(
+        f"{mig.get('arrived', 0)}/{mig.get('incoming', 0)} sub-groups in "
+        f"({mig.get('requested', 0)} requested, {mig.get('pending_rows', 0)} records waiting)"
+    )
+    parts.append(f"{mig.get('outgoing_left', 0)} sub-groups still to hand out")
+    if snap.get("finished"):
+        parts.append("its input ended")
+    return ", ".join(parts)
 
 
 async def _outcome(ref: Any, iid: ChannelId) -> dict[str, Any]:

@@ -12,7 +12,13 @@ import pyarrow as pa
 import ray
 
 from raystream.dataflow import Dataflow
-from raystream.errors import RaystreamError, ConfigError, JobFailedError, JobNotFoundError
+from raystream.errors import (
+    ConfigError,
+    JobFailedError,
+    JobNotFoundError,
+    RaystreamError,
+    RescaleError,
+)
 from raystream.ingest import FeedContext
 from raystream.metrics import LatencyRecorder
 from raystream.runtime.actors import NAMESPACE, controller_actor_class, controller_name
@@ -78,12 +84,15 @@ class Job:
         self.name = name
         self.controller = controller
         self.feeders: list[Any] = list(feeders or [])  # driver-side writers (Spark) of this process
+        self._ended: str | None = None  # the final state wait()/stop() saw (controller then ends)
 
     def __repr__(self) -> str:
         return f"Job({self.name!r})"
 
     def wait(self, timeout_s: float | None = None) -> JobResult:
         out = ray.get(self.controller.wait.remote(timeout_s))
+        if out["state"] not in ("created", "running", "recovering"):
+            self._ended = out["state"]
         if out["state"] not in ("running", "recovering"):
             self._end_feeders(stop=out["state"] != "finished")
         return _result(out, self)
@@ -117,13 +126,25 @@ class Job:
         """Change the parallelism of keyed step ``step`` now; returns the migration's stats once
         all state settled (see ``migration/`` for strategies: meces, all_at_once, fluid, batched,
         lazy, stop_restart, or a ``"module:attr"`` of your own)."""
-        return ray.get(self.controller.rescale.remote(step, parallelism, strategy, **strategy_args))  # type: ignore[no-any-return]
+        try:
+            return ray.get(self.controller.rescale.remote(step, parallelism, strategy, **strategy_args))  # type: ignore[no-any-return]
+        except ray.exceptions.RayActorError as e:
+            if self._ended is None:
+                raise
+            # the job ended meanwhile (wait() or stop() in another thread) and so did its
+            # controller, before this rescale was answered
+            msg = (
+                f"job {self.name!r} {self._ended} before the rescale of {step!r} to {parallelism} "
+                "was answered, and its controller has ended; a job that ended cannot be rescaled"
+            )
+            raise RescaleError(msg) from e
 
     def stop(self, *, checkpoint: bool = True) -> JobResult | None:
         """Stop the job: first a final checkpoint (sinks publish what came before it; the job can
         resume from it with ``from_checkpoint="latest"``), then every instance ends.
         ``checkpoint=False`` is :meth:`cancel`. None if the job had already ended."""
         self._end_feeders(stop=True)
+        self._ended = self._ended or "stopped"
         try:
             out = ray.get(self.controller.stop.remote(checkpoint))
         except ray.exceptions.RayActorError:

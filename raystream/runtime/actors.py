@@ -96,8 +96,8 @@ class InstanceActor:
     async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
         await self._instance.push(channel, seq, item)
 
-    async def inject_barrier(self, barrier: Barrier) -> None:
-        self._instance.inject_barrier(barrier)
+    async def inject_barrier(self, barrier: Barrier) -> bool:
+        return self._instance.inject_barrier(barrier)
 
     # ---- push ingest (Spark tasks call these on named source actors) ------------------------
     async def ingest(self, token: tuple[Any, ...], offset: int, batch: Any) -> dict[str, int]:
@@ -112,6 +112,7 @@ class InstanceActor:
     # ---- rescaling ---------------------------------------------------------------------------
     async def add_receivers(self, receivers: dict[ChannelId, Any]) -> None:
         self._receivers.update(receivers)
+        await self._instance.add_receivers(list(receivers))
 
     async def add_inputs(self, channels: list[ChannelId]) -> None:
         self._instance.add_inputs(channels)

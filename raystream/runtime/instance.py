@@ -66,6 +66,7 @@ class RuntimeConfig:
     restart_delay_s: float = 1.0  # fixed delay before each recovery
     restart_failure_rate: tuple[int, float] | None = None  # at most N failures within S seconds
     heartbeat_timeout_s: float = 60.0  # an instance that answers no heartbeat this long is hung
+    rescale_timeout_s: float = 120.0  # a migration step not settled by then fails the job
 
     def __post_init__(self) -> None:
         from raystream.errors import ConfigError
@@ -109,6 +110,10 @@ class RuntimeConfig:
             not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir
         ):
             msg = f"checkpoint_dir must be a path or a pyarrow.fs URI (str), got {self.checkpoint_dir!r}"
+            raise ConfigError(msg)
+        t = self.rescale_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            msg = f"rescale_timeout_s must be a number of seconds > 0, got {t!r}"
             raise ConfigError(msg)
 
 
@@ -197,6 +202,9 @@ class OperatorInstance:
         self._wm_deferred: int | None = None  # held back while moved sub-groups' records wait
         self._idle_sent = False
         self._input_of = {up: spec.step.input_of(up) for up in spec.step.upstream}
+        self._barriers_closed = False  # sources: past the last barrier they will ever emit
+        self._outputs_closed = False  # EndOfStream sent (or being sent) on every output
+        self._unconnected: set[ChannelId] = set()  # new receivers not routed to yet
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
@@ -238,6 +246,22 @@ class OperatorInstance:
     @property
     def engine(self) -> MigrationEngine | None:
         return self.processor.engine if isinstance(self.processor, KeyedProcessor) else None
+
+    async def add_receivers(self, receivers: list[ChannelId]) -> None:
+        """New downstream instances (a scale-out of a step this one sends to). They get a
+        channel when the rescale barrier passes here (:meth:`_apply_rescale`). If this instance
+        ends its output before that (its input ended before the barrier came), they still get an
+        EndOfStream from it, now or when it ends, so they never wait for it."""
+        have = {c.receiver for _, channels in self.outputs for c in channels}
+        self._unconnected.update(r for r in receivers if r not in have)
+        if self._outputs_closed:
+            await self._end_unconnected()
+
+    async def _end_unconnected(self) -> None:
+        while self._unconnected:
+            channel = self._channel_to(self._unconnected.pop())
+            await channel.push(EndOfStream())
+            await channel.drain()
 
     def add_inputs(self, channels: list[ChannelId]) -> None:
         """New upstream instances (a scale-out of the step before this one). A channel id can
@@ -332,7 +356,9 @@ class OperatorInstance:
                 # rows already buffered per channel were split by the old table and go first
                 part.table = table
                 while len(channels) < table.parallelism:
-                    channels.append(self._channel_to((step, len(channels))))
+                    receiver = (step, len(channels))
+                    self._unconnected.discard(receiver)
+                    channels.append(self._channel_to(receiver))
                     if self._wm_sent > WATERMARK_MIN:  # a new receiver catches up
                         await channels[-1].push(Watermark(self._wm_sent))
 
@@ -340,9 +366,13 @@ class OperatorInstance:
     async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
         await self.inbox.put(channel, seq, item)
 
-    def inject_barrier(self, barrier: Barrier) -> None:
-        """Sources: emit ``barrier`` at the next batch boundary."""
+    def inject_barrier(self, barrier: Barrier) -> bool:
+        """Sources: emit ``barrier`` at the next batch boundary. False (barrier not taken) once
+        the source has passed the last point where it emits barriers: its input ended."""
+        if self._barriers_closed:
+            return False
         self._pending_barriers.append(barrier)
+        return True
 
     def stop(self) -> None:
         self._stop = True
@@ -514,6 +544,7 @@ class OperatorInstance:
                 self._pace = (pace, started)
             await asyncio.sleep(0)
         await self._emit_pending_barriers()
+        self._barriers_closed = True  # no await since the last look at _pending_barriers
         self.reader.close()
         await self._finish_outputs()
 
@@ -800,6 +831,7 @@ class OperatorInstance:
 
     async def _finish_outputs(self) -> None:
         await self._send_watermark(Watermark(WATERMARK_MAX))  # end of input, before EndOfStream
+        self._outputs_closed = True  # receivers added from now on get EndOfStream at once
         for _, channels in self.outputs:
             for c in channels:
                 await c.flush()
@@ -807,6 +839,7 @@ class OperatorInstance:
         for _, channels in self.outputs:
             for c in channels:
                 await c.drain()
+        await self._end_unconnected()
 
 
 def _bind(sender: Sender, receiver: ChannelId, me: ChannelId) -> Callable[[Any], Awaitable[Any]]:

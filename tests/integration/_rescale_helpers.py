@@ -213,16 +213,23 @@ class LiveJob:
 
 @contextmanager
 def live_job(
-    name: str, gen: Any, parallelism: int, *, sub_groups: int = SUB_GROUPS, slow: bool = False
+    name: str,
+    gen: Any,
+    parallelism: int,
+    *,
+    sub_groups: int = SUB_GROUPS,
+    slow: bool = False,
+    **runtime: Any,
 ) -> Iterator[LiveJob]:
-    """Start the key-count job; stop it if the block fails."""
+    """Start the key-count job (``runtime``: RuntimeConfig fields besides ``RUNTIME``); stop it
+    if the block fails."""
     gate_dir = tempfile.mkdtemp(prefix="rs-gate-")
     gate = os.path.join(gate_dir, "enough")
     source = UntilGate(gen, gate)
     job = rs.start(
         keycount_flow(name, source, sub_groups=sub_groups, slow=slow),
         parallelism={STEP: parallelism},
-        **RUNTIME,
+        **{**RUNTIME, **runtime},
     )
     try:
         yield LiveJob(job, gate)
