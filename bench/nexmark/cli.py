@@ -267,6 +267,13 @@ def main(
             "at most 128 (the number of key groups)", param_hint="'--parallelism'"
         )
     rescales = _parse_rescales(rescale_at, 128)
+    from raystream.errors import PluginNotFoundError
+    from raystream.plugins import MIGRATION_STRATEGIES, load
+
+    try:
+        load(MIGRATION_STRATEGIES, strategy)
+    except PluginNotFoundError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--strategy'") from None
     if rescales and not spec.keyed:
         msg = f"{query} has no keyed step to rescale (only keyed steps rescale)"
         raise click.BadParameter(msg, param_hint="'--rescale'")

@@ -198,6 +198,7 @@ def test_out_of_order_input_equals_the_oracle(query: str, shuffled: Any, tmp_pat
         (["--query", "q1", "--rescale", "3@1"], "no keyed step to rescale"),
         (["--query", "q9", "--rescale", "x"], "expected P@T"),
         (["--query", "q9", "--parallelism", "200"], "at most 128"),
+        (["--query", "q9", "--strategy", "nope"], "nope"),
     ],
 )
 def test_cli_usage_errors(args: list[str], message: str) -> None:
