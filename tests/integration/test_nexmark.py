@@ -100,21 +100,22 @@ def _rescale_param(q: str) -> Any:
 @pytest.mark.parametrize("query", [_rescale_param(q) for q in STATEFUL])
 def test_query_equals_oracle_across_a_live_rescale(query: str, data: Path, expected: Any) -> None:
     spec = queries.QUERIES[query]
-    sources = cli.table_sources(data, spec.tables, batch_rows=2048, replay_rate_eps=40_000)
+    sources = cli.table_sources(data, spec.tables, batch_rows=2048, replay_rate_eps=15_000)
     errors: list[str] = []
     result = cli.run_query(
         query,
         sources,
         parallelism=2,
-        rescales=[(3, 0.6)],
+        rescales=[(3, 1.0)],
         strategy="meces",
         timeout_s=120,
         errors=errors,
         batch_rows=2048,
-        linger_ms=2,
+        linger_ms=20,
     )
     assert errors == []
     assert [r["to"] for r in result.rescales] == [3]
+    assert result.rescales[0]["end_s"] < result.elapsed_s  # moved while the input still ran
     got = queries.final_result(query, result.table(queries.SINK))
     assert got.equals(expected[query])
 
