@@ -625,6 +625,7 @@ def _q7(inputs: dict[str, rs.Stream]) -> rs.Stream:
 # q8: new persons who opened an auction in the same 10 s window
 
 
+_Q8_GRACE_MS = 60_000
 _NEW_SELLER_STATE = {
     "persons": rs.ValueState(object),  # {window start: [names]} of the persons with this id
     "windows": rs.ValueState(object),  # window starts in which this id sold something
@@ -637,14 +638,16 @@ def new_sellers(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
     """Keyed by person id = seller: input 0 persons (name, w), input 1 auctions (w), ``w`` the
     10 s window start. Emits (id, name, w) once, as soon as a person and an auction of theirs
     are seen in the same window. A window's entries are dropped once the watermark passed its
-    end (nothing of it can come any more)."""
+    end by :data:`_Q8_GRACE_MS` (nothing of it can come any more)."""
     keys, offsets, rec = batch.keys, batch.offsets, batch.records
     persons = state.persons.get(keys)
     windows_ = state.windows.get(keys)
     emitted = state.emitted.get(keys)
     w = rec.column("w").to_numpy()
     names = rec.column("name").to_pylist() if batch.input == 0 else None
-    closed = batch.watermark - 10_000  # windows starting at or before this are complete
+    # windows starting at or before this are complete (with a grace period: records a new
+    # owner buffered during a rescale can be processed after its watermark passed them)
+    closed = batch.watermark - 10_000 - _Q8_GRACE_MS
     out_idx: list[int] = []
     out_name: list[str] = []
     out_w: list[int] = []
