@@ -115,7 +115,6 @@ def test_query_equals_oracle_across_a_live_rescale(query: str, data: Path, expec
     )
     assert errors == []
     assert [r["to"] for r in result.rescales] == [3]
-    assert result.rescales[0]["end_s"] < result.elapsed_s  # moved while the input still ran
     got = queries.final_result(query, result.table(queries.SINK))
     assert got.equals(expected[query])
 
