@@ -40,33 +40,39 @@ from bench.nexmark.queries import QUERIES, SINK, build_flow, final_result
 
 __all__ = ["main", "run_query"]
 
-META = ("event_time", "ingest_ts", "_version")
-
 
 @dataclass(frozen=True)
 class PartFileSink:
-    """Instance ``i`` writes its rows, without the runtime's bookkeeping columns, to
-    ``{path}/part-{i:05d}.parquet`` (atomically); ``close()`` returns the row count."""
+    """Instance ``i`` writes its rows as the query's result columns (its ``finish`` applied, the
+    runtime's columns dropped) to ``{path}/part-{i:05d}.parquet``, atomically; for append-only
+    queries. ``close()`` returns the row count."""
 
     path: str
+    query: str
 
     def open(self, index: int, parallelism: int) -> Any:
         inner = rs.sinks.parquet(self.path).open(index, parallelism)
-        return _DropMeta(inner)
+        return _ResultRows(inner, self.query)
 
     def describe(self) -> str:
-        return f"nexmark_parts({self.path!r})"
+        return f"nexmark_parts({self.path!r}, {self.query})"
 
 
-class _DropMeta:
-    def __init__(self, inner: Any) -> None:
+class _ResultRows:
+    def __init__(self, inner: Any, query: str) -> None:
         self._inner = inner
+        self._finish = QUERIES[query].finish
+        self._schema = oracle.SCHEMA[query]
         self.rows = 0
 
     def write(self, batch: pa.RecordBatch) -> None:
-        keep = [n for n in batch.schema.names if n not in META]
-        self._inner.write(batch.select(keep))
-        self.rows += batch.num_rows
+        table = pa.Table.from_batches([batch])
+        if self._finish is not None:
+            table = self._finish(table)
+        table = table.select(self._schema.names).cast(self._schema)
+        for part in table.to_batches():
+            self._inner.write(part)
+        self.rows += table.num_rows
 
     def close(self) -> int:
         self._inner.close()
@@ -261,6 +267,13 @@ def main(
             "at most 128 (the number of key groups)", param_hint="'--parallelism'"
         )
     rescales = _parse_rescales(rescale_at, 128)
+    from raystream.errors import PluginNotFoundError
+    from raystream.plugins import MIGRATION_STRATEGIES, load
+
+    try:
+        load(MIGRATION_STRATEGIES, strategy)
+    except PluginNotFoundError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--strategy'") from None
     if rescales and not spec.keyed:
         msg = f"{query} has no keyed step to rescale (only keyed steps rescale)"
         raise click.BadParameter(msg, param_hint="'--rescale'")
@@ -288,7 +301,7 @@ def main(
         if collect:
             sink: Any = rs.sinks.collect()
         elif output is not None:
-            sink = PartFileSink(str(output / query))
+            sink = PartFileSink(str(output / query), query)
         else:
             sink = rs.sinks.null()
         started_ray = _connect_ray()

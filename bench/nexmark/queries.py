@@ -19,7 +19,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -122,7 +121,9 @@ def _select(
     return rs.map_batches(select, name=name)
 
 
-def _as_rows(finish: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[pa.Table], pa.Table]:
+def _columnwise(
+    finish: Callable[[dict[str, Any]], dict[str, Any]],
+) -> Callable[[pa.Table], pa.Table]:
     """A finishing function over column dicts, for tables and batches alike."""
 
     def apply(table: pa.Table) -> pa.Table:
@@ -624,6 +625,7 @@ def _q7(inputs: dict[str, rs.Stream]) -> rs.Stream:
 # q8: new persons who opened an auction in the same 10 s window
 
 
+_Q8_GRACE_MS = 60_000
 _NEW_SELLER_STATE = {
     "persons": rs.ValueState(object),  # {window start: [names]} of the persons with this id
     "windows": rs.ValueState(object),  # window starts in which this id sold something
@@ -636,14 +638,16 @@ def new_sellers(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
     """Keyed by person id = seller: input 0 persons (name, w), input 1 auctions (w), ``w`` the
     10 s window start. Emits (id, name, w) once, as soon as a person and an auction of theirs
     are seen in the same window. A window's entries are dropped once the watermark passed its
-    end (nothing of it can come any more)."""
+    end by :data:`_Q8_GRACE_MS` (nothing of it can come any more)."""
     keys, offsets, rec = batch.keys, batch.offsets, batch.records
     persons = state.persons.get(keys)
     windows_ = state.windows.get(keys)
     emitted = state.emitted.get(keys)
     w = rec.column("w").to_numpy()
     names = rec.column("name").to_pylist() if batch.input == 0 else None
-    closed = batch.watermark - 10_000  # windows starting at or before this are complete
+    # windows starting at or before this are complete (with a grace period: records a new
+    # owner buffered during a rescale can be processed after its watermark passed them)
+    closed = batch.watermark - 10_000 - _Q8_GRACE_MS
     out_idx: list[int] = []
     out_name: list[str] = []
     out_w: list[int] = []
@@ -774,19 +778,15 @@ QUERIES: dict[str, Query] = {
         updating=True,
         windowed=True,
         key=("hop_start",),
-        finish=_as_rows(_q5_finish),
+        finish=_columnwise(_q5_finish),
     ),
     "q7": Query("q7", ("bid",), _q7, "q7", keyed=True, windowed=True),
     "q8": Query("q8", ("person", "auction"), _q8, "q8", keyed=True, windowed=True),
     "q9": Query("q9", ("auction", "bid"), _q9, "q9", keyed=True, updating=True, key=("id",)),
     "q11": Query(
-        "q11", ("bid",), _q11, "q11", keyed=True, windowed=True, finish=_as_rows(_q11_finish)
+        "q11", ("bid",), _q11, "q11", keyed=True, windowed=True, finish=_columnwise(_q11_finish)
     ),
 }
-
-
-def _supports_event_time() -> bool:
-    return "event_time" in inspect.signature(rs.Dataflow.source).parameters
 
 
 def build_flow(
@@ -799,8 +799,8 @@ def build_flow(
     name: str | None = None,
 ) -> tuple[rs.Dataflow, Query]:
     """The dataflow of ``query`` over ``sources`` (table name -> raystream source), ending in
-    ``sink`` (step name :data:`SINK`). With a runtime that knows event time, each source's
-    event time is its ``dateTime`` column, with watermarks ``max_out_of_orderness_ms`` behind."""
+    ``sink`` (step name :data:`SINK`). Each source's event time is its ``dateTime`` column,
+    with watermarks ``max_out_of_orderness_ms`` behind the largest seen."""
     if query not in QUERIES:
         msg = f"query {query!r} is not built as a raystream dataflow; built: {sorted(QUERIES)}"
         raise KeyError(msg)
@@ -812,10 +812,12 @@ def build_flow(
     flow = rs.Dataflow(name or f"nexmark-{query}", num_key_groups=num_key_groups)
     inputs: dict[str, rs.Stream] = {}
     for table in spec.tables:
-        kwargs: dict[str, Any] = {"name": table}
-        if _supports_event_time():
-            kwargs.update(event_time="dateTime", max_out_of_orderness_ms=max_out_of_orderness_ms)
-        inputs[table] = flow.source(sources[table], **kwargs)
+        inputs[table] = flow.source(
+            sources[table],
+            name=table,
+            event_time="dateTime",
+            max_out_of_orderness_ms=max_out_of_orderness_ms,
+        )
     spec.build(inputs).sink(sink, name=SINK)
     return flow, spec
 

@@ -185,3 +185,50 @@ def test_out_of_order_input_equals_the_oracle(query: str, shuffled: Any, tmp_pat
     assert want.num_rows > 0
     got = run_query(query, arrived, 2, tmp_path, bound_ms=300)
     assert got.equals(want)
+
+
+# ------------------------------------------------------------------------------------------
+# the command line: usage errors exit with code 2 before anything runs
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--query", "q6"], "'q6' is not one of"),
+        (["--query", "q1", "--rescale", "3@1"], "no keyed step to rescale"),
+        (["--query", "q9", "--rescale", "x"], "expected P@T"),
+        (["--query", "q9", "--parallelism", "200"], "at most 128"),
+        (["--query", "q9", "--strategy", "nope"], "nope"),
+    ],
+)
+def test_cli_usage_errors(args: list[str], message: str) -> None:
+    from click.testing import CliRunner
+
+    cli = _import("bench.nexmark.cli")
+    res = CliRunner().invoke(cli.main, args)
+    assert res.exit_code == 2
+    assert message in res.output
+
+
+def test_cli_input_without_the_tables(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    cli = _import("bench.nexmark.cli")
+    gen.write_parquet(gen.NexmarkConfig(events=100), tmp_path)
+    (tmp_path / "person.parquet").unlink()
+    res = CliRunner().invoke(cli.main, ["--query", "q3", "--input", str(tmp_path)])
+    assert res.exit_code == 2
+    assert "person.parquet" in res.output
+
+
+def test_cli_generate_only(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    cli = _import("bench.nexmark.cli")
+    res = CliRunner().invoke(cli.main, ["--generate", str(tmp_path), "--events", "5000"])
+    assert res.exit_code == 0, res.output
+    want = gen.generate(gen.NexmarkConfig(events=5000))
+    import pyarrow.parquet as pq
+
+    for name in ("person", "auction", "bid"):
+        assert pq.read_table(tmp_path / f"{name}.parquet").equals(want.table(name))
