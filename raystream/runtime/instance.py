@@ -491,7 +491,8 @@ class OperatorInstance:
                     await self._on_batch(item, channel)
                 elif isinstance(item, Barrier):
                     await self._on_barrier(channel, item)
-                elif isinstance(item, Watermark):
+                elif isinstance(item, Watermark) and channel in self.inputs:
+                    # (a forward sender's other channels carry no rows: their marks are noise)
                     w = self.watermarks.on_watermark(channel, item.timestamp_ms, item.idle)
                     await self._on_watermark(w)
                 elif isinstance(item, EndOfStream):
@@ -692,8 +693,9 @@ class OperatorInstance:
         else:
             self._wm_sent = wm.timestamp_ms
         self._idle_sent = wm.idle
-        for _, channels in self.outputs:
-            for c in channels:
+        for part, channels in self.outputs:
+            # a watermark only travels where rows can: a forward output uses one channel
+            for c in [channels[part.index]] if isinstance(part, Forward) else channels:
                 await c.flush()
                 await c.push(wm)
 

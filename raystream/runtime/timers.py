@@ -68,6 +68,14 @@ def encode_timers(
     key_group: np.ndarray, sub_group: np.ndarray, state_id: int, keys: pa.Array, ts: np.ndarray
 ) -> list[bytes]:
     """One timer key per row: the state key of ``keys`` with the timestamp after the prefix."""
+    if keys.type == pa.int64():  # vectorised: [kg u16][sg u8][sid u8][ts][key], big-endian
+        rows = np.empty(len(keys), _INT_TIMER)
+        rows["p"] = (
+            (key_group.astype(np.uint32) << 16) | (sub_group.astype(np.uint32) << 8) | state_id
+        )
+        rows["ts"] = np.asarray(ts, np.int64).view(np.uint64) ^ _SIGN
+        rows["k"] = keys.to_numpy(zero_copy_only=False).view(np.uint64) ^ _SIGN
+        return rows.view("V20").tolist()  # type: ignore[no-any-return]
     plain = encode_keys(key_group, sub_group, state_id, keys)
     stamps = (np.asarray(ts, np.int64).view(np.uint64) ^ _SIGN).astype(">u8").tobytes()
     return [
@@ -222,21 +230,24 @@ class TimerService:
         raws: list[bytes] = []
         kinds: set[bytes] = set()
         s = self.key_space.sub_groups
+        end = PREFIX_LEN + 8
         for g in groups.tolist():
+            # one scan per sub-group: the due timers, then the first later one (the new minimum)
             kg, sg = divmod(g, s)
-            lower = _prefix(kg, sg, sid)
-            upper = (
-                _prefix(kg, sg, sid + 1)
-                if limit_ms >= NO_TIMER - 1
-                else lower + _ts_bytes(limit_ms + 1)
-            )
-            for k, v in self.backend.scan(lower, upper, flush=False):
+            limit = _ts_bytes(limit_ms) if limit_ms < NO_TIMER else b"\xff" * 8
+            nxt = int(NO_TIMER)
+            for k, v in self.backend.scan(
+                _prefix(kg, sg, sid), _prefix(kg, sg, sid + 1), flush=False
+            ):
+                if k[PREFIX_LEN:end] > limit:
+                    u = int.from_bytes(k[PREFIX_LEN:end], "big") ^ (1 << 63)
+                    nxt = u - (1 << 64) if u >= 1 << 63 else u
+                    break
                 raws.append(k)
                 kinds.add(bytes(v))
+            index[g] = nxt
         if raws:
             self.backend.write_direct([], [], deletes=raws)
-        for g in groups.tolist():
-            index[g] = self._first(g, sid)
         if not raws:
             return None
         if len(kinds) != 1:

@@ -393,3 +393,42 @@ def test_processing_time_timers_fire_on_the_wall_clock_mid_stream(tmp_path: Path
     assert t.num_rows == 6 and sorted(set(t["key"].to_pylist())) == [0, 1, 2]
     late_ms = t["now"].to_numpy() - t["due"].to_numpy()
     assert (late_ms >= 0).all() and (late_ms < 400).all(), late_ms
+
+
+def test_watermarks_travel_only_where_rows_can(tmp_path: Path) -> None:
+    """A forward output (source i -> map i) sends watermarks to its one receiver only, and a
+    receiver ignores marks from a channel that is not one of its inputs: otherwise map 1 would
+    forward source 0's watermark ahead of source 0's rows, which go through map 0."""
+    from raystream.plan import physical_plan
+    from raystream.runtime.instance import OperatorInstance
+    from raystream.runtime.messages import EndOfStream, Watermark
+
+    flow = rs.Dataflow("wm-forward", num_key_groups=8, sub_groups=2)
+    src = flow.source(rs.sources.from_table(pa.table({"key": [1], "t": [5]})), event_time="t")
+    src.map_batches(lambda b: b, name="same").sink(rs.sinks.collect())
+    plan = physical_plan(flow, {"source": 2, "same": 2}, RuntimeConfig(), 0, tmp_path)
+    source0 = OperatorInstance(plan.instances[("source", 0)])
+    map1 = OperatorInstance(plan.instances[("same", 1)])
+    sent: list[tuple[Any, Any]] = []
+
+    def sender(receiver: Any, payload: Any) -> Any:
+        sent.append((receiver, payload[2]))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+    async def go() -> None:
+        source0.connect(sender, lambda e, i: None)
+        await source0._send_watermark(Watermark(500))
+        map1.connect(sender, lambda e, i: None)
+        await map1.push(("source", 0), 0, Watermark(500))
+        await map1.push(("source", 0), 1, EndOfStream())
+        await map1.push(("source", 1), 0, EndOfStream())
+        await map1._run_receiver()
+
+    asyncio.run(go())
+    assert [r for r, item in sent if isinstance(item, Watermark)][0] == ("same", 0)
+    assert ("same", 1) not in [r for r, item in sent if isinstance(item, Watermark)]
+    # map 1 saw source 0's mark but only forwarded the end of input (+inf) of its own input
+    from_map1 = [item for r, item in sent if isinstance(item, Watermark) and r[0] == "sink_0"]
+    assert from_map1 == [Watermark(WATERMARK_MAX)]
