@@ -16,10 +16,11 @@ event-time timers) and used like your own::
 
 Modules: :mod:`~raystream.operators.windows` (tumbling, sliding, session),
 :mod:`~raystream.operators.joins` (interval_join, window_join, join),
-:mod:`~raystream.operators.keyed` (dedupe, top_n), :mod:`~raystream.operators.aggregations`.
+:mod:`~raystream.operators.keyed` (dedupe, top_n), :mod:`~raystream.operators.aggregations`,
+:mod:`~raystream.operators.stateless` (select, drop, rename, where, with_column).
 """
 
-from raystream.operators import aggregations, joins, keyed, windows
+from raystream.operators import aggregations, joins, keyed, stateless, windows
 from raystream.operators.aggregations import aggregate, count, max, mean, min, sum, top_k
 from raystream.operators.joins import interval_join, join, window_join
 from raystream.operators.keyed import dedupe, top_n
@@ -38,6 +39,7 @@ __all__ = [
     "mean",
     "min",
     "session",
+    "stateless",
     "sliding",
     "sum",
     "top_k",

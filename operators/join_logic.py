@@ -120,7 +120,8 @@ class Buffers:
         name = key_column or self.key_column
         bounds = np.flatnonzero(np.r_[True, key[1:] != key[:-1], True])
         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-            out[int(key[a])] = (name, rows.slice(a, b - a))
+            # a copy, not a slice: a pickled slice carries its parent's whole buffers
+            out[int(key[a])] = (name, rows.take(pa.array(np.arange(a, b))))
         return out
 
 

@@ -303,3 +303,20 @@ def test_window_and_regular_join_on_the_processor_vs_nested_loops(tmp_path: Path
         for side in ("left", "right"):
             assert not list(proc.states.iter_values(side, "str")), f"{side} buffers not cleaned"
     proc.close()
+
+
+def test_join_buffers_store_each_key_compactly() -> None:
+    """A key's stored rows pickle to their own size, not to the whole batch they came from."""
+    import pickle
+
+    from raystream.operators.join_logic import Buffers
+
+    n = 20_000
+    rows = pa.record_batch({"k": [f"k{i % 1000}" for i in range(n)], "x": np.arange(n)})
+    key = np.arange(n) % 1000
+    values = Buffers([None] * 1000).values(1000, rows, key, "k")
+    whole = len(pickle.dumps(rows))
+    sizes = [len(pickle.dumps(v)) for v in values]
+    assert max(sizes) < whole / 50, (max(sizes), whole)
+    assert sum(v[1].num_rows for v in values) == n
+    assert values[7][1].column("x").to_pylist() == list(range(7, n, 1000))
