@@ -7,32 +7,18 @@ result must equal the oracle's exactly (same rows, same types).
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests._bench import import_bench
 
-
-def _import(name: str) -> Any:
-    root = str(REPO)
-    added = root not in sys.path
-    if added:
-        sys.path.insert(0, root)
-    try:
-        return importlib.import_module(name)
-    finally:
-        if added:
-            sys.path.remove(root)
-
-
-generator = _import("bench.nexmark.generator")
-oracle = _import("bench.nexmark.oracle")
-queries = _import("bench.nexmark.queries")
-cli = _import("bench.nexmark.cli")
+generator = import_bench("bench.nexmark.generator")
+oracle = import_bench("bench.nexmark.oracle")
+queries = import_bench("bench.nexmark.queries")
+cli = import_bench("bench.nexmark.cli")
 
 BUILT = sorted(queries.QUERIES, key=lambda q: int(q[1:]))
 STATEFUL = [q for q in BUILT if queries.QUERIES[q].keyed]

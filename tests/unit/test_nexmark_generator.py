@@ -3,9 +3,7 @@ with plain Python arithmetic, regular expressions and counts over the generated 
 
 from __future__ import annotations
 
-import importlib
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,23 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests._bench import import_bench
 
-
-def _import(name: str) -> Any:
-    """bench/ is not installed: import it with the repository root on sys.path for the import."""
-    root = str(REPO)
-    added = root not in sys.path
-    if added:
-        sys.path.insert(0, root)
-    try:
-        return importlib.import_module(name)
-    finally:
-        if added:
-            sys.path.remove(root)
-
-
-gen = _import("bench.nexmark.generator")
+gen = import_bench("bench.nexmark.generator")
 BASE = 1_600_000_000_000
 
 

@@ -4,32 +4,16 @@ whose answers are worked out by hand below, one case per semantic corner."""
 from __future__ import annotations
 
 import datetime as dt
-import importlib
-import sys
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests._bench import import_bench
 
-
-def _import(name: str) -> Any:
-    root = str(REPO)
-    added = root not in sys.path
-    if added:
-        sys.path.insert(0, root)
-    try:
-        return importlib.import_module(name)
-    finally:
-        if added:
-            sys.path.remove(root)
-
-
-oracle = _import("bench.nexmark.oracle")
-gen = _import("bench.nexmark.generator")
+oracle = import_bench("bench.nexmark.oracle")
+gen = import_bench("bench.nexmark.generator")
 
 T = 1_600_000_000_000  # a multiple of 10 s: window bounds below are T + offsets
 

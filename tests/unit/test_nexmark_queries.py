@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import importlib
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +16,11 @@ import pytest
 
 import raystream as rs
 from raystream.runtime.local import run_local
+from tests._bench import import_bench
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _import(name: str) -> Any:
-    root = str(REPO)
-    added = root not in sys.path
-    if added:
-        sys.path.insert(0, root)
-    try:
-        return importlib.import_module(name)
-    finally:
-        if added:
-            sys.path.remove(root)
-
-
-gen = _import("bench.nexmark.generator")
-oracle = _import("bench.nexmark.oracle")
-queries = _import("bench.nexmark.queries")
+gen = import_bench("bench.nexmark.generator")
+oracle = import_bench("bench.nexmark.oracle")
+queries = import_bench("bench.nexmark.queries")
 
 BUILT = sorted(queries.QUERIES, key=lambda q: int(q[1:]))
 T = 1_600_000_000_000
@@ -204,7 +188,7 @@ def test_out_of_order_input_equals_the_oracle(query: str, shuffled: Any, tmp_pat
 def test_cli_usage_errors(args: list[str], message: str) -> None:
     from click.testing import CliRunner
 
-    cli = _import("bench.nexmark.cli")
+    cli = import_bench("bench.nexmark.cli")
     res = CliRunner().invoke(cli.main, args)
     assert res.exit_code == 2
     assert message in res.output
@@ -213,7 +197,7 @@ def test_cli_usage_errors(args: list[str], message: str) -> None:
 def test_cli_input_without_the_tables(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    cli = _import("bench.nexmark.cli")
+    cli = import_bench("bench.nexmark.cli")
     gen.write_parquet(gen.NexmarkConfig(events=100), tmp_path)
     (tmp_path / "person.parquet").unlink()
     res = CliRunner().invoke(cli.main, ["--query", "q3", "--input", str(tmp_path)])
@@ -224,7 +208,7 @@ def test_cli_input_without_the_tables(tmp_path: Path) -> None:
 def test_cli_generate_only(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    cli = _import("bench.nexmark.cli")
+    cli = import_bench("bench.nexmark.cli")
     res = CliRunner().invoke(cli.main, ["--generate", str(tmp_path), "--events", "5000"])
     assert res.exit_code == 0, res.output
     want = gen.generate(gen.NexmarkConfig(events=5000))
