@@ -423,6 +423,9 @@ class Recovery:
         self._source_emitted = {}
         self._replan(manifest, str(Path(self.state_dir) / f"attempt-{self._attempt}"))
         await self._deploy()
+        if self.state != "recovering":  # stopped while the new attempt was deployed
+            await self._stop_all()
+            return
         self.state = "running"
         replayed = 0
         for iid in self.plan.sources:
