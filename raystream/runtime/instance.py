@@ -485,6 +485,10 @@ class OperatorInstance:
             snapshots.rewind_source(self, self.spec.restore)
         started = time.monotonic()
         started_ns = time.time_ns()
+        if pace is not None and self.rows_emitted:  # rewound: the schedule continues from there
+            ahead_s = float(pace.time_of_row(self.rows_emitted))
+            started -= ahead_s
+            started_ns -= int(ahead_s * 1e9)
         self._pace = (pace, started)
         warm = rate <= 0
         event_time = self.step.event_time
