@@ -43,7 +43,6 @@ INGEST_TS = "ingest_ts"
 EVENT_TIME = "event_time"
 _META = (EVENT_TIME, INGEST_TS)
 INPUT_META = b"raystream.input"  # which input of a two-input step a buffered batch came from
-WATERMARK_META = b"raystream.watermark"  # the watermark a buffered batch arrived under
 
 
 def _to_batches(out: Any, step: str) -> list[pa.RecordBatch]:
@@ -279,31 +278,19 @@ class KeyedProcessor:
         h = stable_hash(keys)
         ks = self.key_space
         sub_group = ks.key_group(h).astype(np.int64) * ks.sub_groups + ks.sub_group(h)
-        watermark = self.watermark
-        meta = batch.schema.metadata or {}
-        if WATERMARK_META in meta:  # released after a migration buffered it
-            watermark = min(watermark, int(meta[WATERMARK_META]))
-        elif self.engine.migrating:  # may be buffered: it keeps the watermark it came under
-            batch = batch.replace_schema_metadata({**meta, WATERMARK_META: str(watermark).encode()})
         ready = self.engine.split(batch, sub_group, count=count)
         if ready is None:
             return []
         if ready is not batch:
             keys = materialise_key(ready, spec)[1]
-        ready_meta = ready.schema.metadata
-        if ready_meta and WATERMARK_META in ready_meta:  # the tag never leaves this step
-            rest = {k: v for k, v in ready_meta.items() if k != WATERMARK_META}
-            ready = ready.replace_schema_metadata(rest or None)
         # outputs name the key after the first input's key, whichever input the batch is
         kb = group_by_key(ready, keys, self.key_space, self.key_column)
-        return self._run_user(kb, input, watermark)
+        return self._run_user(kb, input)
 
-    def _run_user(
-        self, kb: KeyedBatch, input: int = 0, watermark: int | None = None
-    ) -> list[pa.RecordBatch]:
-        # records buffered by a migration are processed under the watermark they arrived
-        # under: the instance's watermark may have passed them while their state moved
-        kb.watermark = self.watermark if watermark is None else watermark
+    def _run_user(self, kb: KeyedBatch, input: int = 0) -> list[pa.RecordBatch]:
+        # the instance holds its watermark while records of moving sub-groups wait, so released
+        # records are never behind it (OperatorInstance._advance_watermark)
+        kb.watermark = self.watermark
         kb.input = input
         kb.timers = TimerRegistrar(
             self.timers if self.step.on_timer is not None else None, kb.keys, self.step.name
