@@ -46,8 +46,10 @@ def rebalance(
 
     1. Key groups of retired instances (index >= parallelism) go, heaviest first, to the least
        loaded remaining instance.
-    2. While the most loaded instance is above ``(1 + tolerance) * mean``, its key group that best
-       fills the gap moves to the least loaded instance, as long as that lowers the maximum.
+    2. While an instance is above ``(1 + tolerance) * mean``, the most loaded one that can give a
+       key group away moves the group that best fills the gap to the least loaded instance (as
+       long as that lowers the giver's load below where it was). An instance holding a single
+       hot key group cannot be relieved; the others still are.
     """
     n = table.num_key_groups
     check_rescale_parallelism(parallelism, n)
@@ -72,21 +74,36 @@ def rebalance(
     totals = np.bincount(owners, weights=w, minlength=parallelism)
 
     # 2. relieve overloaded instances with as few moves as possible
-    target = w.sum() / parallelism
+    # the mean over what can be balanced: a key group heavier than the mean of the rest fills
+    # an instance on its own and is left out of the mean the others aim at
+    rest, alone = w.sum(), 0
+    for g in np.sort(w)[::-1]:
+        if alone >= parallelism - 1 or g <= rest / (parallelism - alone):
+            break
+        rest -= g
+        alone += 1
+    target = rest / (parallelism - alone)
     for _ in range(n):
-        hi = int(np.argmax(totals))
         lo = int(np.argmin(totals))
-        if totals[hi] <= target * (1 + tolerance) or hi == lo:
+        move = None
+        # the most loaded instance first; one that cannot give anything away (a single hot key
+        # group) does not stop the others above the mean from being relieved
+        for hi in np.argsort(-totals, kind="stable").tolist():
+            if totals[hi] <= target * (1 + tolerance) or hi == lo:
+                break
+            mine = np.flatnonzero(owners == hi)
+            if len(mine) <= 1:
+                continue
+            # the group closest to the gap without overshooting it (else the smallest)
+            gap = (totals[hi] - totals[lo]) / 2
+            fits = mine[w[mine] <= gap]
+            g = int(fits[np.argmax(w[fits])]) if len(fits) else int(mine[np.argmin(w[mine])])
+            if max(totals[hi] - w[g], totals[lo] + w[g]) < totals[hi]:
+                move = (hi, g)
+                break
+        if move is None:
             break
-        gap = (totals[hi] - totals[lo]) / 2
-        mine = np.flatnonzero(owners == hi)
-        if len(mine) <= 1:
-            break
-        # the group closest to the gap without overshooting it (else the smallest)
-        fits = mine[w[mine] <= gap]
-        g = int(fits[np.argmax(w[fits])]) if len(fits) else int(mine[np.argmin(w[mine])])
-        if max(totals[hi] - w[g], totals[lo] + w[g]) >= totals[hi]:
-            break
+        hi, g = move
         owners[g] = lo
         totals[hi] -= w[g]
         totals[lo] += w[g]

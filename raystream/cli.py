@@ -202,9 +202,10 @@ def status(job: str, as_json: bool) -> None:
         "latency_p50_ms": "p50 ms",
         "latency_p99_ms": "p99 ms",
         "migration": "migration",
+        "nodes": "nodes (ip/id:instances)",
     }
     for key, header in columns.items():
-        table.add_column(header, justify="left" if key in ("operator", "migration") else "right")
+        table.add_column(header, justify="left" if key in ("operator", "migration", "nodes") else "right")
     for r in rows:
         table.add_row(
             r["operator"],
@@ -217,6 +218,7 @@ def status(job: str, as_json: bool) -> None:
             "" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:g}",
             "" if r["latency_p99_ms"] is None else f"{r['latency_p99_ms']:g}",
             r["migration"],
+            r["nodes"],
         )
     console = Console(width=max(Console().width, 120))
     console.print(table)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from raystream.dataflow import Dataflow
 from raystream.errors import JobFailedError, RaystreamError, RescaleError
 from raystream.keys import RoutingTable
 from raystream.metrics import LatencyRecorder
+from raystream.placement import check_satisfiable, choose_nodes, cluster_nodes
 from raystream.plan import PhysicalPlan, physical_plan
 from raystream.plugins import MIGRATION_STRATEGIES
 from raystream.plugins import load as load_plugin
@@ -75,7 +77,8 @@ class Controller(Recovery):
         self._run_futures: dict[ChannelId, asyncio.Future[Any]] = {}
         self._run_handles: dict[ChannelId, Any] = {}
         self._history: list[dict[str, Any]] = []
-        self._standby: list[Any] = []
+        self._standby: list[tuple[Any, str]] = []  # (warm actor, its node id)
+        self.nodes: dict[ChannelId, str] = {}  # the node each instance runs on
         self._standby_filling = False  # outcomes of retired instances whose id came back
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
@@ -133,13 +136,25 @@ class Controller(Recovery):
         from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
 
         self.handles = {}
+        nodes = await asyncio.to_thread(cluster_nodes)
+        for step in self.plan.steps.values():
+            check_satisfiable(step.name, step.actor, nodes)
+        chosen: dict[ChannelId, str | None] = {}
+        job_placed: Counter[str] = Counter()
+        for name, step in self.plan.steps.items():
+            iids = [iid for iid in self.specs if iid[0] == name]
+            picks = choose_nodes(name, step.actor, nodes, len(iids), job_placed=job_placed)
+            chosen.update(zip(iids, picks, strict=True))
+            job_placed.update(p for p in picks if p is not None)
         for iid, spec in self.specs.items():
             self.handles[iid] = InstanceActor.options(
                 name=instance_actor_name(self.flow.name, *iid),
                 namespace=NAMESPACE,
                 max_concurrency=10_000,
+                **self.plan.steps[iid[0]].actor.ray_options(chosen[iid]),
             ).remote(spec)
-        await asyncio.gather(*(h.ping.remote() for h in self.handles.values()))
+        where = await asyncio.gather(*(h.ping.remote() for h in self.handles.values()))
+        self.nodes = dict(zip(self.handles, where, strict=True))
         await asyncio.gather(
             *(
                 h.connect.remote(self._receivers_of(iid), self._self)
@@ -259,7 +274,7 @@ class Controller(Recovery):
 
     async def _release(self) -> None:
         standby, self._standby = self._standby, []
-        for h in [*self.handles.values(), *standby]:
+        for h in [*self.handles.values(), *(h for h, _ in standby)]:
             try:
                 ray.kill(h, no_restart=True)
             except Exception:  # noqa: BLE001, S110 - already gone
@@ -581,14 +596,28 @@ class Controller(Recovery):
         self._standby_filling = True
         try:
             while len(self._standby) < self.config.standby_instances and self.state == "running":
-                h = InstanceActor.options(max_concurrency=10_000).remote(None)
-                await h.ping.remote()
+                h = InstanceActor.options(
+                    max_concurrency=10_000, scheduling_strategy="SPREAD"
+                ).remote(None)
+                node = await h.ping.remote()
                 if self.state != "running":  # the job ended meanwhile: do not leak it
                     ray.kill(h, no_restart=True)
                     break
-                self._standby.append(h)
+                self._standby.append((h, node))
         finally:
             self._standby_filling = False
+
+    async def _take_standby(self, node: str | None) -> Any:
+        """A warm standby actor on ``node`` (any node if None), or None if there is none
+        there: then a new actor is started on the chosen node."""
+        deadline = time.monotonic() + 15
+        while not self._standby and self._standby_filling and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # one is starting: cheaper than starting another process
+        for k, (handle, where) in enumerate(self._standby):
+            if node is None or where == node:
+                del self._standby[k]
+                return handle
+        return None
 
     def _sources_done(self) -> bool:
         return all(i in self.outcomes for i in self.plan.sources)
@@ -597,6 +626,20 @@ class Controller(Recovery):
         """Start new instances of ``step`` (empty state) and wire them to both neighbours."""
         from raystream.runtime.actors import InstanceActor
 
+        live = {
+            iid: node
+            for iid, node in self.nodes.items()
+            if iid in self.handles and iid not in self.outcomes and iid not in self.retired
+        }
+        options = self.plan.steps[step].actor
+        picks = choose_nodes(
+            step,
+            options,
+            await asyncio.to_thread(cluster_nodes),
+            len(indexes),
+            step_placed=Counter(node for iid, node in live.items() if iid[0] == step),
+            job_placed=Counter(live.values()),
+        )
         for i in indexes:  # an index retired by an earlier scale-in comes back: let the old go
             iid = (step, i)
             if iid in self.retired:
@@ -622,7 +665,7 @@ class Controller(Recovery):
             if iid[0] in template.step.upstream and iid not in self.retired
         ]
         new: dict[ChannelId, Any] = {}
-        for i in indexes:
+        for i, node in zip(indexes, picks, strict=True):
             spec = replace(
                 template,
                 index=i,
@@ -633,16 +676,17 @@ class Controller(Recovery):
                 restore=None,
             )
             self.specs[(step, i)] = spec
-            deadline = time.monotonic() + 15
-            while not self._standby and self._standby_filling and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)  # one is starting: cheaper than starting another process
-            if self._standby:
-                handle = self._standby.pop()
+            handle = await self._take_standby(node) if options.is_default else None
+            if handle is not None:
                 await handle.configure.remote(spec)
             else:
-                handle = InstanceActor.options(max_concurrency=10_000).remote(spec)
+                handle = InstanceActor.options(
+                    max_concurrency=10_000, **options.ray_options(node)
+                ).remote(spec)
             self.handles[(step, i)] = handle
             new[(step, i)] = handle
+        where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
+        self.nodes.update(zip(new, where, strict=True))
         await asyncio.gather(
             *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
         )

@@ -45,6 +45,7 @@ import pyarrow as pa
 
 from raystream.errors import DataflowDefinitionError
 from raystream.keys import KeySpace
+from raystream.placement import ActorOptions
 from raystream.runtime.watermarks import EventTimeSpec
 from raystream.state.spec import StateSpec, check_state_specs
 
@@ -219,6 +220,7 @@ class Step:
     inputs: tuple[int, ...] = ()  # two-input keyed steps: input index of each upstream step
     keys: tuple[KeySpec, ...] = ()  # two-input keyed steps: how each input is keyed
     ports: tuple[str, ...] = ()  # per upstream step: which of its outputs ('' main, or a side)
+    actor: ActorOptions = field(default_factory=ActorOptions)  # Ray actor options, placement
 
     @property
     def is_keyed(self) -> bool:
@@ -297,6 +299,24 @@ class Stream:
             )
             raise DataflowDefinitionError(msg)
         return Stream(self._flow, f"{self.step}.{name}", None, None, (self.step,), (name,))
+
+    def options(self, **actor_options: Any) -> Stream:
+        """Ray actor options for the instances of the step that makes this stream:
+        ``num_cpus``, ``num_gpus``, ``memory`` (bytes), ``resources`` (custom, a dict) and
+        ``scheduling_strategy``. Without a strategy raystream spreads the step's instances over
+        the nodes that have room for them. Example::
+
+            counts = events.key_by("user").apply(count).options(num_cpus=1)
+        """
+        if len(self.upstream) != 1 or self.ports[0] or self.step not in self._flow.steps:
+            msg = (
+                f"options() sets the actor options of one step; {self!r} is not the output of "
+                "one step. Call it on what source() or apply() returned, or use "
+                "flow.options(step_name, ...)"
+            )
+            raise DataflowDefinitionError(msg)
+        self._flow.options(self.step, **actor_options)
+        return self
 
     # ---- several inputs -------------------------------------------------------------------
     def union(self, *others: Stream) -> Stream:
@@ -619,6 +639,17 @@ class Dataflow:
             raise DataflowDefinitionError(msg)
         self._add(Step(name, "source", source, parallelism=parallelism or 1, event_time=spec))
         return Stream(self, name, schema)
+
+    def options(self, step: str, **actor_options: Any) -> None:
+        """Ray actor options for the instances of step ``step`` (sinks too); see
+        :meth:`Stream.options`. Example: ``flow.options("sink_0", resources={"ssd": 1})``."""
+        if step not in self.steps:
+            msg = (
+                f"options(): no step {step!r} in dataflow {self.name!r} (steps: "
+                f"{list(self.steps)})"
+            )
+            raise DataflowDefinitionError(msg)
+        self.steps[step] = replace(self.steps[step], actor=ActorOptions.of(step, **actor_options))
 
     def _add(self, step: Step) -> None:
         if not _NAME.match(step.name):

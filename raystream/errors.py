@@ -33,6 +33,7 @@ __all__ = [
     "RaystreamError",
     "RescaleError",
     "SchemaError",
+    "PlacementError",
     "SourceError",
     "StateError",
 ]
@@ -48,6 +49,10 @@ class ConfigError(RaystreamError, ValueError):
 
 class RescaleError(ConfigError):
     """A rescale request that cannot be carried out; the job keeps running."""
+
+
+class PlacementError(ConfigError):
+    """No node of the cluster can hold an instance with the resources its step asks for."""
 
 
 class DataflowDefinitionError(RaystreamError, TypeError):

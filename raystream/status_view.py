@@ -49,9 +49,20 @@ def _migration(instances: list[dict[str, Any]]) -> str:
     return f"{arrived}/{incoming} sub-groups in"
 
 
+def _nodes(instances: list[dict[str, Any]]) -> str:
+    """Where the live instances run: ``node:count`` per node (node ids shortened to 8)."""
+    where: dict[str, int] = {}
+    for m in instances:
+        if m.get("node_id"):
+            label = f"{m.get('node_ip', '?')}/{str(m['node_id'])[:8]}"
+            where[label] = where.get(label, 0) + 1
+    return " ".join(f"{k}:{v}" for k, v in sorted(where.items()))
+
+
 def operator_rows(status: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
     """Per operator (step): parallelism, records in/out, recent input rate, busy % (since the
-    instances started), backlog, sink latency p50/p99 (whole run) and migration progress."""
+    instances started), backlog, sink latency p50/p99 (whole run), migration progress and the
+    nodes the live instances run on."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     by_step: dict[str, list[dict[str, Any]]] = {}
     for m in status.get("instances", []):
@@ -84,6 +95,7 @@ def operator_rows(status: dict[str, Any], now_ns: int | None = None) -> list[dic
                 "latency_p50_ms": summary["p50_ms"] if summary else None,
                 "latency_p99_ms": summary["p99_ms"] if summary else None,
                 "migration": _migration(insts),
+                "nodes": _nodes(live),
             }
         )
     return rows

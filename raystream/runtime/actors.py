@@ -88,7 +88,7 @@ class InstanceActor:
             "result": inst.result,
             "error": inst.error,
             "traceback": inst.error_traceback,
-            "metrics": inst.snapshot_metrics(),
+            "metrics": {**inst.snapshot_metrics(), **_where()},
             "acked": sorted(inst.acked),
             "sink_state": inst.final_sink_state,
         }
@@ -194,7 +194,7 @@ class InstanceActor:
         self._instance.resume()
 
     async def metrics(self) -> dict[str, Any]:
-        return self._instance.snapshot_metrics()
+        return {**self._instance.snapshot_metrics(), **_where()}
 
     async def stop(self) -> None:
         self._instance.stop()
@@ -236,9 +236,18 @@ class InstanceActor:
             with contextlib.suppress(Exception):
                 self._export_metrics(exporter, up=False)
 
-    async def ping(self) -> bool:
+    async def ping(self) -> str:
+        """Alive and imports done; returns the id of the node this actor runs on."""
         await asyncio.sleep(0)
-        return True
+        return ray.get_runtime_context().get_node_id()
+
+
+def _where() -> dict[str, str]:
+    """The node this process runs on (for ``raystream status``)."""
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+    }
 
 
 _controller_actor: Any = None

@@ -1,0 +1,60 @@
+"""Several Ray nodes (``ray.cluster_utils.Cluster``, 3 nodes on this machine): instances of a step
+spread over the nodes, scale-outs put new instances where the step has fewest, a step asking for
+more than any node has is refused before anything starts, and every strategy stays exact when
+state moves from node to node.
+
+The cluster needs its own Ray, apart from the test session's, so the job runs in a child
+process (``_cluster_job.py``) that starts the cluster, runs the job, checks the final counts
+against the oracle and stops the cluster; it reports what it saw as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent / "_cluster_job.py"
+
+
+def test_three_nodes_spread_rescale_exactly_and_refuse_what_no_node_has() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    nodes = set(report["nodes"])
+    assert len(nodes) == 3
+
+    refused = report["refused"]
+    assert refused is not None, "a step asking for 2 CPUs started on 1-CPU nodes"
+    assert "'count' asks for CPU 2" in refused and "no node of the cluster has CPU 2" in refused
+
+    strategies = [s["strategy"] for s in report["stats"]]
+    assert strategies == ["meces", "stop_restart", "all_at_once", "fluid", "batched", "lazy"]
+    for placed, stats in zip(report["placed"][1:], report["stats"], strict=True):
+        assert len(placed) == stats["to"], (placed, stats)
+        assert stats["moved_key_groups"] > 0, f"{stats['strategy']} moved nothing: {stats}"
+    # at the start and after every scale-out the step is as even as the count allows
+    # (3 -> one each, 5 -> 2/2/1, 6 -> 2/2/2); a scale-in retires the highest indexes wherever
+    # they run, so it may leave the rest uneven
+    grew = [True] + [s["to"] > s["from"] for s in report["stats"]]
+    for placed, spread in zip(report["placed"], grew, strict=True):
+        per_node = Counter(placed.values())
+        assert set(per_node) <= nodes
+        if spread:
+            assert max(per_node.values()) - min(per_node.get(n, 0) for n in nodes) <= 1, (
+                report["placed"],
+                report["stats"],
+            )
+    assert report["records_in"] == report["events"], "records into count: lost or duplicated"
+    assert report["hot_share"] > 0.4, "the input must have a hot key (skew)"
