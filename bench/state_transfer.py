@@ -12,7 +12,7 @@ chunks are imported into a fresh RocksDB twice: once by ``WriteBatch`` and once 
 chunk to an SST file and ingesting it. Chunks hold one sub-group each (``per_sub_group``: small
 sub-groups make small chunks) or consecutive sub-groups up to ``--chunk-bytes`` (``packed``, as a
 serve call fills its chunk). Each import is timed from the first chunk to the last
-(the export is timed on its own); MB/s count the chunks' Arrow bytes (keys, values, offsets).
+(the export is timed on its own); MB/s count the bytes of keys and values.
 Every import is checked against the source: same rows, same bytes (a digest of a full scan).
 The median of ``--repeats`` runs is reported; results go to ``bench/results/state_transfer.json``.
 """
@@ -116,7 +116,7 @@ def main(keys: int, value_bytes: int, chunk_bytes: int, repeats: int, out: str) 
                 t0 = time.perf_counter()
                 chunks = _export(src, chunk_bytes, packed=layout == "packed")
                 runs.setdefault(f"export_{layout}", []).append(time.perf_counter() - t0)
-                nbytes = sum(c.nbytes for c in chunks) - 8 * len(chunks)
+                nbytes = sum(c.nbytes - 8 * (c.num_rows + 1) for c in chunks)  # keys + values
                 n_chunks[layout] = len(chunks)
                 assert max(c.nbytes for c in chunks) <= chunk_bytes
                 for method in IMPORT_METHODS:
@@ -131,9 +131,12 @@ def main(keys: int, value_bytes: int, chunk_bytes: int, repeats: int, out: str) 
     mb = nbytes / 1e6
     result = {
         "what": (
-            "one sub-group at a time exported in chunks of at most chunk_bytes, then imported "
-            "into a fresh RocksDB by WriteBatch or by SST file ingestion; median seconds of "
-            "`repeats` runs, MB/s over the chunks' Arrow bytes; one process, no Ray"
+            "every sub-group exported (RocksStateBackend.export_chunk) in chunks of at most "
+            "chunk_bytes, one sub-group per chunk (per_sub_group) or consecutive sub-groups "
+            "filling a chunk (packed, as a serve call does), then imported into a fresh RocksDB "
+            "by WriteBatch or by SST file ingestion; each import checked against the source; "
+            "median seconds of `repeats` runs; MB/s over the keys' and values' bytes; one "
+            "process, no Ray"
         ),
         "command": (
             f"python -m bench.state_transfer --keys {keys} --value-bytes {value_bytes} "

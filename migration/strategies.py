@@ -21,7 +21,7 @@ class Meces:
     chunk_sub_groups: int = 8
     chunk_bytes: int = 4 << 20
     fetch_concurrency: int = 2
-    inflight_chunks: int = 2
+    inflight_chunks: int = 3
 
     def plan(self, ctx: RescaleContext) -> MigrationPlan:
         policy = FetchPolicy(

@@ -36,7 +36,8 @@ class FetchPolicy:
     * ``chunk_bytes``: a sub-group travels in chunks of at most this many bytes (keys, values
       and offsets of the Arrow chunk; a single larger row travels alone), one call each;
       ``inflight_chunks``: calls outstanding per (new owner, old owner) pair, on-demand ones
-      first; so at most ``inflight_chunks * chunk_bytes`` of state is in flight per pair.
+      first and, with ``on_demand``, one slot kept for them (background pulls use the others);
+      so at most ``inflight_chunks * chunk_bytes`` of state is in flight per pair.
     * ``pause_sources`` / ``full_restore``: stop-and-restart: sources pause, every instance
       snapshots, the new instances restore all their key groups from the snapshots, sources
       resume. Like Flink's stop-with-savepoint and restore, every key group of every new owner
@@ -50,7 +51,7 @@ class FetchPolicy:
     chunk_sub_groups: int = 8
     chunk_bytes: int = 4 << 20
     fetch_concurrency: int = 2
-    inflight_chunks: int = 2
+    inflight_chunks: int = 3
     pause_sources: bool = False
     full_restore: bool = False
 

@@ -80,17 +80,27 @@ class DecayingHeat:
 
 class PrioritySlots:
     """``size`` slots; waiters that are ``urgent`` get a free slot before the others, in
-    arrival order within each class."""
+    arrival order within each class; ``reserved`` of the slots are for urgent waiters only (so
+    an on-demand fetch never waits for a background call to come back)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, reserved: int = 0) -> None:
+        if not 0 <= reserved < size:
+            msg = f"reserved slots must be in [0, {size}), got {reserved}"
+            raise StateError(msg)
         self.size = size
+        self.reserved = reserved
         self.used = 0
         self.max_used = 0
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
 
+    def _free_for(self, urgent: bool) -> bool:
+        return self.used < (self.size if urgent else self.size - self.reserved)
+
     async def acquire(self, urgent: bool) -> None:
-        if self.used < self.size and not self._waiters:
+        if self._free_for(urgent) and not (
+            self._waiters and self._waiters[0][0] <= int(not urgent)
+        ):
             self._take()
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -103,11 +113,16 @@ class PrioritySlots:
 
     def release(self) -> None:
         self.used -= 1
-        while self._waiters and self.used < self.size:
-            _, _, fut = heapq.heappop(self._waiters)
-            if not fut.done():
-                self._take()
-                fut.set_result(None)
+        while self._waiters:
+            urgent_first, _, fut = self._waiters[0]
+            if fut.done():  # cancelled
+                heapq.heappop(self._waiters)
+                continue
+            if not self._free_for(urgent_first == 0):
+                return  # the first in line cannot go: nobody behind it can
+            heapq.heappop(self._waiters)
+            self._take()
+            fut.set_result(None)
 
 
 @dataclass
@@ -347,7 +362,7 @@ class MigrationEngine:
             # a bulk pull: one sequence of calls per slot of the pair, in key order each
             # (so a chunk's rows are sorted), to keep the pair's pipeline full
             gs.sort()
-            k = task.policy.inflight_chunks
+            k = self._slots_of(task, owner).size - self._slots_of(task, owner).reserved
             step = max(1, math.ceil(len(gs) / k))
             for start in range(0, len(gs), step):
                 self._spawn(self._fetch(task, owner, gs[start : start + step], urgent=False))
@@ -355,7 +370,9 @@ class MigrationEngine:
     def _slots_of(self, task: MigrationTask, owner: int) -> PrioritySlots:
         slots = self._slots.get(owner)
         if slots is None:
-            slots = self._slots[owner] = PrioritySlots(task.policy.inflight_chunks)
+            size = task.policy.inflight_chunks
+            reserved = 1 if task.policy.on_demand and size > 1 else 0
+            slots = self._slots[owner] = PrioritySlots(size, reserved)
         return slots
 
     async def _fetch(

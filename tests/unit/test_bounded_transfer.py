@@ -145,7 +145,7 @@ def test_state_moves_in_chunks_of_at_most_chunk_bytes_with_bounded_calls_in_flig
         assert len(sizes) >= payload // chunk_bytes
         split = [c for c in pair.calls if c["bytes"] and c["groups"][0] not in c["done"]]
         assert split, "no sub-group was split over several chunks"
-    assert pair.max_in_flight <= inflight
+    assert pair.max_in_flight <= inflight  # no slot is kept for on-demand fetches here
     if inflight > 1:
         assert pair.max_in_flight > 1, "the pair's pipeline never held more than one call"
     assert pair.new.task.max_inflight_chunks == pair.max_in_flight
@@ -221,31 +221,40 @@ def test_on_demand_requests_are_served_before_queued_background_pulls(tmp_path: 
     pair.close()
 
 
-def test_priority_slots_bound_and_order() -> None:
+def test_priority_slots_bound_order_and_the_slot_kept_for_urgent_calls() -> None:
     async def go() -> list[str]:
-        slots = PrioritySlots(2)
+        slots = PrioritySlots(3, reserved=1)
         got: list[str] = []
-        await slots.acquire(False)
-        await slots.acquire(False)
-        assert slots.used == 2
 
-        async def take(name: str, urgent: bool) -> None:
-            await slots.acquire(urgent)
+        async def take(name: str) -> None:
+            await slots.acquire(name.startswith("u"))
             got.append(name)
 
-        tasks = [asyncio.ensure_future(take(n, n.startswith("u"))) for n in ("b1", "b2", "u1")]
+        # background calls get 2 of the 3 slots; the third waits although a slot is free
+        tasks = [asyncio.ensure_future(take(n)) for n in ("b1", "b2", "b3", "b4")]
         await asyncio.sleep(0.001)
-        assert got == [] and slots.used == 2
+        assert got == ["b1", "b2"] and slots.used == 2
+        # an urgent call takes the kept slot at once
+        await take("u1")
+        assert got == ["b1", "b2", "u1"] and slots.used == 3
+        # more urgent calls wait, but before the background ones queued earlier
+        tasks.append(asyncio.ensure_future(take("u2")))
+        await asyncio.sleep(0.001)
+        slots.release()  # frees one: u2 (urgent first), not b3
+        await asyncio.sleep(0.001)
+        assert got[-1] == "u2" and slots.used == 3
         slots.release()
+        slots.release()  # 1 used: b3 gets one of the background slots, b4 waits
         await asyncio.sleep(0.001)
-        slots.release()
-        await asyncio.sleep(0.001)
-        assert slots.used == 2 and slots.max_used == 2
+        assert got[-1] == "b3" and slots.used == 2
         slots.release()
         await asyncio.gather(*tasks)
+        assert slots.max_used == 3
         return got
 
-    assert asyncio.run(go()) == ["u1", "b1", "b2"]
+    assert asyncio.run(go()) == ["b1", "b2", "u1", "u2", "b3", "b4"]
+    with pytest.raises(StateError, match="reserved"):
+        PrioritySlots(1, reserved=1)
 
 
 def test_heat_is_a_decaying_rate() -> None:
