@@ -671,8 +671,11 @@ class Controller(Recovery):
             )
             await asyncio.gather(*(self.handles[u].add_receivers.remote(new) for u in upstream))
         except Exception as e:
-            # some neighbours may expect the new instances already: the dataflow is no longer
-            # whole, so the job fails (a wiring that half happened must not hang it)
+            await asyncio.sleep(0.5)  # let the watcher record an end or a failure first
+            if self.state != "running" or self._sources_done() or self.error is not None:
+                raise  # the job ended or failed meanwhile: the rescale's caller says which
+            # the job runs on, but some neighbours may expect the new instances already: the
+            # dataflow is no longer whole, so the job fails (a half wiring must not hang it)
             msg = (
                 f"the scale-out of {step!r} could not wire its new instances {sorted(new)} to "
                 f"their neighbours: {type(e).__name__}: {e}. The job {self.flow.name!r} is "
