@@ -139,7 +139,7 @@ class RocksStateBackend:
             for i in missing:
                 values[i] = found[keys[i]]
             cache.update(found)  # misses are cached too (as None)
-            self._cache_added += sum(map(len, found)) + sum(len(v) for v in fetched if v)
+            self._cache_added += sum(map(len, found)) + sum(map(len, filter(None, fetched)))
             self._bound()
         return values  # type: ignore[return-value]
 
@@ -203,7 +203,8 @@ class RocksStateBackend:
 
     def cached_bytes(self) -> int:
         """Bytes of keys and values in the write-back cache now (measured: O(entries))."""
-        return sum(map(len, self._cache)) + sum(len(v) for v in self._cache.values() if v)
+        cache = self._cache
+        return sum(map(len, cache)) + sum(map(len, filter(None, cache.values())))
 
     def _bound_bytes(self) -> None:
         size = self.cached_bytes()
