@@ -21,6 +21,7 @@ class Meces:
     chunk_sub_groups: int = 8
     chunk_bytes: int = 4 << 20
     fetch_concurrency: int = 2
+    inflight_chunks: int = 3
 
     def plan(self, ctx: RescaleContext) -> MigrationPlan:
         policy = FetchPolicy(
@@ -30,6 +31,7 @@ class Meces:
             chunk_sub_groups=self.chunk_sub_groups,
             chunk_bytes=self.chunk_bytes,
             fetch_concurrency=self.fetch_concurrency,
+            inflight_chunks=self.inflight_chunks,
         )
         return MigrationPlan(self.name, _one_step(ctx), policy)
 
@@ -40,6 +42,7 @@ class AllAtOnce:
 
     name: str = "all_at_once"
     chunk_bytes: int = 4 << 20
+    inflight_chunks: int = 2
 
     def plan(self, ctx: RescaleContext) -> MigrationPlan:
         policy = FetchPolicy(
@@ -48,6 +51,7 @@ class AllAtOnce:
             hold="all_moved",
             chunk_bytes=self.chunk_bytes,
             chunk_sub_groups=1 << 20,
+            inflight_chunks=self.inflight_chunks,
         )
         return MigrationPlan(self.name, _one_step(ctx), policy)
 
@@ -95,7 +99,10 @@ class Lazy:
 
 @dataclass(frozen=True)
 class StopRestart:
-    """Flink's way: pause the sources, drain, snapshot, restore every key group, resume."""
+    """Flink's way: pause the sources, drain, snapshot, restore every key group, resume.
+
+    As Flink's stop-with-savepoint and restore does, every new owner restores all its key
+    groups from the snapshots, those that did not change hands as well."""
 
     name: str = "stop_restart"
 

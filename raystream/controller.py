@@ -508,6 +508,11 @@ class Controller(Recovery):
             self.retired.add((step, i))
         t1 = time.time()
         waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
+        # per old owner and migration step: the wait of its first on-demand request, from the
+        # seal (or the request, if later) until its chunk went out; the worst of those is "first"
+        serve_waits = [st.get("serve_wait_ms", []) for st in stats]
+        firsts = [w[0] for w in serve_waits if w]
+        every = [x for w in serve_waits for x in w]
         record = {
             "step": step,
             "from": old.parallelism,
@@ -526,6 +531,17 @@ class Controller(Recovery):
                 "p99": float(np.percentile(waits, 99)) if waits else 0.0,
                 "count": len(waits),
             },
+            "on_demand_serve_wait_ms": {
+                "first": float(max(firsts)) if firsts else None,
+                "p99": float(np.percentile(every, 99)) if every else None,
+                "max": float(max(every)) if every else None,
+                "count": len(every),
+            },
+            "chunks": int(sum(st.get("chunks_out", 0) for st in stats)),
+            "max_chunk_bytes": int(max((st.get("max_chunk_bytes", 0) for st in stats), default=0)),
+            "max_inflight_chunks": int(
+                max((st.get("max_inflight_chunks", 0) for st in stats), default=0)
+            ),
         }
         self.rescales.append(record)
         return record
@@ -687,12 +703,32 @@ class Controller(Recovery):
             new[(step, i)] = handle
         where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
         self.nodes.update(zip(new, where, strict=True))
-        await asyncio.gather(
-            *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
-        )
         downstream = {(o.step, j) for o in outputs for j in range(o.parallelism)}
-        await asyncio.gather(*(self.handles[d].add_inputs.remote(list(new)) for d in downstream))
-        await asyncio.gather(*(self.handles[u].add_receivers.remote(new) for u in upstream))
+        try:
+            await asyncio.gather(
+                *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
+            )
+            # a downstream instance reopens an input whose id a retired instance had once it
+            # read that one's EndOfStream (add_inputs waits for it)
+            await asyncio.gather(
+                *(self.handles[d].add_inputs.remote(list(new)) for d in downstream)
+            )
+            await asyncio.gather(*(self.handles[u].add_receivers.remote(new) for u in upstream))
+        except Exception as e:
+            await asyncio.sleep(0.5)  # let the watcher record an end or a failure first
+            if self.state != "running" or self._sources_done() or self.error is not None:
+                raise  # the job ended or failed meanwhile: the rescale's caller says which
+            # the job runs on, but some neighbours may expect the new instances already: the
+            # dataflow is no longer whole, so the job fails (a half wiring must not hang it)
+            msg = (
+                f"the scale-out of {step!r} could not wire its new instances {sorted(new)} to "
+                f"their neighbours: {type(e).__name__}: {e}. The job {self.flow.name!r} is "
+                "failed and stopped; restart it (from its latest checkpoint if it has one)"
+            )
+            self.error = {"instance": next(iter(new)), "error": f"RescaleError: {msg}"}
+            self.state = "failed"
+            await self._stop_all()
+            raise RescaleError(msg) from e
         for iid in new:
             self._run(iid)
 
@@ -785,7 +821,8 @@ def _waiting_for(snap: Any, epoch: int) -> str:
         parts.append(f"saw the rescale barrier on {seen} of {live} live inputs (not sealed)")
     parts.append(
         f"{mig.get('arrived', 0)}/{mig.get('incoming', 0)} sub-groups in "
-        f"({mig.get('requested', 0)} requested, {mig.get('pending_rows', 0)} records waiting)"
+        f"({mig.get('requested', 0)} requested, {mig.get('pending_rows', 0)} records "
+        f"({mig.get('pending_bytes', 0)} bytes) waiting)"
     )
     parts.append(f"{mig.get('outgoing_left', 0)} sub-groups still to hand out")
     if snap.get("finished"):
@@ -819,6 +856,6 @@ def _migration_tasks(
         src, dst = int(current.owners[kg]), int(table.owners[kg])
         for g in range(kg * sub_groups, (kg + 1) * sub_groups):
             tasks[dst]["incoming"][g] = src
-            tasks[dst]["heat"][g] = int(heat[g])
+            tasks[dst]["heat"][g] = float(heat[g])
             tasks[src]["outgoing"].append(g)
     return tasks

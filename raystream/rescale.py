@@ -33,8 +33,15 @@ class FetchPolicy:
       once; ``"none"`` pulls nothing in the background (until ``background_after_s``).
     * ``hold``: ``"sub_group"`` holds back only the records of sub-groups not here yet;
       ``"all_moved"`` holds every record of a moved sub-group until all moved state arrived.
+    * ``chunk_bytes``: a sub-group travels in chunks of at most this many bytes (keys, values
+      and offsets of the Arrow chunk; a single larger row travels alone), one call each;
+      ``inflight_chunks``: calls outstanding per (new owner, old owner) pair, on-demand ones
+      first and, with ``on_demand``, one slot kept for them (background pulls use the others);
+      so at most ``inflight_chunks * chunk_bytes`` of state is in flight per pair.
     * ``pause_sources`` / ``full_restore``: stop-and-restart: sources pause, every instance
-      snapshots, the new instances restore all their key groups from the snapshots, sources resume.
+      snapshots, the new instances restore all their key groups from the snapshots, sources
+      resume. Like Flink's stop-with-savepoint and restore, every key group of every new owner
+      is restored, moved or not.
     """
 
     on_demand: bool = True
@@ -44,6 +51,7 @@ class FetchPolicy:
     chunk_sub_groups: int = 8
     chunk_bytes: int = 4 << 20
     fetch_concurrency: int = 2
+    inflight_chunks: int = 3
     pause_sources: bool = False
     full_restore: bool = False
 
@@ -54,9 +62,16 @@ class FetchPolicy:
         if self.hold not in ("sub_group", "all_moved"):
             msg = f"hold must be 'sub_group' or 'all_moved', got {self.hold!r}"
             raise ConfigError(msg)
-        for name in ("chunk_sub_groups", "chunk_bytes", "fetch_concurrency"):
+        v = self.chunk_bytes
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            msg = (
+                f"chunk_bytes must be an int >= 1 (bytes of state per chunk, e.g. 4 << 20 for "
+                f"4 MiB), got {v!r}"
+            )
+            raise ConfigError(msg)
+        for name in ("chunk_sub_groups", "fetch_concurrency", "inflight_chunks"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 msg = f"{name} must be an int >= 1, got {v!r}"
                 raise ConfigError(msg)
         if self.background_after_s < 0:

@@ -115,16 +115,16 @@ class InstanceActor:
         await self._instance.add_receivers(list(receivers))
 
     async def add_inputs(self, channels: list[ChannelId]) -> None:
-        self._instance.add_inputs(channels)
+        await self._instance.add_inputs(channels)
 
     async def prepare_migration(self, task: dict[str, Any], peers: dict[int, Any]) -> None:
         """``task``: epoch, policy, incoming {sub-group: owner}, outgoing [sub-groups], heat."""
 
         self._peers = peers
 
-        def fetch(owner: int, epoch: int, groups: list[int], max_bytes: int) -> Any:
+        def fetch(owner: int, epoch: int, groups: list[int], max_bytes: int, urgent: bool) -> Any:
             return asyncio.wrap_future(
-                peers[owner].serve_state.remote(epoch, groups, max_bytes).future()
+                peers[owner].serve_state.remote(epoch, groups, max_bytes, urgent).future()
             )
 
         self._instance.prepare_migration(
@@ -138,8 +138,10 @@ class InstanceActor:
             fetch,
         )
 
-    async def serve_state(self, epoch: int, groups: list[int], max_bytes: int) -> Any:
-        return await self._instance.serve_state(epoch, groups, max_bytes)
+    async def serve_state(
+        self, epoch: int, groups: list[int], max_bytes: int, urgent: bool = False
+    ) -> Any:
+        return await self._instance.serve_state(epoch, groups, max_bytes, urgent)
 
     async def migration_done(self, epoch: int) -> dict[str, Any]:
         return await self._instance.migration_done(epoch)

@@ -80,6 +80,10 @@ class Inbox:
     def depth(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
+    def unread(self, channel: ChannelId) -> int:
+        """Items of ``channel`` queued here, not read yet."""
+        return len(self._queues.get(channel, ()))
+
     async def put(self, channel: ChannelId, seq: int, item: Any) -> None:
         """Enqueue push number ``seq`` of ``channel`` once all earlier ones are in and the channel
         has room (the acknowledgement a sender's credit waits for).

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from raystream.dataflow import KeySpec, Step
-from raystream.errors import SourceError
+from raystream.errors import RescaleError, SourceError
 from raystream.ingest import IngestBuffer
 from raystream.keys import KeySpace, RoutingTable
 from raystream.metrics import InstanceMetrics, LatencyRecorder
@@ -58,6 +58,9 @@ class RuntimeConfig:
     migration_support: bool = True  # False: no per-sub-group tracking, rescale refused
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
     state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
+    state_cache_bytes: int = 64 << 20  # ... and its bound in bytes of keys and values
+    migration_buffer_bytes: int = 64 << 20  # records waiting for moving state, per instance
+    heat_half_life_s: float = 10.0  # a sub-group's heat (hot-first order) halves in this time
     metrics_export_s: float = 1.0  # period of the Ray metrics (Prometheus) export; 0: off
     checkpoint_interval_s: float = 0.0  # periodic checkpoints (and recovery from them); 0: off
     checkpoint_dir: str | None = None  # local path or pyarrow.fs URI; None: <tmp>/raystream-checkpoints
@@ -83,6 +86,15 @@ class RuntimeConfig:
                 raise ConfigError(msg)
         if not isinstance(self.heartbeat_timeout_s, (int, float)) or self.heartbeat_timeout_s <= 0:
             msg = f"heartbeat_timeout_s must be a number > 0, got {self.heartbeat_timeout_s!r}"
+            raise ConfigError(msg)
+        for name in ("state_cache_bytes", "migration_buffer_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                msg = f"{name} must be a number of bytes >= 1 (an int), got {v!r}"
+                raise ConfigError(msg)
+        h = self.heat_half_life_s
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0:
+            msg = f"heat_half_life_s must be a number of seconds > 0, got {h!r}"
             raise ConfigError(msg)
         for name in ("checkpoints_retained",):
             v = getattr(self, name)
@@ -174,6 +186,9 @@ class OperatorInstance:
                 spec.owned_key_groups,
                 track=spec.config.migration_support,
                 cache_entries=spec.config.state_cache_entries,
+                cache_bytes=spec.config.state_cache_bytes,
+                max_pending_bytes=spec.config.migration_buffer_bytes,
+                heat_half_life_s=spec.config.heat_half_life_s,
             )
         self.outputs: list[tuple[Any, list[OutputChannel]]] = []
         self._pending_barriers: list[Barrier] = []
@@ -263,9 +278,21 @@ class OperatorInstance:
             await channel.push(EndOfStream())
             await channel.drain()
 
-    def add_inputs(self, channels: list[ChannelId]) -> None:
+    async def add_inputs(self, channels: list[ChannelId], timeout_s: float = 60.0) -> None:
         """New upstream instances (a scale-out of the step before this one). A channel id can
-        come back after a scale-in retired it: it starts over at sequence 0, open again."""
+        come back after a scale-in retired it: it starts over at sequence 0, open again, once
+        this instance read what the retired instance sent last (its EndOfStream)."""
+        deadline = time.monotonic() + timeout_s
+        for ch in channels:
+            while ch in self.inputs and ch not in self._eos:
+                if time.monotonic() > deadline:
+                    msg = (
+                        f"{self.spec.id} cannot take input {ch} again: the instance that had "
+                        f"that id before did not end its output here within {timeout_s:g} s "
+                        f"({self.inbox.unread(ch)} items of it unread)"
+                    )
+                    raise RescaleError(msg)
+                await asyncio.sleep(0.005)
         for ch in channels:
             self.inbox.reset_channel(ch)
             self.inputs.add(ch)
@@ -279,11 +306,11 @@ class OperatorInstance:
         engine.prepare(task)
 
     async def serve_state(
-        self, epoch: int, groups: list[int], max_bytes: int
+        self, epoch: int, groups: list[int], max_bytes: int, urgent: bool = False
     ) -> tuple[list[int], list[pa.RecordBatch]]:
         engine = self.engine
         assert engine is not None
-        return await engine.serve(epoch, groups, max_bytes)
+        return await engine.serve(epoch, groups, max_bytes, urgent)
 
     async def migration_done(self, epoch: int) -> dict[str, Any]:
         engine = self.engine
@@ -295,9 +322,10 @@ class OperatorInstance:
         return {"instance": self.spec.id, **engine.stats()}
 
     def sub_group_load(self) -> np.ndarray:
-        """Records processed per global sub-group (the heat that plans hot-first moves)."""
+        """Records per second per global sub-group, recent (decaying; the heat that plans
+        hot-first moves)."""
         assert isinstance(self.processor, KeyedProcessor)
-        return self.processor.engine.heat.copy()
+        return self.processor.engine.heat.rate()
 
     def read_snapshot(self, path: str, key_groups: list[int]) -> list[pa.RecordBatch]:
         """Rows of ``key_groups`` from a snapshot this instance took (for a restoring peer)."""
@@ -401,7 +429,9 @@ class OperatorInstance:
             snap["latency"] = self.latency.snapshot()
         if self.engine is not None and self.engine.task is not None:
             snap["migration"] = {
-                k: v for k, v in self.engine.stats().items() if k != "fetch_wait_ms"
+                k: v
+                for k, v in self.engine.stats().items()
+                if k not in ("fetch_wait_ms", "serve_wait_ms")
             }
         buffer = getattr(self.reader, "buffer", None)
         if isinstance(buffer, IngestBuffer):
@@ -621,7 +651,9 @@ class OperatorInstance:
 
     async def _run_released(self, engine: MigrationEngine) -> None:
         """Process buffered records whose state arrived; hold post-barrier inputs while too many
-        records wait (channels that have not delivered the barrier keep flowing: no deadlock)."""
+        bytes of records wait (channels that have not delivered the barrier keep flowing: no
+        deadlock). Once the barrier came on every input (sealed), every input is post-barrier:
+        the bound holds until the move is done."""
         if engine.error is not None:
             raise engine.error
         released = engine.take_released()
@@ -636,7 +668,8 @@ class OperatorInstance:
             await self._on_watermark(w)
         task = engine.task
         if task is not None and engine.migrating and engine.over_limit:
-            for ch in self._barrier_seen.get(task.epoch, set()):
+            past = self.inputs if task.sealed.is_set() else self._barrier_seen.get(task.epoch, ())
+            for ch in past:
                 self.inbox.block(ch)
             self._holding = True
         elif self._holding:

@@ -9,14 +9,23 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
 * ``seal`` (the barrier on every input): no record of an outgoing sub-group can still arrive, so
   outgoing sub-groups may be handed out (``serve``); requests that came earlier wait for this.
 * New owners pull: on demand when a record needs a sub-group, in the background hottest first,
-  or all at once, as the strategy's :class:`FetchPolicy` says; chunks are bounded in bytes.
+  or all at once, as the strategy's :class:`FetchPolicy` says. A sub-group comes in chunks of at
+  most ``chunk_bytes`` (one ``serve`` call each, resumed where the last stopped), with at most
+  ``inflight_chunks`` calls outstanding per (new owner, old owner) pair.
+* The old owner serves one chunk at a time, on-demand requests before background pulls; the
+  sub-groups it hands out are evicted from its write-back cache once, at the seal, and the
+  rest of its cache stays.
 * A sub-group is released (its buffered records processed, then new ones directly) when it
   arrived, or with ``hold="all_moved"`` when every incoming sub-group arrived.
+* Heat (what hot-first orders by) is a decaying rate per sub-group (:class:`DecayingHeat`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,10 +37,101 @@ import pyarrow as pa
 from raystream.errors import StateError
 from raystream.rescale import FetchPolicy
 
-__all__ = ["MigrationEngine", "MigrationTask"]
+__all__ = ["DecayingHeat", "MigrationEngine", "MigrationTask", "PrioritySlots"]
 
-# fetch(owner_index, epoch, sub_groups, max_bytes) -> (served sub-groups, state chunks)
-Fetcher = Callable[[int, int, list[int], int], Awaitable[tuple[list[int], list[pa.RecordBatch]]]]
+# fetch(owner_index, epoch, sub_groups, max_bytes, urgent) -> (completed sub-groups, chunks)
+Fetcher = Callable[
+    [int, int, list[int], int, bool], Awaitable[tuple[list[int], list[pa.RecordBatch]]]
+]
+
+
+class DecayingHeat:
+    """Records per second per sub-group, exponentially decayed: a record counts half after
+    ``half_life_s``, so the heat says what is hot now, not since the instance started."""
+
+    def __init__(
+        self, size: int, half_life_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not half_life_s > 0:
+            msg = f"heat half-life must be > 0 seconds, got {half_life_s!r}"
+            raise StateError(msg)
+        self.half_life_s = float(half_life_s)
+        self.clock = clock
+        self.counts = np.zeros(size, dtype=np.float64)  # decayed counts as of self._at
+        self._at = clock()
+
+    def _decay_to(self, now: float) -> None:
+        dt = now - self._at
+        if dt > 0:
+            self.counts *= 0.5 ** (dt / self.half_life_s)
+            self._at = now
+
+    def add(self, sub_group: np.ndarray) -> None:
+        """Count one record per entry of ``sub_group`` (global sub-group ids), now."""
+        self._decay_to(self.clock())
+        self.counts += np.bincount(sub_group, minlength=len(self.counts))
+
+    def rate(self) -> np.ndarray:
+        """Records per second per sub-group now (decayed count x ln 2 / half-life: a steady
+        rate r reads r once the stream ran for a few half-lives)."""
+        self._decay_to(self.clock())
+        return self.counts * (math.log(2) / self.half_life_s)
+
+
+class PrioritySlots:
+    """``size`` slots; waiters that are ``urgent`` get a free slot before the others, in
+    arrival order within each class; ``reserved`` of the slots are for urgent waiters only (so
+    an on-demand fetch never waits for a background call to come back)."""
+
+    def __init__(self, size: int, reserved: int = 0) -> None:
+        if not 0 <= reserved < size:
+            msg = f"reserved slots must be in [0, {size}), got {reserved}"
+            raise StateError(msg)
+        self.size = size
+        self.reserved = reserved
+        self.used = 0
+        self.max_used = 0
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    def _free_for(self, urgent: bool) -> bool:
+        return self.used < (self.size if urgent else self.size - self.reserved)
+
+    async def acquire(self, urgent: bool) -> None:
+        if self._free_for(urgent) and not (
+            self._waiters and self._waiters[0][0] <= int(not urgent)
+        ):
+            self._take()
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (0 if urgent else 1, next(self._seq), fut))
+        await fut  # the slot was taken for us by release()
+
+    def _take(self) -> None:
+        self.used += 1
+        self.max_used = max(self.max_used, self.used)
+
+    def release(self) -> None:
+        self.used -= 1
+        while self._waiters:
+            urgent_first, _, fut = self._waiters[0]
+            if fut.done():  # cancelled
+                heapq.heappop(self._waiters)
+                continue
+            if not self._free_for(urgent_first == 0):
+                return  # the first in line cannot go: nobody behind it can
+            heapq.heappop(self._waiters)
+            self._take()
+            fut.set_result(None)
+
+
+@dataclass
+class _ServeRequest:
+    urgent: bool
+    groups: list[int]
+    max_bytes: int
+    arrived_at: float
+    future: asyncio.Future[tuple[list[int], list[pa.RecordBatch]]]
 
 
 @dataclass
@@ -42,7 +142,7 @@ class MigrationTask:
     policy: FetchPolicy
     incoming: dict[int, int]  # sub-group -> old owner index
     outgoing: set[int]
-    heat: dict[int, float] = field(default_factory=dict)  # sub-group -> measured records
+    heat: dict[int, float] = field(default_factory=dict)  # sub-group -> records/s (decayed)
     active: bool = False
     sealed: asyncio.Event = field(default_factory=asyncio.Event)
     activated_at: float = 0.0
@@ -55,6 +155,16 @@ class MigrationTask:
     rows_in: int = 0
     fetch_wait_ms: list[float] = field(default_factory=list)
     finished_at: float | None = None
+    # old owner: where each partly served sub-group continues; chunks handed out; the wait of
+    # each on-demand request from the seal (or its arrival, if later) to its chunk, in order
+    cursors: dict[int, bytes] = field(default_factory=dict)
+    sealed_at: float = 0.0
+    evicted: bool = False
+    chunks_out: int = 0
+    max_chunk_bytes: int = 0
+    serve_wait_ms: list[float] = field(default_factory=list)
+    # new owner: most serve calls outstanding to one old owner at once
+    max_inflight_chunks: int = 0
 
 
 class MigrationEngine:
@@ -67,19 +177,27 @@ class MigrationEngine:
         sub_groups: int,
         owned_key_groups: Any,
         *,
-        max_pending_rows: int = 1_000_000,
+        max_pending_bytes: int = 64 << 20,
+        heat_half_life_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
         self.sub_groups = sub_groups
         self.held = np.zeros(num_key_groups * sub_groups, dtype=bool)
         for kg in owned_key_groups:
             self.held[int(kg) * sub_groups : (int(kg) + 1) * sub_groups] = True
-        self.heat = np.zeros(num_key_groups * sub_groups, dtype=np.int64)
+        self.heat = DecayingHeat(num_key_groups * sub_groups, heat_half_life_s, clock)
         self.task: MigrationTask | None = None
         self.pending: dict[int, list[pa.RecordBatch]] = {}
         self.pending_since: dict[int, float] = {}
         self.pending_rows = 0
-        self.max_pending_rows = max_pending_rows
+        self.pending_bytes = 0
+        self.max_pending_bytes = max_pending_bytes
+        self._slots: dict[int, PrioritySlots] = {}  # per old owner: serve calls outstanding
+        self._serve_queue: list[tuple[int, int, _ServeRequest]] = []
+        self._serve_seq = itertools.count()
+        self._serve_wake = asyncio.Event()
+        self._server: asyncio.Task[Any] | None = None
         self._releasable: list[int] = []
         self.fetcher: Fetcher | None = None
         self.poke: Callable[[], None] = lambda: None
@@ -94,7 +212,7 @@ class MigrationEngine:
     def split(self, batch: Any, sub_group: np.ndarray, *, count: bool = True) -> Any:
         """Rows this instance can process now; the others are buffered (and fetched)."""
         if count:
-            self.heat += np.bincount(sub_group, minlength=len(self.heat))
+            self.heat.add(sub_group)
         ok = self.held[sub_group]
         if ok.all():
             return batch
@@ -130,6 +248,7 @@ class MigrationEngine:
                 self.pending_since[g] = now
             self.pending[g].append(piece)
             self.pending_rows += piece.num_rows
+            self.pending_bytes += piece.nbytes
             if g not in task.requested:
                 wanted.append(g)
         if wanted and task.policy.on_demand:
@@ -139,7 +258,8 @@ class MigrationEngine:
 
     @property
     def over_limit(self) -> bool:
-        return self.pending_rows > self.max_pending_rows
+        """More bytes of records wait for their state than ``max_pending_bytes``."""
+        return self.pending_bytes > self.max_pending_bytes
 
     def take_released(self) -> list[pa.RecordBatch]:
         """Buffered records of sub-groups that may now be processed, in arrival order per
@@ -159,6 +279,7 @@ class MigrationEngine:
                 since = self.pending_since.pop(g)
                 task.fetch_wait_ms.append((now - since) * 1000)
                 self.pending_rows -= sum(p.num_rows for p in pieces)
+                self.pending_bytes -= sum(p.nbytes for p in pieces)
                 out.extend(pieces)
         self._check_done()
         self._released.set()
@@ -170,6 +291,11 @@ class MigrationEngine:
             msg = f"epoch {task.epoch} prepared while epoch {self.task.epoch} is still moving"
             raise StateError(msg)
         self.task = task
+        self._slots = {}
+        if self._server is not None:  # the last epoch's server (idle: its epoch is done)
+            self._server.cancel()
+            self._server = None
+        self._serve_queue = []
         for g in task.outgoing:
             if not self.held[g]:
                 msg = f"sub-group {g} is to be handed out but is not held here"
@@ -199,8 +325,10 @@ class MigrationEngine:
         self.poke()
 
     def seal(self, epoch: int) -> None:
-        if self.task is not None and self.task.epoch == epoch:
-            self.task.sealed.set()
+        task = self.task
+        if task is not None and task.epoch == epoch and not task.sealed.is_set():
+            task.sealed_at = time.monotonic()
+            task.sealed.set()
             self._check_done()
 
     def _check_done(self) -> None:
@@ -228,25 +356,52 @@ class MigrationEngine:
             task.requested.add(g)
             by_owner.setdefault(task.incoming[g], []).append(g)
         for owner, gs in by_owner.items():
-            self._spawn(self._fetch(task, owner, gs))
+            if on_demand:
+                self._spawn(self._fetch(task, owner, gs, urgent=True))
+                continue
+            # a bulk pull: one sequence of calls per slot of the pair, in key order each
+            # (so a chunk's rows are sorted), to keep the pair's pipeline full
+            gs.sort()
+            k = self._slots_of(task, owner).size - self._slots_of(task, owner).reserved
+            step = max(1, math.ceil(len(gs) / k))
+            for start in range(0, len(gs), step):
+                self._spawn(self._fetch(task, owner, gs[start : start + step], urgent=False))
 
-    async def _fetch(self, task: MigrationTask, owner: int, groups: list[int]) -> None:
+    def _slots_of(self, task: MigrationTask, owner: int) -> PrioritySlots:
+        slots = self._slots.get(owner)
+        if slots is None:
+            size = task.policy.inflight_chunks
+            reserved = 1 if task.policy.on_demand and size > 1 else 0
+            slots = self._slots[owner] = PrioritySlots(size, reserved)
+        return slots
+
+    async def _fetch(
+        self, task: MigrationTask, owner: int, groups: list[int], *, urgent: bool
+    ) -> None:
+        """Pull ``groups`` from ``owner``: one chunk per call, each call holding one of the
+        pair's ``inflight_chunks`` slots until its chunk is imported."""
         assert self.fetcher is not None
+        slots = self._slots_of(task, owner)
         remaining = list(groups)
         while remaining:
-            served, chunks = await self.fetcher(
-                owner, task.epoch, remaining, task.policy.chunk_bytes
-            )
-            if not served:
-                msg = f"instance {owner} served none of sub-groups {remaining[:5]}..."
+            await slots.acquire(urgent)
+            try:
+                task.max_inflight_chunks = max(task.max_inflight_chunks, slots.used)
+                done, chunks = await self.fetcher(
+                    owner, task.epoch, remaining, task.policy.chunk_bytes, urgent
+                )
+                for chunk in chunks:
+                    task.rows_in += self.backend.import_chunk(chunk)
+                    task.bytes_in += chunk.nbytes
+            finally:
+                slots.release()
+            if not done and not chunks:
+                msg = f"instance {owner} served nothing of sub-groups {remaining[:5]}..."
                 raise StateError(msg)
-            for chunk in chunks:
-                task.rows_in += self.backend.import_chunk(chunk)
-                task.bytes_in += chunk.nbytes
-            task.arrived.update(served)
-            self._releasable.extend(served)
-            served_set = set(served)
-            remaining = [g for g in remaining if g not in served_set]
+            task.arrived.update(done)
+            self._releasable.extend(done)
+            finished = set(done)
+            remaining = [g for g in remaining if g not in finished]
             self.poke()
 
     async def _background(self, task: MigrationTask) -> None:
@@ -259,7 +414,7 @@ class MigrationEngine:
                 return
             except TimeoutError:
                 pass
-        order = sorted(task.incoming, key=lambda g: (-task.heat.get(g, 0), g))
+        order = sorted(task.incoming, key=lambda g: (-task.heat.get(g, 0.0), g))
         if policy.background == "all":
             self._request(order, on_demand=False)
             return
@@ -280,7 +435,7 @@ class MigrationEngine:
             for g in chunk:
                 task.requested.add(g)
                 by_owner.setdefault(task.incoming[g], []).append(g)
-            jobs = [self._fetch(task, o, gs) for o, gs in by_owner.items()]
+            jobs = [self._fetch(task, o, sorted(gs), urgent=False) for o, gs in by_owner.items()]
 
             async def run(jobs: list[Any] = jobs) -> None:
                 try:
@@ -292,34 +447,90 @@ class MigrationEngine:
 
     # ---- old owner: serving -----------------------------------------------------------------
     async def serve(
-        self, epoch: int, groups: list[int], max_bytes: int
+        self, epoch: int, groups: list[int], max_bytes: int, urgent: bool = False
     ) -> tuple[list[int], list[pa.RecordBatch]]:
-        """Hand out sub-groups (at least one, then up to ``max_bytes``) once sealed."""
+        """One chunk (at most ``max_bytes``) of ``groups``, in their order, once sealed; returns
+        the sub-groups it completed and the chunk. Requests queue; ``urgent`` (on-demand) ones
+        are served before the others, one chunk at a time."""
         task = self.task
         if task is None or task.epoch != epoch:
             msg = f"fetch for epoch {epoch}, but this instance is at {task.epoch if task else None}"
             raise StateError(msg)
+        if max_bytes < 1:
+            msg = f"a fetch must allow chunks of >= 1 byte, got max_bytes={max_bytes}"
+            raise StateError(msg)
+        loop = asyncio.get_running_loop()
+        req = _ServeRequest(urgent, list(groups), max_bytes, time.monotonic(), loop.create_future())
+        heapq.heappush(self._serve_queue, (0 if urgent else 1, next(self._serve_seq), req))
+        self._serve_wake.set()
+        if self._server is None or self._server.done():
+            self._server = loop.create_task(self._serve_loop(task))
+        return await req.future
+
+    async def _serve_loop(self, task: MigrationTask) -> None:
+        try:
+            await self._serve_requests(task)
+        except Exception as e:  # noqa: BLE001 - every waiting requester fails with it
+            queue, self._serve_queue = self._serve_queue, []
+            for _, _, req in queue:
+                if not req.future.done():
+                    req.future.set_exception(e)
+            self.error = e
+            self.poke()
+
+    async def _serve_requests(self, task: MigrationTask) -> None:
         await task.sealed.wait()
-        served: list[int] = []
-        chunks: list[pa.RecordBatch] = []
-        size = 0
+        if not task.evicted:  # once: the moving sub-groups leave the cache, the rest stays
+            self.backend.evict_sub_groups(divmod(g, self.sub_groups) for g in task.outgoing)
+            task.evicted = True
+        while self.task is task:
+            if not self._serve_queue:
+                self._serve_wake.clear()
+                await self._serve_wake.wait()
+                continue
+            _, _, req = heapq.heappop(self._serve_queue)
+            if req.urgent:
+                start = max(req.arrived_at, task.sealed_at)
+                task.serve_wait_ms.append((time.monotonic() - start) * 1000)
+            try:
+                req.future.set_result(self._serve_chunk(task, req.groups, req.max_bytes))
+            except Exception as e:  # noqa: BLE001 - the requester's call fails with it
+                req.future.set_exception(e)
+            await asyncio.sleep(0)  # records, and new (urgent) requests, between chunks
+
+    def _serve_chunk(
+        self, task: MigrationTask, groups: list[int], max_bytes: int
+    ) -> tuple[list[int], list[pa.RecordBatch]]:
+        done: list[int] = []
+        pieces: list[pa.RecordBatch] = []
+        room = max_bytes
         for g in groups:
             if g not in task.outgoing:
                 msg = f"sub-group {g} was asked for twice or is not handed out by this instance"
                 raise StateError(msg)
             kg, sg = divmod(g, self.sub_groups)
-            chunk = self.backend.export_sub_group(kg, sg)
-            self.backend.drop_sub_group(kg, sg)
+            piece, resume = self.backend.export_chunk(kg, sg, task.cursors.get(g), room)
+            if piece.num_rows and pieces and piece.nbytes > room:
+                break  # a single row larger than the room left: it goes in the next chunk
+            if piece.num_rows:
+                pieces.append(piece)
+                room -= piece.nbytes
+            if resume is not None:
+                task.cursors[g] = resume
+                break
+            task.cursors.pop(g, None)
+            self.backend.drop_sub_group(kg, sg, evicted=True)
             self.held[g] = False
             task.outgoing.discard(g)
-            chunks.append(chunk)
-            size += chunk.nbytes
-            task.bytes_out += chunk.nbytes
-            served.append(g)
-            if size >= max_bytes:
+            done.append(g)
+            if room <= 0:
                 break
+        chunk = _concat(pieces)
+        task.chunks_out += 1
+        task.bytes_out += chunk.nbytes
+        task.max_chunk_bytes = max(task.max_chunk_bytes, chunk.nbytes)
         self._check_done()
-        return served, chunks
+        return done, [chunk] if chunk.num_rows else []
 
     # ---- waiting ----------------------------------------------------------------------------
     async def wait_released(self) -> None:
@@ -338,6 +549,8 @@ class MigrationEngine:
             "requested": len(t.requested),
             "arrived": len(t.arrived),
             "pending_rows": self.pending_rows,
+            "pending_bytes": self.pending_bytes,
+            "max_pending_bytes": self.max_pending_bytes,
             "incoming": len(t.incoming),
             "outgoing_left": len(t.outgoing),
             "on_demand_fetches": t.on_demand_fetches,
@@ -345,6 +558,10 @@ class MigrationEngine:
             "bytes_out": t.bytes_out,
             "rows_in": t.rows_in,
             "fetch_wait_ms": list(t.fetch_wait_ms),
+            "serve_wait_ms": list(t.serve_wait_ms),
+            "chunks_out": t.chunks_out,
+            "max_chunk_bytes": t.max_chunk_bytes,
+            "max_inflight_chunks": t.max_inflight_chunks,
             "duration_s": (t.finished_at - t.activated_at)
             if t.finished_at and t.activated_at
             else None,
@@ -362,3 +579,13 @@ class MigrationEngine:
             self.poke()
 
     error: BaseException | None = None
+
+
+def _concat(pieces: list[pa.RecordBatch]) -> pa.RecordBatch:
+    from raystream.state.rocks import STATE_CHUNK_SCHEMA
+
+    if not pieces:
+        return pa.RecordBatch.from_pylist([], schema=STATE_CHUNK_SCHEMA)
+    if len(pieces) == 1:
+        return pieces[0]
+    return pa.Table.from_batches(pieces).combine_chunks().to_batches()[0]

@@ -233,6 +233,9 @@ class KeyedProcessor:
         *,
         track: bool = True,
         cache_entries: int = 500_000,
+        cache_bytes: int = 64 << 20,
+        max_pending_bytes: int = 64 << 20,
+        heat_half_life_s: float = 10.0,
     ) -> None:
         assert step.key is not None
         self.track = track
@@ -241,10 +244,18 @@ class KeyedProcessor:
         self.key_column = step.key.key_column
         self.key_specs = step.input_keys
         self.cache_entries = cache_entries
-        self.backend = RocksStateBackend(state_path, cache_entries=cache_entries)
+        self.cache_bytes = cache_bytes
+        self.backend = RocksStateBackend(
+            state_path, cache_entries=cache_entries, cache_bytes=cache_bytes
+        )
         self.states = KeyedStates(self.backend, step.state, key_space)
         self.engine = MigrationEngine(
-            self.backend, key_space.num_key_groups, key_space.sub_groups, owned
+            self.backend,
+            key_space.num_key_groups,
+            key_space.sub_groups,
+            owned,
+            max_pending_bytes=max_pending_bytes,
+            heat_half_life_s=heat_half_life_s,
         )
         self.key_kind: str | None = None
         self.watermark = WATERMARK_MIN  # set by the instance as its watermark advances
@@ -309,7 +320,9 @@ class KeyedProcessor:
 
     def fresh_backend(self, state_path: str | Path) -> RocksStateBackend:
         """An empty RocksDB for a stop-and-restart restore (swapped in by :meth:`swap_backend`)."""
-        return RocksStateBackend(state_path, cache_entries=self.cache_entries)
+        return RocksStateBackend(
+            state_path, cache_entries=self.cache_entries, cache_bytes=self.cache_bytes
+        )
 
     def swap_backend(self, fresh: RocksStateBackend, key_groups: list[int]) -> None:
         """Stop-and-restart: ``fresh`` (holding exactly ``key_groups``) replaces this instance's
@@ -461,6 +474,9 @@ def make_processor(
     *,
     track: bool = True,
     cache_entries: int = 500_000,
+    cache_bytes: int = 64 << 20,
+    max_pending_bytes: int = 64 << 20,
+    heat_half_life_s: float = 10.0,
 ) -> Any:
     if step.kind in ("map", "filter", "flat_map"):
         return MapProcessor(step)
@@ -468,6 +484,16 @@ def make_processor(
         return MapBatchesProcessor(step)
     if step.kind in ("keyed", "keyed_batches"):
         assert state_path is not None
-        return KeyedProcessor(step, key_space, state_path, owned, track=track, cache_entries=cache_entries)
+        return KeyedProcessor(
+            step,
+            key_space,
+            state_path,
+            owned,
+            track=track,
+            cache_entries=cache_entries,
+            cache_bytes=cache_bytes,
+            max_pending_bytes=max_pending_bytes,
+            heat_half_life_s=heat_half_life_s,
+        )
     msg = f"no processor for step kind {step.kind!r}"
     raise ValueError(msg)

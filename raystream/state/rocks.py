@@ -14,14 +14,38 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
-from rocksdict import AccessType, Checkpoint, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
+from rocksdict import (
+    AccessType,
+    Checkpoint,
+    IngestExternalFileOptions,
+    Options,
+    Rdict,
+    ReadOptions,
+    SstFileWriter,
+    WriteBatch,
+    WriteOptions,
+)
 
 from raystream.errors import StateError
 from raystream.state.layout import key_group_bounds, sub_group_bounds
 
-__all__ = ["STATE_CHUNK_SCHEMA", "RocksStateBackend", "read_snapshot_key_groups", "snapshot_chunks"]
+__all__ = [
+    "IMPORT_METHODS",
+    "STATE_CHUNK_SCHEMA",
+    "RocksStateBackend",
+    "chunk_payload_bytes",
+    "read_snapshot_key_groups",
+    "snapshot_chunks",
+]
 
 STATE_CHUNK_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary())])
+ROW_OVERHEAD = 8  # bytes a state chunk spends per row besides key and value (two int32 offsets)
+IMPORT_METHODS = ("write_batch", "sst")
+
+
+def chunk_payload_bytes(key: bytes, value: bytes) -> int:
+    """What one row adds to a state chunk (its Arrow ``nbytes``): key, value, two offsets."""
+    return len(key) + len(value) + ROW_OVERHEAD
 
 
 def _options() -> Options:
@@ -56,20 +80,40 @@ class RocksStateBackend:
 
     The WAL is off: durability comes from snapshots (checkpoints), not from the log.
 
-    A bounded write-back cache sits in front of point reads and writes (``cache_entries``; 0 turns
-    it off). Every range operation — scan, export, drop, import, snapshot — first writes the dirty
-    entries to RocksDB and empties the cache, so whatever is exported or snapshotted (at a barrier)
-    is in RocksDB, and a range that changed below the cache can never be read stale.
+    A bounded write-back cache sits in front of point reads and writes, bounded by entries
+    (``cache_entries``; 0 turns it off) and by bytes of keys and values (``cache_bytes``). Range
+    operations — scan, export, drop, snapshot — first write the dirty entries to RocksDB and empty
+    the cache, so whatever is exported or snapshotted (at a barrier) is in RocksDB, and a range
+    that changed below the cache can never be read stale. A migration instead evicts only the
+    sub-groups that move (:meth:`evict_sub_groups`) and exports them past the cache.
     """
 
     def __init__(
-        self, path: str | Path, *, cache_entries: int = 500_000, max_dirty: int = 8192
+        self,
+        path: str | Path,
+        *,
+        cache_entries: int = 500_000,
+        cache_bytes: int = 64 << 20,
+        max_dirty: int = 8192,
+        import_method: str = "write_batch",
     ) -> None:
+        if import_method not in IMPORT_METHODS:
+            msg = f"import_method must be one of {IMPORT_METHODS}, got {import_method!r}"
+            raise StateError(msg)
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 1:
+            msg = f"cache_bytes must be an int >= 1, got {cache_bytes!r}"
+            raise StateError(msg)
         self.path = Path(path)
         self.cache_entries = cache_entries
+        self.cache_bytes = cache_bytes
         self.max_dirty = max_dirty
+        self.import_method = import_method
         self._cache: dict[bytes, bytes | None] = {}
         self._dirty: set[bytes] = set()
+        # bytes put into the cache since it was last measured (an upper bound of its size:
+        # overwrites count again); measured exactly, and evicted, when it passes cache_bytes
+        self._cache_added = 0
+        self._ingested = 0  # SST files ingested (names them)
         self.bytes_restored = 0  # bytes copied in by restore_key_groups
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = Rdict(str(self.path), _options())
@@ -95,6 +139,7 @@ class RocksStateBackend:
             for i in missing:
                 values[i] = found[keys[i]]
             cache.update(found)  # misses are cached too (as None)
+            self._cache_added += sum(map(len, found)) + sum(map(len, filter(None, fetched)))
             self._bound()
         return values  # type: ignore[return-value]
 
@@ -110,9 +155,11 @@ class RocksStateBackend:
         if self.cache_entries:
             self._cache.update(zip(keys, values, strict=True))
             self._dirty.update(keys)
+            self._cache_added += sum(map(len, keys)) + sum(map(len, values))
             for k in deletes:
                 self._cache[k] = None
                 self._dirty.add(k)
+                self._cache_added += len(k)
             self._bound()
             return
         self._write_through(keys, values, deletes)
@@ -140,7 +187,10 @@ class RocksStateBackend:
 
     def _bound(self) -> None:
         """Keep the cache bounded without long stalls: dirty entries go to RocksDB in small sorted
-        batches; when full, the oldest quarter (dicts keep insertion order) is evicted."""
+        batches; when full, the oldest quarter (dicts keep insertion order) is evicted. In bytes:
+        once the bytes put in since the last measurement pass ``cache_bytes``, the cache is
+        measured, and if it holds more than half of ``cache_bytes`` the oldest entries go until
+        it holds half (so a measurement, O(entries), comes at most once per half bound written)."""
         if len(self._dirty) >= self.max_dirty:
             self._write_dirty()
         if len(self._cache) > self.cache_entries:
@@ -148,6 +198,29 @@ class RocksStateBackend:
             cache = self._cache
             for k in list(itertools.islice(cache, len(cache) - self.cache_entries * 3 // 4)):
                 del cache[k]
+        if self._cache_added > self.cache_bytes:
+            self._bound_bytes()
+
+    def cached_bytes(self) -> int:
+        """Bytes of keys and values in the write-back cache now (measured: O(entries))."""
+        cache = self._cache
+        return sum(map(len, cache)) + sum(map(len, filter(None, cache.values())))
+
+    def _bound_bytes(self) -> None:
+        size = self.cached_bytes()
+        half = self.cache_bytes // 2
+        if size > half:
+            self._write_dirty()
+            cache = self._cache
+            drop = []
+            for k, v in cache.items():
+                if size <= half:
+                    break
+                size -= len(k) + (len(v) if v else 0)
+                drop.append(k)
+            for k in drop:
+                del cache[k]
+        self._cache_added = size
 
     def _write_dirty(self) -> None:
         if self._dirty:
@@ -160,6 +233,25 @@ class RocksStateBackend:
         """Write dirty entries to RocksDB (sorted, one WriteBatch) and empty the cache."""
         self._write_dirty()
         self._cache.clear()
+        self._cache_added = 0
+
+    def evict_sub_groups(self, sub_groups: Iterable[tuple[int, int]]) -> int:
+        """Write the cached dirty entries of these (key group, sub-group)s to RocksDB and evict
+        their entries; the rest of the cache stays. One pass over the cache. Returns entries
+        evicted. After this, and while no record of them is processed here, they can be exported
+        past the cache (:meth:`export_chunk`)."""
+        prefixes = {sub_group_bounds(kg, sg)[0] for kg, sg in sub_groups}
+        if not prefixes or not self._cache:
+            return 0
+        cache = self._cache
+        gone = [k for k in cache if k[:3] in prefixes]
+        dirty = sorted(k for k in gone if k in self._dirty)
+        if dirty:
+            self._write_through(dirty, [cache[k] for k in dirty])
+            self._dirty.difference_update(dirty)
+        for k in gone:
+            del cache[k]
+        return len(gone)
 
     def scan(
         self, lower: bytes, upper: bytes, *, flush: bool = True
@@ -199,6 +291,29 @@ class RocksStateBackend:
         if keys:
             yield _chunk(keys, values)
 
+    def export_chunk(
+        self, key_group: int, sub_group: int, start: bytes | None, max_bytes: int
+    ) -> tuple[pa.RecordBatch, bytes | None]:
+        """Rows of one sub-group from key ``start`` on (None: its first key), at most
+        ``max_bytes`` of chunk (see :func:`chunk_payload_bytes`; a single larger row comes
+        alone), read past the cache (evict the sub-group first: :meth:`evict_sub_groups`).
+        Returns the chunk and the key to continue from (None: the sub-group is complete)."""
+        if max_bytes < 1:
+            msg = f"max_bytes must be >= 1, got {max_bytes}"
+            raise StateError(msg)
+        lower, upper = sub_group_bounds(key_group, sub_group)
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        size = 2 * 4  # the offsets' closing entries
+        for k, v in self.scan(start or lower, upper, flush=False):
+            row = len(k) + len(v) + ROW_OVERHEAD
+            if keys and size + row > max_bytes:
+                return _chunk(keys, values), k
+            keys.append(k)
+            values.append(v)
+            size += row
+        return _chunk(keys, values), None
+
     def export_sub_group(self, key_group: int, sub_group: int) -> pa.RecordBatch:
         chunks = list(
             self.export_ranges([sub_group_bounds(key_group, sub_group)], chunk_bytes=1 << 62)
@@ -212,19 +327,50 @@ class RocksStateBackend:
             (key_group_bounds(int(g)) for g in key_groups), chunk_bytes=chunk_bytes
         )
 
-    def import_chunk(self, chunk: pa.RecordBatch | pa.Table) -> int:
-        """Write exported rows (columns key, value) into this instance. Returns the row count."""
+    def import_chunk(self, chunk: pa.RecordBatch | pa.Table, *, method: str | None = None) -> int:
+        """Write exported rows (columns key, value) into this instance. Returns the row count.
+
+        The rows' range must not be in the cache: sub-groups arrive here only while not held
+        (nothing read or wrote them through the cache since they left, which evicted them).
+        ``method``: ``"write_batch"`` or ``"sst"`` (ingest an SST file; rows sorted by key, as
+        exports are); default: this backend's ``import_method``."""
         if chunk.schema.names[:2] != ["key", "value"]:
             msg = f"a state chunk needs columns ['key', 'value'], got {chunk.schema.names}"
             raise StateError(msg)
-        self.flush_cache()
+        n = chunk.num_rows
+        if not n:
+            return 0
         keys = chunk.column(0).to_pylist()
         values = chunk.column(1).to_pylist()
-        self._write_through(keys, values)
-        return len(keys)
+        if (method or self.import_method) == "sst":
+            self._ingest_sst(keys, values)
+        else:
+            self._write_through(keys, values)
+        return n
 
-    def drop_sub_group(self, key_group: int, sub_group: int) -> None:
-        self.flush_cache()
+    def _ingest_sst(self, keys: list[bytes], values: list[bytes]) -> None:
+        """Write the rows (sorted, distinct keys) to an SST file and ingest it (moved in)."""
+        folder = self.path.parent / f"{self.path.name}.ingest"
+        folder.mkdir(exist_ok=True)
+        self._ingested += 1
+        file = folder / f"{self._ingested}.sst"
+        writer = SstFileWriter(options=_options())
+        writer.open(str(file))
+        try:
+            for k, v in zip(keys, values, strict=True):
+                writer[k] = v
+        finally:
+            writer.finish()
+        opts = IngestExternalFileOptions()
+        opts.set_move_files(True)
+        self._db.ingest_external_file([str(file)], opts)
+        file.unlink(missing_ok=True)
+
+    def drop_sub_group(self, key_group: int, sub_group: int, *, evicted: bool = False) -> None:
+        """Delete one sub-group's keys. ``evicted``: its range is known not to be in the cache
+        (:meth:`evict_sub_groups`), so the rest of the cache stays."""
+        if not evicted:
+            self.flush_cache()
         lower, upper = sub_group_bounds(key_group, sub_group)
         self._db.delete_range(lower, upper, self._write_opt)
 
@@ -272,6 +418,7 @@ class RocksStateBackend:
         """Close and delete this instance's state folder."""
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
+        shutil.rmtree(self.path.parent / f"{self.path.name}.ingest", ignore_errors=True)
 
 
 def _chunk(keys: list[bytes], values: list[bytes]) -> pa.RecordBatch:
