@@ -32,6 +32,7 @@ from raystream.runtime.processors import (
     INGEST_TS,
     INPUT_EVENTS,
     KeyedProcessor,
+    input_events_of,
     make_processor,
 )
 from raystream.runtime.watermarks import (
@@ -667,7 +668,7 @@ class OperatorInstance:
                 names = batch.schema.names
                 weights = None
                 if INPUT_EVENTS in names:  # latency counts once per input event of a row
-                    weights = batch.column(INPUT_EVENTS).to_numpy(zero_copy_only=False)
+                    weights = input_events_of(batch)
                     batch = batch.drop_columns([INPUT_EVENTS])
                 if self.latency is not None and INGEST_TS in names:
                     ingest = batch.column(INGEST_TS).to_numpy(zero_copy_only=False)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from raystream.dataflow import Step
 from raystream.errors import SchemaError, StateError
@@ -42,6 +43,7 @@ __all__ = [
     "EVENT_TIME",
     "INPUT_EVENTS",
     "KeyedBatch",
+    "input_events_of",
     "KeyedProcessor",
     "make_processor",
 ]
@@ -53,6 +55,15 @@ EVENT_TIME = "event_time"
 INPUT_EVENTS = "input_events"
 _META = (EVENT_TIME, INGEST_TS)
 INPUT_META = b"raystream.input"  # which input of a two-input step a buffered batch came from
+
+
+def input_events_of(batch: pa.RecordBatch) -> np.ndarray:
+    """Each record's ``input_events`` as int64; 1 where it is missing (null: a record that came
+    without one, e.g. a timer's output batched together with rows that have one)."""
+    col = batch.column(INPUT_EVENTS)
+    if col.null_count:
+        col = pc.fill_null(col, 1)
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
 def _to_batches(out: Any, step: str) -> list[pa.RecordBatch]:
@@ -193,9 +204,9 @@ class KeyedBatch:
     def input_events(self) -> np.ndarray:
         """Input events per distinct key: its records' ``input_events`` summed (records that
         aggregate events upstream), else its number of records."""
-        if INPUT_EVENTS in self.records.schema.names:
-            return self.reduce(INPUT_EVENTS, "sum")
-        return self.counts
+        if INPUT_EVENTS not in self.records.schema.names or len(self.offsets) < 2:
+            return self.counts
+        return np.add.reduceat(input_events_of(self.records), self.offsets[:-1])
 
     def output(self, columns: dict[str, Any]) -> pa.RecordBatch:
         """One output row per distinct key: the key, ``columns``, and the key's oldest

@@ -94,10 +94,15 @@ def test_bad_weights_are_refused() -> None:
 
 def test_keyed_output_rows_carry_their_input_events(tmp_path: Path) -> None:
     """A key-count row covers the key's events of one batch; rows of an upstream keyed step
-    bring their own input_events, which add up."""
+    bring their own input_events, which add up. The sink reads them as weights."""
     import pyarrow as pa
 
-    from raystream.runtime.processors import INGEST_TS, INPUT_EVENTS, make_processor
+    from raystream.runtime.processors import (
+        INGEST_TS,
+        INPUT_EVENTS,
+        input_events_of,
+        make_processor,
+    )
 
     @rs.keyed_batches(state=rs.ValueState(int, default=0))
     def count(batch: Any, state: Any) -> Any:
@@ -113,11 +118,13 @@ def test_keyed_output_rows_carry_their_input_events(tmp_path: Path) -> None:
     out = p.process(tbl.to_batches()[0])[0].to_pydict()
     assert dict(zip(out["key"], out[INPUT_EVENTS], strict=True)) == collections.Counter(keys)
     p.close()
-    upstream = tbl.append_column(INPUT_EVENTS, pa.array([10, 1, 5, 0, 2, 3], pa.int64()))
+    # a null (a row that came without a count, batched with rows that have one) counts 1
+    upstream = tbl.append_column(INPUT_EVENTS, pa.array([10, None, 5, 0, 2, 3], pa.int64()))
     p = make_processor(flow.steps["count"], flow.key_space, tmp_path / "q", owned=range(128))
     out = p.process(upstream.to_batches()[0])[0].to_pydict()
     assert dict(zip(out["key"], out[INPUT_EVENTS], strict=True)) == {"a": 15, "b": 4, "c": 2}
     p.close()
+    assert input_events_of(upstream.to_batches()[0]).tolist() == [10, 1, 5, 0, 2, 3]
 
 
 # --------------------------------------------------------------------------------------------
