@@ -19,7 +19,24 @@ from raystream.metrics import (
     rescale_impact,
 )
 
-__all__ = ["build_report", "print_summary", "write_atomically"]
+__all__ = [
+    "LATENCY_WEIGHTING",
+    "RESCALE_WINDOW",
+    "build_report",
+    "print_summary",
+    "write_atomically",
+]
+
+LATENCY_WEIGHTING = (
+    "per input event: an output row counts once for every input event it aggregates (its "
+    "input_events; a key-count row covers the key's events of one batch), and its latency is the "
+    "age of its oldest input event when it reaches the sink"
+)
+RESCALE_WINDOW = (
+    "from the request until latency is back: the first 2 s of 250 ms windows whose p99 is within "
+    "1.5x the steady p99 (the p99 before the request, first second left out), not before the "
+    "state settled; or until the run ended (recovered_s null)"
+)
 
 
 def _r(x: float | None, digits: int = 3) -> float | None:
@@ -33,7 +50,10 @@ def build_report(
 
     ``timeline`` rows are ``[t_s, throughput_eps, p50_ms, p99_ms, max_ms]`` per 250 ms window
     since the job started: records into ``step`` per window (all instances merged) and the
-    latency of the records reaching the sinks in that window.
+    latency of the records reaching the sinks in that window, weighted per input event
+    (``LATENCY_WEIGHTING``). Each rescale gets its window's figures (``RESCALE_WINDOW``, see
+    :func:`raystream.metrics.rescale_impact`); a rescale's steady span starts after the previous
+    rescale's window.
     """
     insts = result.step_metrics(step)
     events_in = sum(int(m.get("records_in", 0)) for m in insts)
@@ -50,29 +70,40 @@ def build_report(
     ]
     summary = lat.summary()
     throughput = counter.timeline()
-    rescales = [
-        {
-            **{
-                k: r[k]
-                for k in (
-                    "from",
-                    "to",
-                    "strategy",
-                    "start_s",
-                    "end_s",
-                    "duration_s",
-                    "moved_key_groups",
-                    "moved_bytes",
-                    "moved_rows",
-                    "on_demand_fetches",
-                    "fetch_wait_ms",
-                    "steps",
-                )
-            },
-            **rescale_impact(lat, throughput, r["start_s"], r["end_s"], window_ms=window_ms),
-        }
-        for r in result.rescales
-    ]
+    rescales = []
+    steady_from = 1.0
+    for r in result.rescales:
+        impact = rescale_impact(
+            lat,
+            throughput,
+            r["start_s"],
+            r["end_s"],
+            window_ms=window_ms,
+            steady_from_s=steady_from,
+        )
+        steady_from = impact["window_end_s"]
+        rescales.append(
+            {
+                **{
+                    k: r[k]
+                    for k in (
+                        "from",
+                        "to",
+                        "strategy",
+                        "start_s",
+                        "end_s",
+                        "duration_s",
+                        "moved_key_groups",
+                        "moved_bytes",
+                        "moved_rows",
+                        "on_demand_fetches",
+                        "fetch_wait_ms",
+                        "steps",
+                    )
+                },
+                **impact,
+            }
+        )
     final_parallelism = rescales[-1]["to"] if rescales else config.get("parallelism", len(insts))
     report: dict[str, Any] = {
         "benchmark": "keycount",
@@ -87,7 +118,10 @@ def build_report(
             "p99": _r(summary["p99_ms"]),
             "max": _r(summary["max_ms"]),
         },
-        "latency_records": summary["count"],
+        "latency_weighting": LATENCY_WEIGHTING,
+        "latency_events": summary["count"],
+        "latency_rows": lat.rows,
+        "rescale_window": RESCALE_WINDOW,
         "window_ms": window_ms,
         "timeline": timeline,
         "parallelism": final_parallelism,
@@ -163,17 +197,22 @@ def print_summary(report: dict[str, Any]) -> None:
         return "-" if v is None else f"{v:,.1f} ms"
 
     table.add_row(
-        "latency p50 / p99 / max", f"{ms(lat['p50'])} / {ms(lat['p99'])} / {ms(lat['max'])}"
+        "latency p50 / p99 / max (per input event)",
+        f"{ms(lat['p50'])} / {ms(lat['p99'])} / {ms(lat['max'])}",
     )
     peak = max((row[1] for row in report["timeline"]), default=0.0)
     table.add_row("peak throughput (250 ms window)", f"{peak:,.0f} ev/s")
     for r in report.get("rescales", []):
-        dip = r.get("throughput_dip")
+        dip = r.get("window_throughput_dip")
+        rec = r.get("recovered_s")
         table.add_row(
             f"rescale {r['from']} -> {r['to']} ({r['strategy']}) at {r['start_s']:.1f} s",
-            f"{r['duration_s']:.2f} s, {r['moved_key_groups']} key groups, {r['moved_bytes']:,} B, "
-            f"{r['on_demand_fetches']} on-demand; latency peak {ms(r['peak_latency_ms'])}, "
-            f"p99 {ms(r['p99_latency_ms'])}; throughput dip {'-' if dip is None else f'{dip:.2f}'}",
+            f"moved in {r['duration_s']:.2f} s, {r['moved_key_groups']} key groups, "
+            f"{r['moved_bytes']:,} B, {r['on_demand_fetches']} on-demand; "
+            f"{'not recovered' if rec is None else f'recovered after {rec:.2f} s'} "
+            f"(steady p99 {ms(r['steady_p99_ms'])}); until then latency peak "
+            f"{ms(r['window_peak_latency_ms'])}, p99 {ms(r['window_p99_latency_ms'])}; "
+            f"throughput dip {'-' if dip is None else f'{dip:.2f}'}",
         )
     for e in report.get("rescale_errors", []):
         table.add_row("[red]rescale or kill failed[/]", e)

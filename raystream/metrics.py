@@ -8,7 +8,9 @@ one machine shares; a window is ``window_ms`` long and window ``w`` starts at
 Instants before the origin count in window 0.
 
 Latency is recorded in HDR histograms (1 us .. 1 hour, 3 significant digits, values in us), one per
-window plus one for the whole run, so percentiles merge exactly across sinks.
+window plus one for the whole run, so percentiles merge exactly across sinks. Each record may carry
+a weight (the number of input events it aggregates): a histogram then counts a record of weight
+``k`` ``k`` times, so its percentiles are weighted per input event, at no extra memory.
 
 Example::
 
@@ -38,6 +40,7 @@ __all__ = [
     "LatencyRecorder",
     "WindowedCounter",
     "build_timeline",
+    "recovery_point",
     "rescale_impact",
 ]
 
@@ -218,12 +221,18 @@ def _counts_index(h: HdrHistogram, values: np.ndarray) -> np.ndarray:
     )
 
 
-def _record_us(histograms: Iterable[HdrHistogram], values_us: np.ndarray) -> None:
-    """Record int64 microsecond values: bucket them with numpy, then one ``record_value`` per
-    non-empty bucket (at most a few thousand), never one per record."""
+def _record_us(
+    histograms: Iterable[HdrHistogram], values_us: np.ndarray, weights: np.ndarray | None = None
+) -> None:
+    """Record int64 microsecond values (value ``i`` ``weights[i]`` times, default once): bucket
+    them with numpy, then one ``record_value`` per non-empty bucket (at most a few thousand),
+    never one per record."""
     hists = list(histograms)
     index = _counts_index(hists[0], values_us)
-    per_bucket = np.bincount(index)
+    if weights is None:
+        per_bucket = np.bincount(index)
+    else:  # float sums of int64 weights: exact below 2**53
+        per_bucket = np.rint(np.bincount(index, weights=weights)).astype(np.int64)
     for i in np.flatnonzero(per_bucket).tolist():
         value = hists[0].get_value_from_index(i)
         count = int(per_bucket[i])
@@ -253,9 +262,11 @@ def _stats_ms(h: HdrHistogram) -> tuple[float | None, float | None, float | None
 class LatencyRecorder:
     """End-to-end latency of the records reaching one sink, per window and for the whole run.
 
-    ``record(ingest_ns, now_ns)`` takes the ingest time stamps of one batch and the time it is
-    written; latency ``now - ingest`` is rounded to us (negative -> 0, over an hour -> an hour)
-    and falls in the window of ``now_ns``. Percentiles are HDR's (within 0.1 %).
+    ``record(ingest_ns, now_ns, weights)`` takes the ingest time stamps of one batch, the time it
+    is written and optionally each record's weight (how many input events it aggregates; default
+    1); latency ``now - ingest`` is rounded to us (negative -> 0, over an hour -> an hour) and
+    falls in the window of ``now_ns``. Percentiles are HDR's (within 0.1 %), weighted: ``count``
+    and the per-window counts are sums of weights (events), ``rows`` counts records.
 
     Memory stays bounded: only the ``live_windows`` most recent window histograms stay expanded
     (~190 KB each); older ones are kept encoded (compressed, usually a few KB).
@@ -276,18 +287,35 @@ class LatencyRecorder:
         self._live: dict[int, HdrHistogram] = {}
         self._sealed: dict[int, bytes] = {}
         self._counts: dict[int, int] = {}
+        self.rows = 0
 
     # -- recording ---------------------------------------------------------------------------
 
-    def record(self, ingest_ns: np.ndarray, now_ns: int) -> None:
+    def record(self, ingest_ns: np.ndarray, now_ns: int, weights: np.ndarray | None = None) -> None:
+        """One batch: its records' ingest times, when it is written, and (optionally) each
+        record's weight, an int >= 0 (records of weight 0 are not counted)."""
         ingest = np.asarray(ingest_ns, dtype=np.int64)
         if ingest.size == 0:
+            return
+        w_arr = None
+        total = int(ingest.size)
+        if weights is not None:
+            w_arr = np.asarray(weights, dtype=np.int64)
+            if w_arr.shape != ingest.shape or (w_arr.size and int(w_arr.min()) < 0):
+                msg = (
+                    f"latency weights must be one int >= 0 per record: got {w_arr.size} weights "
+                    f"(min {int(w_arr.min()) if w_arr.size else None}) for {ingest.size} records"
+                )
+                raise ConfigError(msg)
+            total = int(w_arr.sum())
+        self.rows += int(ingest.size)
+        if total == 0:
             return
         latency_us = (np.int64(now_ns) - ingest + 500) // 1000
         np.clip(latency_us, 0, LATENCY_HIGHEST_US, out=latency_us)
         w = _window_of(now_ns, self.origin_ns, self._window_ns)
-        _record_us((self._window(w), self._total), latency_us)
-        self._counts[w] = self._counts.get(w, 0) + int(ingest.size)
+        _record_us((self._window(w), self._total), latency_us, w_arr)
+        self._counts[w] = self._counts.get(w, 0) + total
 
     def _window(self, w: int) -> HdrHistogram:
         """The expanded histogram of window ``w`` (reopened if sealed); seals the oldest."""
@@ -319,9 +347,13 @@ class LatencyRecorder:
     def summary_between(self, start_s: float, end_s: float) -> dict[str, Any]:
         """{count, p50_ms, p99_ms, max_ms} over the windows from ``start_s`` to ``end_s``
         (seconds since the origin): the latency of the records that reached a sink then."""
-        merged = _new_histogram()
         first = int(start_s * 1000 // self.window_ms)
         last = int(end_s * 1000 // self.window_ms)
+        return self.summary_of_windows(first, last)
+
+    def summary_of_windows(self, first: int, last: int) -> dict[str, Any]:
+        """{count, p50_ms, p99_ms, max_ms} over windows ``first .. last`` (indexes, inclusive)."""
+        merged = _new_histogram()
         for w in self._counts:
             if first <= w <= last:
                 merged.add(self._histogram_of(w))
@@ -348,12 +380,14 @@ class LatencyRecorder:
             "total": self._total.encode(),
             "windows": windows,
             "counts": dict(self._counts),
+            "rows": self.rows,
         }
 
     def merge(self, snapshot: dict[str, Any]) -> None:
         """Add another recorder's snapshot (windows of another origin are re-binned by start)."""
         _check_same_window(self.window_ms, snapshot["window_ms"], "LatencyRecorder")
         self._total.add(HdrHistogram.decode(snapshot["total"]))
+        self.rows += int(snapshot.get("rows", 0))
         for w, encoded in snapshot["windows"].items():
             mine = _rebin(int(w), snapshot["origin_ns"], self.origin_ns, self._window_ns)
             self._window(mine).add(HdrHistogram.decode(encoded))
@@ -418,6 +452,32 @@ def build_timeline(
     return rows
 
 
+def recovery_point(
+    p99_by_window: dict[int, float],
+    first: int,
+    last: int,
+    bound_ms: float,
+    hold_windows: int,
+) -> int | None:
+    """The first window ``w >= first`` that starts ``hold_windows`` consecutive windows whose p99
+    is at most ``bound_ms``, all of them at or before ``last`` (the run's last window); None if
+    there is none. A window without records (missing from ``p99_by_window``) is not within the
+    bound: nothing reached the sinks then.
+
+    Example: windows 3 and 4 calm, 5 high, 6..8 calm, from window 4, 3 in a row::
+
+        >>> recovery_point({3: 1.0, 4: 1.0, 5: 9.0, 6: 1.0, 7: 1.0, 8: 1.0}, 4, 8, 2.0, 3)
+        6
+    """
+    run = 0
+    for w in range(first, last + 1):
+        p99 = p99_by_window.get(w)
+        run = run + 1 if p99 is not None and p99 <= bound_ms else 0
+        if run == hold_windows:
+            return w - hold_windows + 1
+    return None
+
+
 def rescale_impact(
     latency: LatencyRecorder,
     throughput: list[tuple[float, int]],
@@ -425,28 +485,58 @@ def rescale_impact(
     end_s: float,
     *,
     window_ms: int = DEFAULT_WINDOW_MS,
-    settle_s: float = 0.5,
+    steady_from_s: float = 1.0,
+    band: float = 1.5,
+    hold_s: float = 2.0,
 ) -> dict[str, Any]:
-    """How a rescale showed at the sinks: ``peak_latency_ms`` and ``p99_latency_ms`` of the records
-    that arrived between ``start_s`` and ``end_s + settle_s`` (records delayed by the move arrive a
-    little after it ended), and ``throughput_dip``: the lowest window throughput in that span over
-    the steady throughput (median of the windows before ``start_s``, first second left out)."""
-    during = latency.summary_between(start_s, end_s + settle_s)
-    per_window = {t: n for t, n in throughput}
-    steady = [n for t, n in per_window.items() if 1.0 <= t < start_s]
-    inside = [
-        per_window.get(_window_start(t, window_ms), 0)
-        for t in np.arange(start_s, end_s + settle_s, window_ms / 1000)
-    ]
-    base = float(np.median(steady)) if steady else 0.0
+    """How a rescale requested at ``start_s`` (its state settled at ``end_s``) showed at the sinks.
+
+    ``steady_p99_ms``: the (weighted) p99 of the records that reached the sinks from
+    ``steady_from_s`` up to the window holding ``start_s`` (from 0 if that span holds no window).
+    The rescale's window runs from the request until latency is back: from the window holding
+    ``end_s`` on (no rescale recovers before its state settled), the first span of ``hold_s``
+    seconds of windows whose p99 is within ``band`` x the steady p99; the window ends where that
+    span starts, or at the run's last window if there is none. Reported:
+
+    - ``recovered_s``: from the request to the later of ``end_s`` and the start of that span;
+      None if latency was not back before the run ended (or there was no steady p99)
+    - ``window_end_s``: where the window ends (seconds since the origin)
+    - ``window_peak_latency_ms``, ``window_p99_latency_ms``: max and p99 of the records that
+      reached the sinks in the window (from the request's window to the last before the span,
+      at least up to the window holding ``end_s``)
+    - ``window_throughput_dip``: the lowest window throughput in the window over the steady
+      throughput (median of the windows of the steady span); ``steady_throughput_eps``
+    """
+    _check_window_ms(window_ms)
+    step_s = window_ms / 1000
+    ws = int(start_s * 1000 // window_ms)
+    we = max(ws, int(end_s * 1000 // window_ms))
+    lo = int(np.ceil(steady_from_s * 1000 / window_ms))
+    if lo >= ws:
+        lo = 0
+    steady = latency.summary_of_windows(lo, ws - 1) if ws > 0 else {"p99_ms": None}
+    steady_p99 = steady["p99_ms"]
+    rows = latency.timeline()
+    p99_by_window = {round(r[0] / step_s): r[3] for r in rows}
+    last_window = max([we, *p99_by_window])
+    hold = max(1, int(np.ceil(hold_s / step_s - 1e-9)))
+    point = None
+    if steady_p99 is not None:
+        point = recovery_point(p99_by_window, we, last_window, band * steady_p99, hold)
+    window_last = last_window if point is None else max(we, point - 1)
+    during = latency.summary_of_windows(ws, window_last)
+    per_window = {round(t / step_s): n for t, n in throughput}
+    steady_tp = [n for w, n in per_window.items() if lo <= w < ws]
+    inside = [per_window.get(w, 0) for w in range(ws, window_last + 1)]
+    base = float(np.median(steady_tp)) if steady_tp else 0.0
     dip = (min(inside) / base) if base and inside else None
+    recovered = None if point is None else max(point * step_s, end_s) - start_s
     return {
-        "peak_latency_ms": during["max_ms"],
-        "p99_latency_ms": during["p99_ms"],
-        "throughput_dip": dip,
-        "steady_throughput_eps": base * 1000 / window_ms,
+        "steady_p99_ms": steady_p99,
+        "recovered_s": None if recovered is None else max(0.0, recovered),
+        "window_end_s": (window_last + 1) * step_s if point is None else max(point * step_s, end_s),
+        "window_peak_latency_ms": during["max_ms"],
+        "window_p99_latency_ms": during["p99_ms"],
+        "window_throughput_dip": dip,
+        "steady_throughput_eps": base / step_s,
     }
-
-
-def _window_start(t_s: float, window_ms: int) -> float:
-    return (int(t_s * 1000) // window_ms) * window_ms / 1000

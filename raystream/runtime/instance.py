@@ -27,7 +27,14 @@ from raystream.runtime import snapshots
 from raystream.runtime.messages import Barrier, ChannelId, EndOfStream, Watermark
 from raystream.runtime.migration import MigrationEngine, MigrationTask
 from raystream.runtime.outputs import port_of
-from raystream.runtime.processors import EVENT_TIME, INGEST_TS, KeyedProcessor, make_processor
+from raystream.runtime.processors import (
+    EVENT_TIME,
+    INGEST_TS,
+    INPUT_EVENTS,
+    KeyedProcessor,
+    input_events_of,
+    make_processor,
+)
 from raystream.runtime.watermarks import (
     WATERMARK_MAX,
     WATERMARK_MIN,
@@ -691,9 +698,14 @@ class OperatorInstance:
         with m.busy():
             if self.role == "sink":
                 now = time.time_ns()
-                if self.latency is not None and INGEST_TS in batch.schema.names:
+                names = batch.schema.names
+                weights = None
+                if INPUT_EVENTS in names:  # latency counts once per input event of a row
+                    weights = input_events_of(batch)
+                    batch = batch.drop_columns([INPUT_EVENTS])
+                if self.latency is not None and INGEST_TS in names:
                     ingest = batch.column(INGEST_TS).to_numpy(zero_copy_only=False)
-                    self.latency.record(ingest, now)
+                    self.latency.record(ingest, now, weights)
                 self.writer.write(batch)
                 m.record_in(batch.num_rows, now)
             elif self._serving() and batch.num_rows > SERVE_SLICE_ROWS:

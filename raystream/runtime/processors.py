@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from raystream.dataflow import Step
 from raystream.errors import SchemaError, StateError
@@ -37,12 +38,32 @@ from raystream.runtime.watermarks import WATERMARK_MIN
 from raystream.state.handles import KeyedStates, KeySet
 from raystream.state.rocks import RocksStateBackend
 
-__all__ = ["INGEST_TS", "EVENT_TIME", "KeyedBatch", "KeyedProcessor", "make_processor"]
+__all__ = [
+    "INGEST_TS",
+    "EVENT_TIME",
+    "INPUT_EVENTS",
+    "KeyedBatch",
+    "input_events_of",
+    "KeyedProcessor",
+    "make_processor",
+]
 
 INGEST_TS = "ingest_ts"
 EVENT_TIME = "event_time"
+# how many input events an output row of a keyed step aggregates (set next to ``ingest_ts``);
+# sinks weight latency by it and drop it before writing
+INPUT_EVENTS = "input_events"
 _META = (EVENT_TIME, INGEST_TS)
 INPUT_META = b"raystream.input"  # which input of a two-input step a buffered batch came from
+
+
+def input_events_of(batch: pa.RecordBatch) -> np.ndarray:
+    """Each record's ``input_events`` as int64; 1 where it is missing (null: a record that came
+    without one, e.g. a timer's output batched together with rows that have one)."""
+    col = batch.column(INPUT_EVENTS)
+    if col.null_count:
+        col = pc.fill_null(col, 1)
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
 def _to_batches(out: Any, step: str) -> list[pa.RecordBatch]:
@@ -180,14 +201,24 @@ class KeyedBatch:
         ufunc = {"sum": np.add, "min": np.minimum, "max": np.maximum}[how]
         return ufunc.reduceat(values, starts)
 
+    def input_events(self) -> np.ndarray:
+        """Input events per distinct key: its records' ``input_events`` summed (records that
+        aggregate events upstream), else its number of records."""
+        if INPUT_EVENTS not in self.records.schema.names or len(self.offsets) < 2:
+            return self.counts
+        return np.add.reduceat(input_events_of(self.records), self.offsets[:-1])
+
     def output(self, columns: dict[str, Any]) -> pa.RecordBatch:
         """One output row per distinct key: the key, ``columns``, and the key's oldest
-        ``ingest_ts`` / newest ``event_time``."""
+        ``ingest_ts`` / newest ``event_time``; with ``ingest_ts`` also ``input_events``, how many
+        input events the row covers (see :meth:`input_events`)."""
         data: dict[str, Any] = {self.key_column: self.keys.keys}
         data.update(columns)
         names = self.records.schema.names
         if INGEST_TS in names and INGEST_TS not in data:
             data[INGEST_TS] = self.reduce(INGEST_TS, "min")
+            if INPUT_EVENTS not in data:
+                data[INPUT_EVENTS] = self.input_events()
         if EVENT_TIME in names and EVENT_TIME not in data:
             data[EVENT_TIME] = self.reduce(EVENT_TIME, "max")
         return pa.RecordBatch.from_pydict(data)
@@ -403,8 +434,9 @@ class KeyedProcessor:
         names = kb.records.schema.names
         ingest = kb.reduce(INGEST_TS, "min").tolist() if INGEST_TS in names else None
         event = kb.reduce(EVENT_TIME, "max").tolist() if EVENT_TIME in names else None
+        events = kb.input_events().tolist() if INGEST_TS in names else None
         return self._per_key_calls(
-            self.step.fn, kb.keys, kb.records_of, kb.timers, kb.watermark, ingest, event
+            self.step.fn, kb.keys, kb.records_of, kb.timers, kb.watermark, ingest, event, events
         )
 
     def _per_key_timers(self, fired: FiredTimers) -> list[pa.RecordBatch]:
@@ -423,9 +455,12 @@ class KeyedProcessor:
         watermark: int,
         ingest: list[int] | None,
         event: list[int] | None,
+        events: list[int] | None = None,
     ) -> list[pa.RecordBatch]:
         """Call ``fn(key, second(i)[, state][, timers])`` per key, state loaded and written back
-        in one go; each yielded row gets the key and, unless set, ``ingest``/``event`` times."""
+        in one go; each yielded row gets the key and, unless set, ``ingest``/``event`` times and
+        ``events`` (the input events of the key in this batch: every row the key yields for
+        them carries that number)."""
         has_state = bool(self.step.state)
         timed = self.step.on_timer is not None
         preloaded = self.states.preload(keyset) if has_state else {}
@@ -457,6 +492,8 @@ class KeyedProcessor:
                     o[INGEST_TS] = ingest[i]
                 if event is not None and EVENT_TIME not in o:
                     o[EVENT_TIME] = event[i]
+                if events is not None and INPUT_EVENTS not in o:
+                    o[INPUT_EVENTS] = events[i]
                 rows.append(o)
         if has_state:
             self.states.write_back(keyset, preloaded)
