@@ -12,6 +12,14 @@ inside that partition; the source's :class:`~raystream.ingest.IngestBuffer` take
 so a retried task or a replayed micro-batch is not counted twice. Backpressure reaches Spark: a
 push waits while the source's buffer is full, so the task waits while the dataflow is behind.
 
+Recovery (jobs with ``checkpoint_interval_s``): a checkpoint records each source's dedupe table
+(rows per token that went downstream); the recovered source starts from it. The driver's feeder
+watches the job's attempt: the batch feeder runs its Spark job again for each new attempt (the
+rows the checkpoint holds are dropped as duplicates), and the streaming feeder lets a
+micro-batch go (Spark commits it) only once a completed checkpoint holds all its rows, pushing a
+batch that a recovery interrupted again under its batch id. Pushes name their attempt; the
+instances of another attempt refuse them.
+
 Example (needs Java)::
 
     spark = rs.spark.session()
@@ -712,6 +720,10 @@ def spark_stream(
     ``writeStream.trigger(**trigger)``, e.g. ``{"processingTime": "1 second"}``. The input
     ends (and with it the job) after the micro-batch that brought ``max_rows`` rows, or when
     no rows arrived for ``idle_timeout_s`` seconds; without either it runs until stopped.
+
+    When the job checkpoints, ``foreachBatch`` returns only once a completed checkpoint holds
+    the micro-batch's rows (so Spark never commits a batch the job could lose): at most one
+    micro-batch per checkpoint interval.
     """
     _check_dataframe(dataframe, streaming=True)
     capacity = _check_common(push_rows, capacity_rows)
