@@ -16,6 +16,12 @@ the same rows in the same order when it is computed again (replayable, determini
 Backpressure: :meth:`offer` waits while the buffer holds ``capacity_rows`` rows, so a writer
 blocks while the dataflow is behind.
 
+Checkpoints. Besides what it *accepted*, the buffer knows, per token, how many rows the reader
+*took* (they went downstream). At a barrier the source records that table
+(:meth:`IngestBuffer.checkpoint_state`); a recovered source starts from it
+(:meth:`IngestBuffer.restore`), so when writers re-send, the rows the checkpoint holds are
+dropped as duplicates and the rest is taken again.
+
 Example::
 
     >>> import asyncio, pyarrow as pa
@@ -38,7 +44,7 @@ import time
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa
 
@@ -69,9 +75,13 @@ class IngestBuffer:
         self.schema = schema
         self.capacity_rows = capacity_rows
         self.order_wait_s = order_wait_s
-        self._queue: deque[pa.RecordBatch] = deque()
+        # queued rows: (token, offset of the batch's first row inside its piece, rows)
+        self._queue: deque[tuple[Token, int, pa.RecordBatch]] = deque()
         self._rows = 0
         self._accepted: dict[Token, int] = {}
+        # per token, the rows the reader took (emitted downstream): what a checkpoint records
+        self._emitted: dict[Token, int] = {}
+        self._emitted_newest: dict[Hashable, int] = {}
         # per stream: the newest batch id seen, and the floor below which every batch is known
         # complete (a micro-batch starts only once the one before it was committed), so its
         # pieces are forgotten and any late push of it is a duplicate
@@ -79,6 +89,7 @@ class IngestBuffer:
         self._floor: dict[Hashable, int] = {}
         self._changed = asyncio.Condition()
         self._ended = False
+        self._complete = False  # restored from a checkpoint taken after the source's end
         self._error: str | None = None
         self.rows_accepted = 0
         self.rows_duplicate = 0
@@ -99,7 +110,7 @@ class IngestBuffer:
                     msg = f"ingest into this source failed: {self._error}"
                     raise SourceError(msg)
                 done = self._accepted.get(token, 0)
-                if offset + n <= done or self._below_floor(token):
+                if self._complete or offset + n <= done or self._below_floor(token):
                     self.rows_duplicate += n
                     return {"accepted": 0, "duplicate": n}
                 if self._ended:
@@ -130,7 +141,7 @@ class IngestBuffer:
             self._accepted[token] = offset + n
             self._advance(token)
             if fresh.num_rows:
-                self._queue.append(fresh)
+                self._queue.append((token, done, fresh))
                 self._rows += fresh.num_rows
                 self.max_queued_rows = max(self.max_queued_rows, self._rows)
             self.rows_accepted += fresh.num_rows
@@ -208,17 +219,91 @@ class IngestBuffer:
             parts: list[pa.RecordBatch] = []
             got = 0
             while self._queue and got < max_rows:
-                head = self._queue[0]
+                token, start, head = self._queue[0]
                 take = min(head.num_rows, max_rows - got)
                 if take == head.num_rows:
-                    parts.append(self._queue.popleft())
+                    self._queue.popleft()
+                    parts.append(head)
                 else:
                     parts.append(head.slice(0, take))
-                    self._queue[0] = head.slice(take)
+                    self._queue[0] = (token, start + take, head.slice(take))
+                self._took(token, start + take)
                 got += take
             self._rows -= got
             self._changed.notify_all()
             return parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+
+    def _took(self, token: Token, upto: int) -> None:
+        """The reader took rows of ``token`` up to offset ``upto``. Rows are queued in the order
+        writers delivered them and a stream's batch ``b`` is pushed only after ``b - 1`` was
+        accepted whole, so once rows of ``b`` were taken every batch before it was taken whole:
+        its pieces need no record below ``b - 1`` (the same floor :meth:`offer` keeps)."""
+        self._emitted[token] = max(self._emitted.get(token, 0), upto)
+        b = _batch_id(token)
+        if b is not None and b > self._emitted_newest.get(token[0], -1):
+            self._emitted_newest[token[0]] = b
+            _forget_below(self._emitted, token[0], b - 1)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What went downstream so far, JSON-able: per token the rows taken, per stream the
+        newest batch id taken (batches two below it are complete and dropped when re-sent)."""
+        return {
+            "pieces": [[list(t), n] for t, n in self._emitted.items()],
+            "newest": [[s, b] for s, b in self._emitted_newest.items()],
+        }
+
+    def restore_complete(self) -> None:
+        """The checkpoint was taken after this source's input ended and was read whole: every
+        re-sent row is a duplicate."""
+        self._complete = True
+        self._ended = True
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Start from a checkpoint's :meth:`checkpoint_state`: rows it covers are duplicates,
+        every row after them is taken again. Only before the first row came in."""
+        if self._accepted or self._queue or self.rows_accepted:
+            msg = "a push source's checkpoint state can only be restored before rows came in"
+            raise SourceError(msg)
+        try:
+            pieces = {_token(t): int(n) for t, n in state.get("pieces", [])}
+            newest = {_hashable(s): int(b) for s, b in state.get("newest", [])}
+        except (TypeError, ValueError) as e:
+            msg = (
+                "the checkpoint's state of this push source is malformed (expected "
+                f"{{'pieces': [[token, rows], ...], 'newest': [[stream, batch], ...]}}): {e}"
+            )
+            raise SourceError(msg) from None
+        self._accepted = dict(pieces)
+        self._emitted = dict(pieces)
+        self._emitted_newest = dict(newest)
+        self._newest = dict(newest)
+        self._floor = {s: b - 1 for s, b in newest.items()}
+
+    async def wait_taken(self, pieces: dict[Token, int], timeout_s: float) -> bool:
+        """Wait until the reader took ``pieces[token]`` rows of every token (or the piece's batch
+        fell below its stream's floor: taken whole); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            while True:
+                if all(self._covered(t, n) for t, n in pieces.items()):
+                    return True
+                if self._error is not None:
+                    msg = f"ingest into this source failed: {self._error}"
+                    raise SourceError(msg)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+                except TimeoutError:
+                    pass
+
+    def _covered(self, token: Token, rows: int) -> bool:
+        b = _batch_id(token)
+        if b is not None and b < self._emitted_newest.get(token[0], -1):
+            return True
+        return self._emitted.get(token, 0) >= rows
 
     def stats(self) -> dict[str, int]:
         return {
@@ -236,6 +321,25 @@ def _batch_id(token: Token) -> int | None:
     if len(token) == 3 and isinstance(token[1], int) and not isinstance(token[1], bool):
         return token[1]
     return None
+
+
+def _forget_below(table: dict[Token, int], stream: Hashable, floor: int) -> None:
+    for t in [t for t in table if t[0] == stream and _batch_id(t) is not None and t[1] < floor]:
+        del table[t]
+
+
+def _hashable(value: Any) -> Hashable:
+    """JSON turned tuples into lists: back to tuples (a stream or token part may be one)."""
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value  # type: ignore[no-any-return]
+
+
+def _token(value: Any) -> Token:
+    if not isinstance(value, (list, tuple)):
+        msg = f"a token is a list, got {value!r}"
+        raise TypeError(msg)
+    return tuple(_hashable(v) for v in value)
 
 
 def _empty(schema: pa.Schema) -> pa.RecordBatch:

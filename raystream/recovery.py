@@ -83,7 +83,9 @@ class Recovery:
             )
         )
         specs = {
-            iid: replace(spec, storage=self.storage_spec, restore=restore.get(iid))
+            iid: replace(
+                spec, storage=self.storage_spec, restore=restore.get(iid), attempt=self._attempt
+            )
             for iid, spec in plan.instances.items()
         }
         self.plan = replace(plan, instances=specs)
@@ -267,6 +269,33 @@ class Recovery:
         self.checkpoint_stats.append(stats)
         self._export("checkpoint", stats["duration_s"])
         return stats
+
+    # ---- what driver-side feeders (Spark) ask ----------------------------------------------
+    async def feed_status(self: Any) -> dict[str, Any]:
+        """Cheap: the job's state, its attempt (recoveries so far) and whether it recovers (it
+        checkpoints): a feeder re-sends its input to each new attempt."""
+        return {
+            "state": self.state,
+            "attempt": self._attempt,
+            "recovers": self.config.checkpoint_interval_s > 0,
+            "error": (self.error or {}).get("error"),
+        }
+
+    async def await_checkpoint(self: Any, attempt: int, timeout_s: float) -> dict[str, Any]:
+        """Wait for a checkpoint whose barriers were injected after this call to complete (it
+        holds every row the sources emitted before the call). ``ok`` False when ``attempt``
+        ended (a recovery) or the job ended or the wait timed out; ``state`` says which."""
+        after = self._epoch
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = [c for c in self.checkpoint_stats if c["checkpoint_id"] > after]
+            if done:
+                return {"ok": True, "checkpoint_id": done[0]["checkpoint_id"]}
+            if self._attempt != attempt or self.state != "running" or self._sources_done():
+                return {"ok": False, "state": self.state, "attempt": self._attempt}
+            if time.monotonic() > deadline:
+                return {"ok": False, "state": "timeout", "attempt": self._attempt}
+            await asyncio.sleep(0.02)
 
     def _finished_sink_states(self: Any) -> list[dict[str, Any]]:
         """Sinks that already reached their end (one branch of a dataflow ended) keep their

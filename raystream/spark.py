@@ -12,6 +12,14 @@ inside that partition; the source's :class:`~raystream.ingest.IngestBuffer` take
 so a retried task or a replayed micro-batch is not counted twice. Backpressure reaches Spark: a
 push waits while the source's buffer is full, so the task waits while the dataflow is behind.
 
+Recovery (jobs with ``checkpoint_interval_s``): a checkpoint records each source's dedupe table
+(rows per token that went downstream); the recovered source starts from it. The driver's feeder
+watches the job's attempt: the batch feeder runs its Spark job again for each new attempt (the
+rows the checkpoint holds are dropped as duplicates), and the streaming feeder lets a
+micro-batch go (Spark commits it) only once a completed checkpoint holds all its rows, pushing a
+batch that a recovery interrupted again under its batch id. Pushes name their attempt; the
+instances of another attempt refuse them.
+
 Example (needs Java)::
 
     spark = rs.spark.session()
@@ -185,10 +193,56 @@ def _coalesce(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.Recor
         yield parts[0] if len(parts) == 1 else pa.concat_batches(parts)
 
 
+def _job_gone(ctx: FeedContext, what: str) -> SourceError:
+    """The error a writer gets when the job it pushes into is not there (any more)."""
+    import ray
+
+    from raystream.runtime.actors import controller_name
+
+    try:
+        controller = ray.get_actor(controller_name(ctx.job), namespace=ctx.namespace)
+        st = ray.get(controller.feed_status.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - no controller: the job ended (or never ran)
+        st = None
+    if st is None or st["state"] in ("finished", "failed", "stopped"):
+        how = "has ended" if st is None else f"is {st['state']}"
+        cause = f" ({st['error']})" if st and st.get("error") else ""
+        msg = (
+            f"{what}: job {ctx.job!r} {how}{cause}; a push source takes rows only while its job "
+            f"runs. Start the job again (rs.start, or from_checkpoint='latest' to resume from its "
+            f"last checkpoint) and push to the new run"
+        )
+    else:
+        msg = (
+            f"{what}: job {ctx.job!r} is {st['state']} (attempt {st['attempt']}); its source "
+            f"instances are being replaced by a recovery: push again to the new attempt"
+        )
+    return SourceError(msg)
+
+
+def source_handle(ctx: FeedContext, index: int) -> Any:
+    """Source instance ``index`` of the running job (a named actor); a clear SourceError when
+    the job is not running."""
+    import ray
+
+    from raystream.runtime.actors import source_actor_name
+
+    name = source_actor_name(ctx.job, ctx.step, index)
+    try:
+        return ray.get_actor(name, namespace=ctx.namespace)
+    except ValueError:
+        raise _job_gone(ctx, f"source actor {name!r} is gone") from None
+
+
 @dataclass(frozen=True)
 class _TaskPusher:
     """The ``mapInArrow`` function: pushes one partition to its source instance, returns one
-    row of statistics. Pickled by reference to this module, so Spark workers import it."""
+    row of statistics. Pickled by reference to this module, so Spark workers import it.
+
+    ``attempt`` is the job's attempt the feed is for (None: any); a source instance of another
+    attempt refuses the push, so a feed the job's recovery replaced fails instead of mixing in.
+    The token ``(stream, batch_id, partition)`` and the row offsets are the same whenever the
+    partition is computed again (deterministic input), so a re-sent partition is recognised."""
 
     ctx: FeedContext
     stream: str
@@ -196,36 +250,35 @@ class _TaskPusher:
     schema: pa.Schema
     push_rows: int
     max_inflight: int = 2
+    attempt: int | None = None
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import ray
         from pyspark import TaskContext
 
-        from raystream.runtime.actors import source_actor_name
-
         task = TaskContext.get()
         partition, attempt = task.partitionId(), task.attemptNumber()
         _connect(self.ctx.ray_address, self.ctx.namespace, self.ctx.auth_mode)
-        name = source_actor_name(self.ctx.job, self.ctx.step, partition % self.ctx.parallelism)
-        try:
-            actor = ray.get_actor(name, namespace=self.ctx.namespace)
-        except ValueError:
-            msg = f"source actor {name!r} is gone: job {self.ctx.job!r} is no longer running"
-            raise SourceError(msg) from None
+        actor = source_handle(self.ctx, partition % self.ctx.parallelism)
         token = (self.stream, self.batch_id, partition)
         offset = accepted = duplicate = 0
         inflight: list[Any] = []
 
         def settle(refs: list[Any]) -> None:
             nonlocal accepted, duplicate
-            for r in ray.get(refs):
+            try:
+                results = ray.get(refs)
+            except ray.exceptions.RayActorError:
+                what = f"source instance {partition % self.ctx.parallelism} died during a push"
+                raise _job_gone(self.ctx, what) from None
+            for r in results:
                 accepted += r["accepted"]
                 duplicate += r["duplicate"]
 
         for batch in _coalesce(batches, self.push_rows):
             if not batch.schema.equals(self.schema):
                 batch = batch.cast(self.schema)
-            inflight.append(actor.ingest.remote(token, offset, batch))
+            inflight.append(actor.ingest.remote(token, offset, batch, self.attempt))
             offset += batch.num_rows
             if len(inflight) >= self.max_inflight:
                 done, inflight = ray.wait(inflight, num_returns=1)
@@ -243,25 +296,52 @@ class _TaskPusher:
 
 
 def push_dataframe(
-    df: Any, ctx: FeedContext, *, stream: str, batch_id: int, schema: pa.Schema, push_rows: int
-) -> dict[str, int]:
-    """Run one Spark job pushing every partition of ``df``; the per-partition stats summed."""
-    pusher = _TaskPusher(ctx, stream, batch_id, schema, push_rows)
+    df: Any,
+    ctx: FeedContext,
+    *,
+    stream: str,
+    batch_id: int,
+    schema: pa.Schema,
+    push_rows: int,
+    attempt: int | None = None,
+) -> dict[str, Any]:
+    """Run one Spark job pushing every partition of ``df``; the per-partition stats summed, and
+    ``pieces``: rows per partition."""
+    pusher = _TaskPusher(ctx, stream, batch_id, schema, push_rows, attempt=attempt)
     rows = df.mapInArrow(pusher, RESULT_SCHEMA).collect()
-    out = {"partitions": len(rows), "rows": 0, "accepted": 0, "duplicate": 0, "retried": 0}
+    out: dict[str, Any] = {
+        "partitions": len(rows),
+        "rows": 0,
+        "accepted": 0,
+        "duplicate": 0,
+        "retried": 0,
+        "pieces": {},
+    }
     for r in rows:
         out["rows"] += r["rows"]
         out["accepted"] += r["accepted"]
         out["duplicate"] += r["duplicate"]
         out["retried"] += int(r["attempt"] > 0)
+        out["pieces"][int(r["partition"])] = int(r["rows"])
     return out
 
 
 # --------------------------------------------------------------------------------------------
 # feeders (driver side)
 
+_ENDED = ("finished", "failed", "stopped")
+
 
 class _FeederBase(threading.Thread):
+    """Feeds one push source from the driver, and again after each recovery of the job: the
+    recovered source instances hold their checkpoint's dedupe table, so a full re-send delivers
+    exactly what came after the checkpoint."""
+
+    # how long a failed feed waits for the job to report a recovery before it counts as a
+    # failure of the feed itself (a Spark task sees a killed source before the controller does)
+    recovery_grace_s = 10.0
+    poll_s = 0.1
+
     def __init__(self, ctx: FeedContext, df: Any, schema: pa.Schema, push_rows: int) -> None:
         super().__init__(name=f"raystream-feed-{ctx.job}-{ctx.step}", daemon=True)
         self.ctx = ctx
@@ -269,25 +349,59 @@ class _FeederBase(threading.Thread):
         self.schema = schema
         self.push_rows = push_rows
         self.error: str | None = None
-        self.stats: dict[str, Any] = {"rows": 0, "accepted": 0, "duplicate": 0, "batches": 0}
+        self.stats: dict[str, Any] = {
+            "rows": 0,
+            "accepted": 0,
+            "duplicate": 0,
+            "batches": 0,
+            "feeds": 0,  # feeds started: 1 + one per recovery that needed a re-send
+        }
         self._stopping = threading.Event()
+        self._controller: Any = None
+        self.attempt = 0
+        self.recovers = False
 
+    # ---- the job's controller ---------------------------------------------------------------
+    def _status(self) -> dict[str, Any] | None:
+        """The job's feed status; None once its controller is gone (the job ended)."""
+        import ray
+
+        from raystream.runtime.actors import controller_name
+
+        try:
+            if self._controller is None:
+                self._controller = ray.get_actor(
+                    controller_name(self.ctx.job), namespace=self.ctx.namespace
+                )
+            status: dict[str, Any] = ray.get(self._controller.feed_status.remote(), timeout=30)
+            return status
+        except Exception:  # noqa: BLE001 - the controller ended with the job
+            return None
+
+    def _await(self, attempt: int, timeout_s: float | None) -> dict[str, Any] | None:
+        """Wait until a new attempt of the job runs (its status), or the job ended (None), or
+        ``timeout_s`` passed with ``attempt`` still running (``{"state": "same"}``)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._stopping.is_set():
+            st = self._status()
+            if st is None or st["state"] in _ENDED:
+                return None
+            if st["attempt"] != attempt and st["state"] == "running":
+                return st
+            late = deadline is not None and time.monotonic() > deadline
+            if late and st["attempt"] == attempt and st["state"] == "running":
+                return {"state": "same"}
+            time.sleep(self.poll_s)
+        return None
+
+    # ---- sources --------------------------------------------------------------------------
     def _sources(self) -> list[Any]:
+        return [source_handle(self.ctx, i) for i in range(self.ctx.parallelism)]
+
+    def _end_sources(self, attempt: int | None = None) -> None:
         import ray
 
-        from raystream.runtime.actors import source_actor_name
-
-        return [
-            ray.get_actor(
-                source_actor_name(self.ctx.job, self.ctx.step, i), namespace=self.ctx.namespace
-            )
-            for i in range(self.ctx.parallelism)
-        ]
-
-    def _end_sources(self) -> None:
-        import ray
-
-        ray.get([a.end_ingest.remote() for a in self._sources()])
+        ray.get([a.end_ingest.remote(attempt) for a in self._sources()])
 
     def _fail_sources(self, reason: str) -> None:
         import ray
@@ -298,19 +412,50 @@ class _FeederBase(threading.Thread):
         except Exception:  # noqa: BLE001, S110 - the job is already gone
             pass
 
+    # ---- the loop -------------------------------------------------------------------------
     def run(self) -> None:
         t0 = time.perf_counter()
-        try:
-            self._feed()
-            self.stats["seconds"] = time.perf_counter() - t0  # feeding, until the end was sent
-        except Exception as e:  # noqa: BLE001 - reported through the job's sources
-            if not self._stopping.is_set():
-                self._fail_sources(
-                    f"the Spark job feeding {self.ctx.step!r} failed: {_first_line(e)}"
-                )
+        st = self._status() or {}
+        self.attempt = int(st.get("attempt", 0))
+        self.recovers = bool(st.get("recovers", False))
+        feed = self._feed
+        while not self._stopping.is_set():
+            self.stats["feeds"] += 1
+            failure: Exception | None = None
+            try:
+                feed(self.attempt if self.recovers else None)
+                self.stats["seconds"] = time.perf_counter() - t0  # until the end was sent
+            except Exception as e:  # noqa: BLE001 - reported through the job's sources
+                failure = e
+            if self._stopping.is_set():
+                return
+            if not self.recovers:
+                if failure is not None:
+                    self._fail_sources(self._reason(failure))
+                return
+            if failure is not None:
+                st = self._await(self.attempt, self.recovery_grace_s)
+                if st is None:
+                    return  # the job ended (failed for good, or stopped)
+                if st["state"] == "same":  # the feed itself failed: the job recovers (or fails)
+                    self._fail_sources(self._reason(failure))
+            nxt = self._await(self.attempt, None)
+            if nxt is None:
+                return  # the job ended
+            self.attempt = int(nxt["attempt"])
+            self.error = None
+            feed = self._refeed
 
-    def _feed(self) -> None:
+    def _reason(self, e: BaseException) -> str:
+        return f"the Spark job feeding {self.ctx.step!r} failed: {_first_line(e)}"
+
+    def _feed(self, attempt: int | None) -> None:
+        """Send the whole input to ``attempt`` of the job (None: the job does not recover)."""
         raise NotImplementedError
+
+    def _refeed(self, attempt: int | None) -> None:
+        """After a recovery: send what the recovered sources may lack (default: everything)."""
+        self._feed(attempt)
 
     def join(self, timeout_s: float | None = None) -> None:  # type: ignore[override]
         super().join(timeout_s)
@@ -320,20 +465,25 @@ class _BatchFeeder(_FeederBase):
     def __init__(self, ctx: FeedContext, df: Any, schema: pa.Schema, push_rows: int) -> None:
         super().__init__(ctx, df, schema, push_rows)
         self.group = f"raystream-{ctx.job}-{ctx.step}-{uuid.uuid4().hex[:8]}"
+        # names the input's pieces: the same in every feed of this job (a re-sent partition must
+        # carry the token it carried before)
+        self.stream = f"spark:{ctx.job}:{ctx.step}"
 
-    def _feed(self) -> None:
+    def _feed(self, attempt: int | None) -> None:
         sc = self.df.sparkSession.sparkContext
         sc.setJobGroup(self.group, f"raystream job {self.ctx.job!r}: feed {self.ctx.step!r}", True)
         stats = push_dataframe(
             self.df,
             self.ctx,
-            stream=self.group,
+            stream=self.stream,
             batch_id=0,
             schema=self.schema,
             push_rows=self.push_rows,
+            attempt=attempt,
         )
+        stats.pop("pieces")
         self.stats.update(stats, batches=1)
-        self._end_sources()
+        self._end_sources(attempt)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -344,28 +494,78 @@ class _BatchFeeder(_FeederBase):
 
 
 class _StreamFeeder(_FeederBase):
+    """Micro-batch by micro-batch through ``foreachBatch``. When the job recovers, a batch is
+    only let go (Spark commits it and will not replay it) once a completed checkpoint holds all
+    its rows; a batch whose push a recovery broke is pushed again, same batch id."""
+
+    covered_timeout_s = 600.0
+
     def __init__(self, ctx: FeedContext, source: SparkStreamSource) -> None:
         super().__init__(ctx, source.dataframe, source.arrow_schema, source.push_rows)
         self.source = source
         self.query: Any = None
         self._last_data = time.monotonic()
+        self.stats["waited_for_checkpoints_s"] = 0.0
 
     def _on_batch(self, batch_df: Any, batch_id: int) -> None:
-        stats = push_dataframe(
-            batch_df,
-            self.ctx,
-            stream=self.source.stream_key,
-            batch_id=batch_id,
-            schema=self.schema,
-            push_rows=self.push_rows,
-        )
+        while True:
+            attempt = self.attempt if self.recovers else None
+            try:
+                stats = push_dataframe(
+                    batch_df,
+                    self.ctx,
+                    stream=self.source.stream_key,
+                    batch_id=batch_id,
+                    schema=self.schema,
+                    push_rows=self.push_rows,
+                    attempt=attempt,
+                )
+                if attempt is not None:
+                    self._await_covered(batch_id, stats["pieces"], attempt)
+                break
+            except Exception:
+                if attempt is None or self._stopping.is_set():
+                    raise
+                st = self._await(attempt, self.recovery_grace_s)
+                if st is None or st["state"] == "same":
+                    raise  # the job ended, or the push failed by itself: the query fails
+                self.attempt = int(st["attempt"])
+                self.stats["feeds"] += 1
         for k in ("rows", "accepted", "duplicate"):
             self.stats[k] += stats[k]
         self.stats["batches"] += 1
         if stats["accepted"]:
             self._last_data = time.monotonic()
 
-    def _feed(self) -> None:
+    def _await_covered(self, batch_id: int, pieces: dict[int, int], attempt: int) -> None:
+        """Block until the job's sources emitted every row of the batch and a checkpoint taken
+        after that completed: then the batch never needs sending again."""
+        import ray
+
+        t0 = time.perf_counter()
+        per_instance: dict[int, list[tuple[tuple[Any, ...], int]]] = {}
+        for p, n in pieces.items():
+            token = (self.source.stream_key, batch_id, p)
+            per_instance.setdefault(p % self.ctx.parallelism, []).append((token, n))
+        handles = self._sources()
+        waits = [
+            handles[i].wait_ingested.remote(toks, self.covered_timeout_s, attempt)
+            for i, toks in per_instance.items()
+        ]
+        if not all(ray.get(waits)):
+            msg = f"micro-batch {batch_id} was not emitted within {self.covered_timeout_s} s"
+            raise SourceError(msg)
+        if self._controller is None:
+            self._status()
+        out = ray.get(
+            self._controller.await_checkpoint.remote(attempt, self.covered_timeout_s)
+        )
+        self.stats["waited_for_checkpoints_s"] += time.perf_counter() - t0
+        if not out["ok"]:
+            msg = f"no checkpoint covered micro-batch {batch_id} (job {out['state']})"
+            raise SourceError(msg)
+
+    def _feed(self, attempt: int | None) -> None:
         src = self.source
         writer = (
             self.df.writeStream.queryName(
@@ -395,7 +595,16 @@ class _StreamFeeder(_FeederBase):
         exc = self.query.exception()
         if exc is not None:
             raise RuntimeError(str(exc))
-        self._end_sources()
+        self._end_sources(self.attempt if self.recovers else None)
+
+    def _refeed(self, attempt: int | None) -> None:
+        """Every micro-batch Spark committed is in a completed checkpoint: once the query had
+        ended, the recovered sources only need to hear the end again; a query that failed is
+        started again from Spark's checkpoint (it replays the batch it had not committed)."""
+        if self.query is not None and self.query.exception() is None:
+            self._end_sources(attempt)
+        else:
+            self._feed(attempt)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -511,6 +720,10 @@ def spark_stream(
     ``writeStream.trigger(**trigger)``, e.g. ``{"processingTime": "1 second"}``. The input
     ends (and with it the job) after the micro-batch that brought ``max_rows`` rows, or when
     no rows arrived for ``idle_timeout_s`` seconds; without either it runs until stopped.
+
+    When the job checkpoints, ``foreachBatch`` returns only once a completed checkpoint holds
+    the micro-batch's rows (so Spark never commits a batch the job could lose): at most one
+    micro-batch per checkpoint interval.
     """
     _check_dataframe(dataframe, streaming=True)
     capacity = _check_common(push_rows, capacity_rows)

@@ -100,11 +100,22 @@ class InstanceActor:
         return self._instance.inject_barrier(barrier)
 
     # ---- push ingest (Spark tasks call these on named source actors) ------------------------
-    async def ingest(self, token: tuple[Any, ...], offset: int, batch: Any) -> dict[str, int]:
+    async def ingest(
+        self, token: tuple[Any, ...], offset: int, batch: Any, attempt: int | None = None
+    ) -> dict[str, int]:
+        self._instance.check_attempt(attempt)
         return await self._instance.ingest_buffer().offer(token, offset, batch)
 
-    async def end_ingest(self) -> None:
+    async def end_ingest(self, attempt: int | None = None) -> None:
+        self._instance.check_attempt(attempt)
         await self._instance.ingest_buffer().end()
+
+    async def wait_ingested(
+        self, pieces: list[tuple[tuple[Any, ...], int]], timeout_s: float, attempt: int | None
+    ) -> bool:
+        """Wait until the rows of ``pieces`` [(token, rows)] went downstream (False: timeout)."""
+        self._instance.check_attempt(attempt)
+        return await self._instance.ingest_buffer().wait_taken(dict(pieces), timeout_s)
 
     async def fail_ingest(self, reason: str) -> None:
         await self._instance.ingest_buffer().fail(reason)

@@ -164,6 +164,7 @@ class InstanceSpec:
     # recovery: what this instance starts from (see raystream.checkpointing.restore_specs)
     restore: dict[str, Any] | None = None
     storage: tuple[str, str] | None = None  # (checkpoint storage URI, job) when checkpointing
+    attempt: int = 0  # the job's attempt (recoveries so far) this instance belongs to
 
     @property
     def id(self) -> ChannelId:
@@ -485,7 +486,21 @@ class OperatorInstance:
     def _open_reader(self) -> Any:
         if self.reader is None:
             self.reader = self.step.fn.open(self.spec.index, self.spec.source_parallelism)
+            # a recovered push source knows what its checkpoint holds before any writer pushes
+            snapshots.restore_pushed(self)
         return self.reader
+
+    def check_attempt(self, attempt: int | None) -> None:
+        """A writer that says which attempt of the job it feeds (``None``: any) is refused by the
+        instances of another attempt: what it sends belongs to a feed the recovery replaced."""
+        if attempt is not None and attempt != self.spec.attempt:
+            msg = (
+                f"this push was meant for attempt {attempt} of job {self.spec.job!r}, but source "
+                f"{self.step.name!r}/{self.spec.index} belongs to attempt {self.spec.attempt}: "
+                "the job recovered from a checkpoint in between; the feed re-sends for the new "
+                "attempt"
+            )
+            raise SourceError(msg)
 
     def ingest_buffer(self) -> IngestBuffer:
         """The buffer a push source reads from (opened on first use: writers may come first)."""

@@ -27,6 +27,7 @@ __all__ = [
     "FINAL_CHECKPOINT",
     "CheckpointState",
     "restore_keyed",
+    "restore_pushed",
     "restore_sink",
     "rewind_source",
     "source_state",
@@ -154,26 +155,54 @@ class CheckpointState:
 
 # ---- sources ------------------------------------------------------------------------------
 def source_state(inst: OperatorInstance) -> dict[str, Any]:
-    """A source's position at a checkpoint barrier: the rows it emitted before it."""
-    return {"source_state": {"offset": inst.rows_emitted}}
+    """A source's position at a checkpoint barrier: the rows it emitted before it; a push
+    source adds, per writer token, the rows of it that went downstream (its dedupe table)."""
+    state: dict[str, Any] = {"offset": inst.rows_emitted}
+    buffer = getattr(inst.reader, "buffer", None)
+    if buffer is not None and hasattr(buffer, "checkpoint_state"):
+        state["pushed"] = buffer.checkpoint_state()
+    return {"source_state": state}
 
 
-def rewind_source(inst: OperatorInstance, restore: dict[str, Any]) -> None:
-    """Recovery: continue after the rows a checkpoint's state already holds. The reader is read
-    up to there and what it returns is dropped (readers are deterministic: same rows, same order)."""
+def restore_pushed(inst: OperatorInstance) -> None:
+    """Recovery of a push source, as its buffer opens (before any writer's rows are taken):
+    the checkpoint's dedupe table comes back, so re-sent rows it covers are dropped."""
+    buffer = getattr(inst.reader, "buffer", None)
+    restore = inst.spec.restore or {}
     state = restore.get("source") or {}
+    if buffer is None or not hasattr(buffer, "restore"):
+        return
     if state.get("finished"):
-        inst._source_done = True  # noqa: SLF001 - it had ended before the checkpoint
+        buffer.restore_complete()
         return
     offset = int(state.get("offset", 0))
-    if offset and hasattr(inst.reader, "aread"):
+    if offset and "pushed" not in state:
         msg = (
-            f"source {inst.step.name!r} takes pushed rows ({inst.step.fn.describe()}); recovery "
-            "cannot rewind it: its writers would have to re-send what came after the checkpoint"
+            f"source {inst.step.name!r} takes pushed rows ({inst.step.fn.describe()}) and the "
+            f"checkpoint {restore.get('checkpoint_id')} records {offset} rows of it without the "
+            "writers' positions (a checkpoint of an older raystream?); restart the job without "
+            "--from-checkpoint"
         )
         from raystream.errors import SourceError
 
         raise SourceError(msg)
+    if "pushed" in state:
+        buffer.restore(state["pushed"])
+    inst.rows_emitted = offset
+
+
+def rewind_source(inst: OperatorInstance, restore: dict[str, Any]) -> None:
+    """Recovery: continue after the rows a checkpoint's state already holds. The reader is read
+    up to there and what it returns is dropped (readers are deterministic: same rows, same order).
+    A push source is not read: its buffer took the checkpoint's table when it opened, and its
+    writers re-send (:func:`restore_pushed`)."""
+    state = restore.get("source") or {}
+    if state.get("finished"):
+        inst._source_done = True  # noqa: SLF001 - it had ended before the checkpoint
+        return
+    if hasattr(inst.reader, "aread"):
+        return
+    offset = int(state.get("offset", 0))
     skipped = 0
     while skipped < offset:
         batch = inst.reader.read(min(_SKIP_ROWS, offset - skipped))

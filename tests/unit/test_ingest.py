@@ -4,6 +4,9 @@ Plain asyncio, no Ray; the oracle is the list of rows a correct hand-off deliver
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
+import random
 
 import pyarrow as pa
 import pytest
@@ -191,3 +194,136 @@ def test_pieces_of_committed_micro_batches_are_forgotten_and_late_pushes_stay_du
     got, buf = asyncio.run(go())
     assert got == [*range(300), 2000]
     assert buf.stats()["pieces"] <= 2 * 2 + 1  # batches 48 and 49 of "q", one of "other"
+
+
+# ---- checkpoints: what went downstream is recorded; a restored buffer takes only the rest ------
+
+
+_TAGS: dict[tuple[object, ...], int] = {}
+
+
+def _tag(token: tuple[object, ...]) -> int:
+    return _TAGS.setdefault(token, len(_TAGS))
+
+
+def _piece(token: tuple[object, ...], start: int, stop: int) -> pa.RecordBatch:
+    """Rows of one piece, each row naming its (token, offset) so the oracle can count it."""
+    tag = _tag(token)
+    return pa.record_batch(
+        {"key": [tag] * (stop - start), "seq": list(range(start, stop))}, schema=SCHEMA
+    )
+
+
+async def _drain_pairs(buf: IngestBuffer, max_rows: int = 1000) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    while (b := await buf.read(max_rows, timeout_s=0.01)) is not None and b.num_rows:
+        out += list(zip(b.column("key").to_pylist(), b.column("seq").to_pylist(), strict=True))
+    return out
+
+
+def test_the_checkpoint_records_rows_taken_not_rows_accepted() -> None:
+    async def go() -> tuple[dict[str, object], list[int], list[int]]:
+        buf = IngestBuffer(SCHEMA, capacity_rows=1000)
+        tok = ("spark:job:src", 0, 2)
+        await buf.offer(tok, 0, rows(0, 30))
+        first = (await buf.read(12, timeout_s=0.01)).column("seq").to_pylist()  # 12 went on
+        state = json.loads(json.dumps(buf.checkpoint_state()))  # as the manifest stores it
+        again = IngestBuffer(SCHEMA, capacity_rows=1000)
+        again.restore(state)
+        for start in (0, 10, 20):  # the writer re-sends the whole piece
+            await again.offer(tok, start, rows(start, start + 10))
+        await again.end()
+        return state, first, await drain(again)
+
+    state, first, rest = asyncio.run(go())
+    assert state["pieces"] == [[["spark:job:src", 0, 2], 12]]
+    assert first + rest == list(range(30))  # every row once: 0..11 before, 12..29 after
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_restore_then_full_resend_delivers_every_row_exactly_once(seed: int) -> None:
+    """Random writers (retries, overlapping re-sends, several micro-batches of one stream and a
+    batch stream), random reads, a checkpoint at a random point; after a restore the writers send
+    everything again. Oracle: the rows read before the checkpoint plus those read after it are
+    exactly the input, each (piece, offset) once."""
+    rng = random.Random(seed)
+    batch_tokens = [("spark:j:s", 0, p) for p in range(3)]
+    stream_batches = [[("chk", b, p) for p in range(2)] for b in range(4)]
+    sizes = {t: rng.randint(0, 40) for t in batch_tokens + sum(stream_batches, [])}
+
+    async def send(buf: IngestBuffer, token: tuple[object, ...]) -> None:
+        start = 0
+        while start < sizes[token]:
+            stop = min(sizes[token], start + rng.randint(1, 15))
+            await buf.offer(token, start, _piece(token, start, stop))
+            if rng.random() < 0.3:  # a retry re-sends from the start of the piece
+                await buf.offer(token, 0, _piece(token, 0, stop))
+            start = stop
+
+    async def feed(buf: IngestBuffer, read: list[tuple[int, int]], cut: int | None) -> object:
+        """Push everything; read at random moments; return the checkpoint state at step cut."""
+        state = None
+        steps = [[t] for t in batch_tokens] + stream_batches  # a micro-batch after the last
+        for i, group in enumerate(steps):
+            for t in group:
+                await send(buf, t)
+            while rng.random() < 0.6:
+                b = await buf.read(rng.randint(1, 25), timeout_s=0.001)
+                if b is not None and b.num_rows:
+                    read.extend(
+                        zip(b.column("key").to_pylist(), b.column("seq").to_pylist(), strict=True)
+                    )
+            if i == cut:
+                state = json.loads(json.dumps(buf.checkpoint_state()))
+                read.append((-1, -1))  # the barrier
+        return state
+
+    async def go() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        buf = IngestBuffer(SCHEMA, capacity_rows=10_000)
+        before: list[tuple[int, int]] = []
+        state = await feed(buf, before, cut=rng.randint(0, 6))
+        before = before[: before.index((-1, -1))]  # rows after the barrier are lost
+        again = IngestBuffer(SCHEMA, capacity_rows=10_000)
+        again.restore(state)  # type: ignore[arg-type]
+        after: list[tuple[int, int]] = []
+        await feed(again, after, cut=None)
+        await again.end()
+        after += await _drain_pairs(again)
+        return before, after
+
+    before, after = asyncio.run(go())
+    tokens = batch_tokens + sum(stream_batches, [])
+    everything = [(_tag(t), i) for t in tokens for i in range(sizes[t])]
+    assert collections.Counter(before + after) == collections.Counter(everything)
+
+
+def test_a_restore_after_rows_came_in_is_refused_and_a_complete_source_takes_nothing() -> None:
+    async def go() -> dict[str, int]:
+        buf = IngestBuffer(SCHEMA, capacity_rows=100)
+        await buf.offer(("q", 0, 0), 0, rows(0, 5))
+        with pytest.raises(SourceError, match="before rows came in"):
+            buf.restore({"pieces": [], "newest": []})
+        with pytest.raises(SourceError, match="malformed"):
+            IngestBuffer(SCHEMA, capacity_rows=100).restore({"pieces": [[7, "x"]]})
+        done = IngestBuffer(SCHEMA, capacity_rows=100)
+        done.restore_complete()
+        out = await done.offer(("q", 0, 0), 0, rows(0, 5))
+        assert await done.read(10, timeout_s=0.01) is None
+        return out
+
+    assert asyncio.run(go()) == {"accepted": 0, "duplicate": 5}
+
+
+def test_wait_taken_returns_once_the_reader_took_the_rows() -> None:
+    async def go() -> tuple[bool, bool, bool]:
+        buf = IngestBuffer(SCHEMA, capacity_rows=100)
+        await buf.offer(("s", 0, 0), 0, rows(0, 10))
+        early = await buf.wait_taken({("s", 0, 0): 10}, timeout_s=0.05)
+        waiter = asyncio.ensure_future(buf.wait_taken({("s", 0, 0): 10, ("s", 0, 1): 0}, 5.0))
+        await buf.read(4, timeout_s=0.01)
+        await asyncio.sleep(0.01)
+        partly = waiter.done()
+        await buf.read(100, timeout_s=0.01)
+        return early, partly, await waiter
+
+    assert asyncio.run(go()) == (False, False, True)
