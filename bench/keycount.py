@@ -7,6 +7,12 @@ Run it from the repository root::
     python -m bench.keycount --input events.parquet --output counts.parquet
     python -m bench.keycount --source spark --input events.parquet
     python -m bench.keycount --source spark-stream --input incoming/ --events 1000000
+    python -m bench.keycount --keys 1000000 --value-bytes 1024 --prefill --rate 50000
+
+``--value-bytes N`` gives every key's state an N-byte payload that each batch rewrites (state
+size: keys x N); ``--prefill`` writes the state of all ``--keys`` keys (count 0) into the count
+instances' RocksDB before the job starts (SST files, ingested), so 1M keys x 1 KB is ~1 GB of
+state from the first second.
 
 The dataflow is ``source -> key_by("key") -> count (keyed, RocksDB) -> sink``; the sink keeps the
 latest count per key (bounded memory). Throughput is what the count step took in per second of
@@ -59,9 +65,14 @@ def count_per_key(key: Any, records: pa.RecordBatch, state: Any) -> Any:
 FORMS = {"vectorised": count_vectorised, "per-key": count_per_key}
 
 
-def keycount_flow(source: Any, form: str, num_key_groups: int = 128) -> rs.Dataflow:
+def keycount_flow(
+    source: Any, form: str, num_key_groups: int = 128, value_bytes: int | None = None
+) -> rs.Dataflow:
+    from bench._payload import count_with_payload
+
+    op = FORMS[form] if value_bytes is None else count_with_payload(value_bytes, STEP)
     flow = rs.Dataflow("bench-keycount", num_key_groups=num_key_groups)
-    flow.source(source).key_by("key").apply(FORMS[form]).sink(LatestCountSink(), name=SINK)
+    flow.source(source).key_by("key").apply(op).sink(LatestCountSink(), name=SINK)
     return flow
 
 
@@ -122,7 +133,9 @@ def _connect_ray() -> bool:
     return True
 
 
-def _pickle_by_value(modules: tuple[str, ...] = ("bench.keycount", "bench._latest")) -> None:
+def _pickle_by_value(
+    modules: tuple[str, ...] = ("bench.keycount", "bench._latest", "bench._payload"),
+) -> None:
     """Ray workers need not import ``bench`` (it is not installed): ship our code by value."""
     from ray import cloudpickle
 
@@ -359,6 +372,17 @@ def _stop(job: rs.Job) -> None:
     metavar="STEP:INDEX@T",
     help="Kill instance INDEX of STEP (ray.kill) T seconds after the start (repeatable).",
 )
+@click.option(
+    "--value-bytes",
+    type=int,
+    default=None,
+    help="Give each key's state an N-byte payload that every batch rewrites (state: keys x N).",
+)
+@click.option(
+    "--prefill",
+    is_flag=True,
+    help="Write the state of all --keys keys into the count instances before the job starts.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
 def main(
     events: int,
@@ -384,6 +408,8 @@ def main(
     checkpoint_interval_s: float,
     checkpoint_dir: str | None,
     kill_at: tuple[str, ...],
+    value_bytes: int | None,
+    prefill: bool,
     quiet: bool,
 ) -> None:
     """Key-count on raystream: events per key, counted in RocksDB keyed state."""
@@ -393,6 +419,12 @@ def main(
         raise click.BadParameter(msg, param_hint="'--parallelism'")
     rescales = _parse_rescales(rescale_at, num_key_groups)
     kills = _parse_kills(kill_at)
+    if value_bytes is not None and value_bytes <= 0:
+        msg = f"expected a payload size in bytes > 0 (e.g. 1024), got {value_bytes}"
+        raise click.BadParameter(msg, param_hint="'--value-bytes'")
+    if value_bytes is not None and form != "vectorised":
+        msg = "--value-bytes works with --form vectorised only"
+        raise click.BadParameter(msg, param_hint="'--form'")
     if kills and not checkpoint_interval_s:
         click.echo("warning: --kill without --checkpoint-interval fails the job", err=True)
     from raystream.errors import PluginNotFoundError
@@ -409,6 +441,12 @@ def main(
     _check_writable(report, "--report")
     if source_kind == "auto":
         source_kind = "parquet" if input_path is not None else "generator"
+    if prefill and source_kind != "generator":
+        msg = (
+            f"--prefill writes the state of the generator's --keys keys; it needs the generator "
+            f"source, not {source_kind} (drop --input/--source or --prefill)"
+        )
+        raise click.BadParameter(msg, param_hint="'--prefill'")
     spark_session = None
     if source_kind in ("spark", "spark-stream"):
         source, spark_session = _spark_source(source_kind, input_path, events, idle_timeout_s, batch_rows)
@@ -453,8 +491,24 @@ def main(
         "migration_support": migration_support,
         "checkpoint_interval_s": checkpoint_interval_s,
         "kill": [f"{s}:{i}@{t:g}" for s, i, t in kills],
+        "value_bytes": value_bytes,
+        "prefill": prefill,
     }
-    flow = keycount_flow(source, form, num_key_groups)
+    flow = keycount_flow(source, form, num_key_groups, value_bytes)
+    state_dir = None
+    if prefill:
+        import tempfile
+
+        from bench._payload import prefill_state
+
+        state_dir = tempfile.mkdtemp(prefix="raystream-bench-keycount-")
+        filled = prefill_state(state_dir, flow, STEP, parallelism, keys, key_type, value_bytes)
+        config["prefilled"] = filled
+        if not quiet:
+            click.echo(
+                f"prefilled {filled['rows']:,} keys, {filled['bytes'] / 1e6:,.0f} MB of state "
+                f"in {filled['seconds']:.1f} s"
+            )
 
     started_ray = _connect_ray()
     try:
@@ -472,6 +526,7 @@ def main(
                 kills,
                 checkpoint_interval_s=checkpoint_interval_s,
                 **({"checkpoint_dir": checkpoint_dir} if checkpoint_dir else {}),
+                **({"state_dir": state_dir} if state_dir else {}),
                 migration_support=migration_support,
                 batch_rows=batch_rows,
                 source_batch_rows=batch_rows,
@@ -524,6 +579,8 @@ def main(
             import ray
 
             ray.shutdown()
+        if state_dir is not None:  # the prefilled state (rs.start leaves a given state_dir)
+            shutil.rmtree(state_dir, ignore_errors=True)
         if spark_session is not None:
             spark_session.stop()
         if source_kind == "spark-stream":  # Spark's checkpoint of this run (a temp dir)

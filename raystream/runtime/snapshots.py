@@ -1,8 +1,9 @@
 """What one operator instance does for checkpoints and recovery. No Ray here.
 
-- At a checkpoint barrier: a source reports its position; a keyed instance takes a RocksDB
-  checkpoint (hard links, milliseconds) and copies its files to checkpoint storage *after* the
-  barrier went on, acknowledging once they are durable; a sink pre-commits (two-phase commit).
+- At a checkpoint barrier: a source reports its position; a keyed instance starts a RocksDB
+  checkpoint (memtable flush and hard links, in a thread: the loop goes on) and copies its files
+  to checkpoint storage *after* the barrier went on, acknowledging once they are durable; a sink
+  pre-commits (two-phase commit).
 - On recovery: a source rewinds to its recorded position, a keyed instance restores the key
   groups it owns from whichever instance held them at the checkpoint, a sink publishes what the
   checkpoint pre-committed and drops the rest.
@@ -94,13 +95,16 @@ class CheckpointState:
             if proc is not None and hasattr(proc, "backend"):
                 local = Path(f"{self.spec.state_path}-checkpoints") / f"chk-{cid}"
                 shutil.rmtree(local, ignore_errors=True)
-                proc.backend.snapshot(local)
+                # the memtable flush and the RocksDB checkpoint run in a thread; writes after the
+                # barrier wait in the write-back cache until it is taken
+                taken = proc.backend.snapshot_async(local)
                 info["key_groups"] = proc.owned_key_groups
                 uid = proc.backend.uid
                 storage = self.storage
 
                 def upload() -> dict[str, Any]:
                     try:
+                        taken.result()
                         desc = storage.upload_state(cid, instance, str(local), uid)
                     finally:
                         shutil.rmtree(local, ignore_errors=True)
