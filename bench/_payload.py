@@ -30,36 +30,27 @@ __all__ = ["COUNT_BYTES", "count_with_payload", "initial_values", "prefill_state
 
 COUNT_BYTES = 8  # the count in front of the payload (little-endian int64)
 STATE_ID = 1  # a keyed step with one state (state=rs.ValueState(...)) stores it under id 1
-_PATTERN_SPAN = 256
 
 
-def _pattern(value_bytes: int) -> np.ndarray:
-    """A fixed random byte block: a key's first payload is a window of it (incompressible)."""
-    return np.random.default_rng(0x9A710AD).integers(
-        0, 256, value_bytes + _PATTERN_SPAN, dtype=np.uint8
-    )
-
-
-def initial_values(key_group: np.ndarray, sub_group: np.ndarray, value_bytes: int) -> np.ndarray:
-    """(n, 8 + value_bytes) uint8 rows: count 0, then a payload window chosen by the key's place."""
-    start = (key_group.astype(np.int64) * 7 + sub_group.astype(np.int64)) % _PATTERN_SPAN
-    rows = np.zeros((len(start), COUNT_BYTES + value_bytes), np.uint8)
-    rows[:, COUNT_BYTES:] = _pattern(value_bytes)[start[:, None] + np.arange(value_bytes)]
+def initial_values(n: int, value_bytes: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, 8 + value_bytes) uint8 rows: count 0, then random payload bytes (incompressible, so
+    the state on disk is as large as it says)."""
+    rows = np.zeros((n, COUNT_BYTES + value_bytes), np.uint8)
+    rows[:, COUNT_BYTES:] = np.frombuffer(rng.bytes(n * value_bytes), np.uint8).reshape(n, -1)
     return rows
 
 
 def count_with_payload(value_bytes: int, name: str = "count") -> Any:
     """The key-count step with ``value_bytes`` of payload per key (see the module doc)."""
     width = COUNT_BYTES + value_bytes
+    rng = np.random.default_rng()
 
     @rs.keyed_batches(name=name, state=rs.ValueState(bytes))
     def count_payload(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
         old = state.get(batch.keys)
         missing = [i for i, v in enumerate(old) if v is None]
         if missing:
-            fresh = initial_values(
-                batch.keys.key_group[missing], batch.keys.sub_group[missing], value_bytes
-            )
+            fresh = initial_values(len(missing), value_bytes, rng)
             for j, i in enumerate(missing):
                 old[i] = fresh[j].tobytes()
         rows = np.frombuffer(bytearray(b"".join(old)), np.uint8).reshape(-1, width)
@@ -104,6 +95,7 @@ def prefill_state(
     all_keys = _all_keys(keys, key_type)
     kg, sg = ks.locate(all_keys)
     owners = RoutingTable.uniform(ks.num_key_groups, parallelism).owners[kg]
+    rng = np.random.default_rng(0x9A710AD)
     total_rows = total_bytes = 0
     for index in range(parallelism):
         mine = np.flatnonzero(owners == index)
@@ -121,7 +113,7 @@ def prefill_state(
                 if value_bytes is None:
                     values = codec.encode_many(np.zeros(len(rows), np.int64))
                 else:
-                    init = initial_values(kg[rows], sg[rows], value_bytes)
+                    init = initial_values(len(rows), value_bytes, rng)
                     width = COUNT_BYTES + value_bytes
                     values = codec.encode_many(init.view(f"V{width}").ravel().tolist())
                 writer = SstFileWriter(Options(raw_mode=True))

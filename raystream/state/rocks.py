@@ -153,9 +153,9 @@ class RocksStateBackend:
         """Keep the cache bounded without long stalls: dirty entries go to RocksDB in small sorted
         batches; when full, the oldest quarter (dicts keep insertion order) is evicted. While a
         checkpoint is taken in a thread, dirty entries wait in the cache (up to its size)."""
-        if self._pending is not None and not self._pending.done():
-            if len(self._cache) <= self.cache_entries:
-                return
+        pending = self._pending
+        if pending is not None and not pending.done() and len(self._cache) <= self.cache_entries:
+            return
         if len(self._dirty) >= self.max_dirty:
             self._write_dirty()
         if len(self._cache) > self.cache_entries:
