@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from raystream.state.rocks import RocksStateBackend
+
 if TYPE_CHECKING:
     from raystream.runtime.instance import InstanceSpec, OperatorInstance
 
@@ -189,28 +191,41 @@ def rewind_source(inst: OperatorInstance, restore: dict[str, Any]) -> None:
 
 # ---- keyed state ---------------------------------------------------------------------------
 def restore_keyed(inst: OperatorInstance) -> None:
-    """Recovery: load the key groups this instance owns from the checkpoint's instance states
-    (each downloaded once into a temporary folder, read by key group, then deleted)."""
+    """Recovery: load the key groups this instance owns from the checkpoint's instance states.
+
+    The state that holds most of them is downloaded as this instance's new RocksDB and opened in
+    place (files, no row copy; the key groups it should not bring are dropped by range); each
+    other one is downloaded into a temporary folder and its key groups are copied in by rows."""
     restore = inst.spec.restore or {}
     parts = restore.get("keyed") or []
     if not parts:
         return
     proc = inst.processor
     storage = open_storage(restore["storage"])
+    parts = sorted(parts, key=lambda part: -len(part["key_groups"]))
+    base, others = parts[0], parts[1:]
+    owned = [int(g) for g in proc.owned_key_groups]
+    path = Path(proc.backend.path)
+    local = Path(tempfile.mkdtemp(prefix=f"{path.name}-restored-", dir=path.parent)) / "db"
+    storage.materialize_state(base["state"], str(local))
+    fresh = RocksStateBackend(local, cache_entries=proc.cache_entries)
+    from_base = {int(g) for g in base["key_groups"]}
+    for g in range(proc.key_space.num_key_groups):
+        if g not in from_base:
+            fresh.drop_key_group(g)
+    proc.swap_backend(fresh, owned)
     rows = 0
-    for part in parts:
-        tmp = Path(
-            tempfile.mkdtemp(prefix="raystream-restore-", dir=Path(proc.backend.path).parent)
-        )
+    for part in others:
+        tmp = Path(tempfile.mkdtemp(prefix="raystream-restore-", dir=path.parent))
         try:
-            local = storage.materialize_state(part["state"], str(tmp / "db"))
-            rows += proc.backend.restore_key_groups(local, part["key_groups"])
+            snap = storage.materialize_state(part["state"], str(tmp / "db"))
+            rows += proc.backend.restore_key_groups(snap, part["key_groups"])
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     timers = getattr(proc, "timers", None)
-    if timers is not None:  # timers came back with their key groups: index them
+    if timers is not None and others:  # timers came back with their key groups: index them
         timers.reindex()
-    inst.metrics.restored_rows = rows  # type: ignore[attr-defined]
+    inst.metrics.restored_rows = rows  # type: ignore[attr-defined] - rows copied (not opened)
 
 
 # ---- sinks ---------------------------------------------------------------------------------
