@@ -196,6 +196,7 @@ def _run(
     strategy: str = "meces",
     errors: list[str] | None = None,
     kills: list[tuple[str, int, float]] = (),  # type: ignore[assignment]
+    killed_at_ns: list[int] | None = None,
     **config: Any,
 ) -> rs.JobResult:
     """Start, rescale at the given times (P@T, T seconds after the start) and kill instances
@@ -218,6 +219,8 @@ def _run(
             time.sleep(max(0.0, at - (time.monotonic() - t0)))
             try:
                 _kill(job, step, index)
+                if killed_at_ns is not None:
+                    killed_at_ns.append(time.time_ns())
             except Exception as e:  # noqa: BLE001 - e.g. no such instance (any more)
                 errors.append(f"kill {step}:{index} at {at} s: {e}")
 
@@ -238,6 +241,32 @@ def _run(
         msg = f"the job did not finish within {timeout_s} s (--timeout); it was stopped"
         raise rs.JobFailedError(msg)
     return result
+
+
+def _processing_again(
+    report: dict[str, Any], result: rs.JobResult, killed_at_ns: list[int]
+) -> list[dict[str, Any]]:
+    """Per kill: when it happened (s after the job's origin) and how long until the count step
+    processed records again, i.e. the end of the first timeline window with count throughput
+    that starts after the recovery's new instances were deployed (at_s of the recovery)."""
+    step_s = report["window_ms"] / 1000
+    out = []
+    for at_ns in killed_at_ns:
+        kill_s = (at_ns - result.origin_ns) / 1e9
+        entry: dict[str, Any] = {"kill_s": round(kill_s, 3), "processing_again_s": None}
+        later = [r for r in result.recoveries if r["at_s"] >= kill_s]
+        if later:
+            deployed = later[0]["at_s"]
+            entry["deployed_s"] = round(deployed - kill_s, 3)
+            resumed = [row[0] for row in report["timeline"] if row[0] >= deployed and row[1] > 0]
+            if resumed:
+                entry["processing_again_s"] = round(resumed[0] + step_s - kill_s, 3)
+        out.append(entry)
+    return out
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(float(x), 3)
 
 
 def _stop(job: rs.Job) -> None:
@@ -383,6 +412,14 @@ def _stop(job: rs.Job) -> None:
     is_flag=True,
     help="Write the state of all --keys keys into the count instances before the job starts.",
 )
+@click.option(
+    "--warmup",
+    "warmup_s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Also report latency over what reached the sink after this many seconds of the job "
+    "(latency_steady_ms), leaving out a cold start.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
 def main(
     events: int,
@@ -410,6 +447,7 @@ def main(
     kill_at: tuple[str, ...],
     value_bytes: int | None,
     prefill: bool,
+    warmup_s: float,
     quiet: bool,
 ) -> None:
     """Key-count on raystream: events per key, counted in RocksDB keyed state."""
@@ -493,6 +531,7 @@ def main(
         "kill": [f"{s}:{i}@{t:g}" for s, i, t in kills],
         "value_bytes": value_bytes,
         "prefill": prefill,
+        "warmup_s": warmup_s,
     }
     flow = keycount_flow(source, form, num_key_groups, value_bytes)
     state_dir = None
@@ -515,6 +554,7 @@ def main(
         _pickle_by_value()
         t0 = time.perf_counter()
         rescale_errors: list[str] = []
+        killed_at_ns: list[int] = []
         try:
             result = _run(
                 flow,
@@ -524,6 +564,7 @@ def main(
                 strategy,
                 rescale_errors,
                 kills,
+                killed_at_ns,
                 checkpoint_interval_s=checkpoint_interval_s,
                 **({"checkpoint_dir": checkpoint_dir} if checkpoint_dir else {}),
                 **({"state_dir": state_dir} if state_dir else {}),
@@ -548,9 +589,22 @@ def main(
                 "wall_s": round(wall_s, 3),
                 "rescale_errors": rescale_errors,
                 "recoveries": result.recoveries,
+                "kills": [],
                 "checkpoints": result.checkpoints,
             },
         )
+        data["kills"] = _processing_again(data, result, killed_at_ns)
+        if warmup_s > 0:
+            steady = (result.latency() or rs.metrics.LatencyRecorder(0)).summary_between(
+                warmup_s, 1e9
+            )
+            data["latency_steady_ms"] = {
+                "from_s": warmup_s,
+                "p50": _round(steady["p50_ms"]),
+                "p99": _round(steady["p99_ms"]),
+                "max": _round(steady["max_ms"]),
+                "records": steady["count"],
+            }
         total = int(np.asarray(final["count"]).sum()) if final is not None else 0
         # every event counted once, and every count reported; after a recovery the count step's
         # last attempt took in only what was replayed, so the whole input is the reference
