@@ -282,12 +282,18 @@ class CheckpointStorage(CheckpointReader):
             "referenced_bytes": referenced,
         }
 
-    def put_blob(self, checkpoint_id: int, instance: str, name: str, data: bytes) -> str:
+    def put_blob(
+        self, checkpoint_id: int, instance: str, name: str, data: bytes, *, shared: bool = False
+    ) -> str:
         """Store ``data`` for ``instance`` in checkpoint ``checkpoint_id``; returns its ref (a
-        path relative to the root) for :meth:`get_blob`. Blobs are part of their checkpoint."""
+        path relative to the root) for :meth:`get_blob`. Blobs are part of their checkpoint.
+        ``shared=True``: the blob goes to ``shared/`` and lives as long as a retained manifest
+        references it as ``{"path": ref, "size": len(data)}`` (later checkpoints may too)."""
         _check_instance(instance)
         _check_name(name, "blob name")
         rel = _join(f"chk-{int(checkpoint_id)}", instance, "blobs", name)
+        if shared:
+            rel = _join("shared", "blobs", instance, f"{int(checkpoint_id)}-{name}")
         self._write(self._abs(rel), bytes(data))
         return rel
 

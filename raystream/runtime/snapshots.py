@@ -56,7 +56,8 @@ class CheckpointState:
     def __init__(self, spec: InstanceSpec) -> None:
         self.spec = spec
         self._storage: Any = None
-        self.sink_blobs: list[str] = []  # a collect sink's committed rows, one blob a checkpoint
+        # a collect sink's committed rows, one blob a checkpoint: {"path", "size"}
+        self.sink_blobs: list[dict[str, Any]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.uploaded_bytes = 0
         self.referenced_bytes = 0
@@ -122,8 +123,12 @@ class CheckpointState:
                     blobs = self.sink_blobs
 
                     def upload_rows() -> dict[str, Any]:
+                        # every checkpoint references the blobs of all earlier ones: they are
+                        # shared files with a size, kept while a retained manifest lists them
                         if rows.num_rows:
-                            blobs.append(storage.put_blob(cid, instance, "rows.arrow", _ipc(rows)))
+                            data = _ipc(rows)
+                            ref = storage.put_blob(cid, instance, "rows.arrow", data, shared=True)
+                            blobs.append({"path": ref, "size": len(data)})
                         return {"sink_state": {"blobs": list(blobs)}}
 
                     return upload_rows
@@ -242,7 +247,8 @@ async def restore_sink(inst: OperatorInstance) -> None:
     if isinstance(state, dict) and "blobs" in state:
         storage = open_storage(restore["storage"])  # type: ignore[index]
         blobs = list(state["blobs"])
-        tables = await asyncio.to_thread(lambda: [_from_ipc(storage.get_blob(b)) for b in blobs])
+        refs = [b["path"] if isinstance(b, dict) else b for b in blobs]
+        tables = await asyncio.to_thread(lambda: [_from_ipc(storage.get_blob(r)) for r in refs])
         inst.checkpoints.sink_blobs = blobs
         state = {"tables": tables}
     writer.restore(state)
