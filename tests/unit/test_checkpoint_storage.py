@@ -358,3 +358,29 @@ def test_shared_blobs_live_while_a_retained_checkpoint_references_them(tmp_path:
     with pytest.raises(CheckpointError):
         storage.get_blob(orphan)
     assert storage.get_blob(blobs[0]["path"]) == b"rows of 1"
+
+
+def test_local_storage_links_sst_files_and_they_outlive_the_db(tmp_path: Path) -> None:
+    """On a local filesystem SST files are hard-linked into storage and back out on restore
+    (no copy); the checkpoint still restores after the DB compacted them away and closed."""
+    db, oracle = small_db(tmp_path / "db", seed=11, n=2000)
+    storage = CheckpointStorage(str(tmp_path / "chk"), "j", retain=2)
+    snap = db.snapshot(tmp_path / "snap")
+    state = storage.upload_state(1, "count/0", str(snap), db.uid)
+    storage.complete(1, {"job": "j", "state": state})
+    ssts = [f for f in state["files"] if f["name"].endswith(".sst")]
+    assert ssts
+    for f in ssts:
+        stored = tmp_path / "chk" / "j" / f["path"]
+        assert stored.stat().st_ino == (snap / f["name"]).stat().st_ino
+    rng = np.random.default_rng(12)
+    write_keys(db, {}, np.arange(2000, 4000, dtype=np.int64), rng)
+    db._db.compact_range(None, None)  # noqa: SLF001 - rewrites (and deletes) every SST
+    db.destroy()
+    shutil.rmtree(snap)
+    local = Path(storage.materialize_state(state, tmp_path / "restored"))
+    for f in ssts:
+        assert (local / f["name"]).stat().st_ino == (
+            tmp_path / "chk" / "j" / f["path"]
+        ).stat().st_ino
+    assert restored_rows(storage, state, tmp_path / "again") == oracle
