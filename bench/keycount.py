@@ -12,7 +12,8 @@ Run it from the repository root::
 ``--value-bytes N`` gives every key's state an N-byte payload that each batch rewrites (state
 size: keys x N); ``--prefill`` writes the state of all ``--keys`` keys (count 0) into the count
 instances' RocksDB before the job starts (SST files, ingested), so 1M keys x 1 KB is ~1 GB of
-state from the first second.
+state from the first second. ``--warmup S`` adds ``latency_steady_ms``: latency over what reached
+the sink after S seconds (a prefilled state starts cold: the first seconds read it from disk).
 
 The dataflow is ``source -> key_by("key") -> count (keyed, RocksDB) -> sink``; the sink keeps the
 latest count per key (bounded memory). Throughput is what the count step took in per second of
