@@ -46,11 +46,12 @@ class _LatestWriter:
         self._pending: list[pa.Table] = []
         self._pending_rows = 0
         self.rows_seen = 0
-        self._committed: pa.Table | None = None  # the table at the last pre_commit
+        self._since: list[pa.Table] = []  # rows written since the last pre_commit
 
     def write(self, batch: pa.RecordBatch) -> None:
         part = pa.Table.from_batches([batch.select(["key", "count"])])
         self._pending.append(part)
+        self._since.append(part)
         self._pending_rows += part.num_rows
         self.rows_seen += part.num_rows
         base = self._compacted.num_rows if self._compacted is not None else 0
@@ -63,23 +64,16 @@ class _LatestWriter:
         if parts:
             self._compacted = latest_counts(pa.concat_tables(parts))
 
-    # ---- two-phase commit (jobs with checkpoints): what came since the last checkpoint is a
-    # blob of that checkpoint; a recovery gives back every committed blob
+    # ---- two-phase commit (jobs with checkpoints): the rows that came since the last checkpoint
+    # (their latest count per key) are a blob of that checkpoint; a recovery gives back every
+    # committed blob, and the largest count per key over all of them is the table. Cost: the rows
+    # of one interval, not the whole table (no join against the previous checkpoint).
     def pre_commit(self, checkpoint_id: int) -> dict[str, pa.Table]:
-        self._compact()
-        table = self._compacted if self._compacted is not None else pa.table(
-            {"key": pa.array([], pa.int64()), "count": pa.array([], pa.int64())}
-        )
-        since = self._committed
-        self._committed = table
-        if since is None or since.num_rows == 0:
-            return {"rows": table}
-        # rows whose latest count changed since the previous checkpoint
-        joined = table.join(since, "key", join_type="left outer", right_suffix="_old")
-        changed = pc.or_kleene(
-            pc.is_null(joined["count_old"]), pc.not_equal(joined["count"], joined["count_old"])
-        )
-        return {"rows": joined.filter(pc.fill_null(changed, True)).select(["key", "count"])}
+        since, self._since = self._since, []
+        if not since:
+            empty = pa.table({"key": pa.array([], pa.int64()), "count": pa.array([], pa.int64())})
+            return {"rows": empty}
+        return {"rows": latest_counts(pa.concat_tables(since))}
 
     def commit(self, checkpoint_id: int) -> None:
         """Nothing to publish: the table is returned by ``close``."""
@@ -88,11 +82,11 @@ class _LatestWriter:
         tables = (state or {}).get("tables") or []
         self._pending, self._pending_rows = [], 0
         self._compacted = latest_counts(pa.concat_tables(tables)) if tables else None
-        self._committed = self._compacted
+        self._since = []
 
     def close(self) -> pa.Table | None:
         self._compact()
         return self._compacted
 
     def abort(self) -> None:
-        self._compacted, self._pending = None, []
+        self._compacted, self._pending, self._since = None, [], []

@@ -4,18 +4,21 @@ Run it from the repository root::
 
     python -m bench.checkpoint_incremental                 # 200k keys, 1% changed per round
     python -m bench.checkpoint_incremental --rounds 8 --changed 0.01
+    python -m bench.checkpoint_incremental --keys 1000000 --value-bytes 1024   # 1 GB of state
 
-One RocksDB (``RocksStateBackend``) gets ``--keys`` keys with 100-byte values in ``--flushes``
+One RocksDB (``RocksStateBackend``) gets ``--keys`` keys with ``--value-bytes`` values (random,
+incompressible) in ``--flushes``
 flushed SST files; then every round overwrites ``--changed`` of the keys at random, flushes,
 snapshots and uploads through :class:`CheckpointStorage` (retain 3). Each line shows the bytes
 uploaded vs referenced and the SST files of the snapshot, so RocksDB compactions (which rewrite
 files, and so make a round upload more) are visible. Every round is restored and checked against
-a dict of all keys.
+a dict of all keys (read back in key order, one chunk at a time).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -25,7 +28,7 @@ import pyarrow as pa
 
 from raystream.checkpoint import CheckpointStorage
 from raystream.state.layout import encode_keys
-from raystream.state.rocks import RocksStateBackend, read_snapshot_key_groups
+from raystream.state.rocks import RocksStateBackend, snapshot_chunks
 
 NUM_KEY_GROUPS = 128
 
@@ -40,9 +43,21 @@ def _encode(keys: np.ndarray) -> list[bytes]:
 @click.option("--changed", default=0.01, show_default=True, help="fraction of keys per round")
 @click.option("--flushes", default=2, show_default=True, help="SST files of the first state")
 @click.option("--rounds", default=6, show_default=True)
+@click.option("--value-bytes", default=100, show_default=True, help="bytes per value")
 @click.option("--seed", default=1, show_default=True)
 @click.option("--report", type=click.Path(dir_okay=False), default=None, help="write JSON here")
-def main(keys: int, changed: float, flushes: int, rounds: int, seed: int, report: str | None) -> None:
+def main(
+    keys: int,
+    changed: float,
+    flushes: int,
+    rounds: int,
+    value_bytes: int,
+    seed: int,
+    report: str | None,
+) -> None:
+    if value_bytes <= 0:
+        msg = f"expected a value size in bytes > 0, got {value_bytes}"
+        raise click.BadParameter(msg, param_hint="'--value-bytes'")
     rng = np.random.default_rng(seed)
     lines: list[dict[str, object]] = []
     oracle: dict[bytes, bytes] = {}
@@ -52,10 +67,12 @@ def main(keys: int, changed: float, flushes: int, rounds: int, seed: int, report
         storage = CheckpointStorage(root / "chk", "bench", retain=3)
 
         def put(ids: np.ndarray) -> None:
-            raw = _encode(ids)
-            values = [rng.bytes(100) for _ in raw]
-            db.write(raw, values)
-            oracle.update(zip(raw, values, strict=True))
+            for part in np.array_split(ids, max(1, len(ids) // 50_000)):
+                raw = _encode(part)
+                blob = rng.bytes(len(raw) * value_bytes)
+                values = [blob[i * value_bytes : (i + 1) * value_bytes] for i in range(len(raw))]
+                db.write(raw, values)
+                oracle.update(zip(raw, values, strict=True))
 
         for part in np.array_split(rng.permutation(keys).astype(np.int64), flushes):
             put(part)
@@ -71,16 +88,25 @@ def main(keys: int, changed: float, flushes: int, rounds: int, seed: int, report
             ssts = sorted(f["name"] for f in state["files"] if f["name"].endswith(".sst"))
             first = first or state["uploaded_bytes"]
             local = storage.materialize_state(storage.load(cid)["state"], root / f"r-{cid}")
-            rows = {}
-            for c in read_snapshot_key_groups(local, range(NUM_KEY_GROUPS)):
-                rows.update(zip(c.column(0).to_pylist(), c.column(1).to_pylist(), strict=True))
-            assert rows == oracle, f"checkpoint {cid} does not restore the state it was taken of"
+            seen = 0
+            for c in snapshot_chunks(local, range(NUM_KEY_GROUPS)):
+                for k, v in zip(c.column(0).to_pylist(), c.column(1).to_pylist(), strict=True):
+                    assert oracle.get(k) == v, f"checkpoint {cid} restores a wrong value"
+                    seen += 1
+            assert seen == len(oracle), f"checkpoint {cid} restores {seen} of {len(oracle)} keys"
+            shutil.rmtree(local)
+            shutil.rmtree(snap)
             lines.append(
                 {
                     "checkpoint": cid,
                     "uploaded_bytes": state["uploaded_bytes"],
                     "referenced_bytes": state["referenced_bytes"],
                     "uploaded_pct_of_first": round(100 * state["uploaded_bytes"] / first, 2),
+                    "uploaded_pct_of_state": round(
+                        100 * state["uploaded_bytes"]
+                        / (state["uploaded_bytes"] + state["referenced_bytes"]),
+                        2,
+                    ),
                     "sst_files": len(ssts),
                 }
             )
@@ -91,7 +117,13 @@ def main(keys: int, changed: float, flushes: int, rounds: int, seed: int, report
             )
         db.close()
     if report:
-        config = {"keys": keys, "value_bytes": 100, "changed": changed, "rounds": rounds}
+        config = {
+            "keys": keys,
+            "value_bytes": value_bytes,
+            "changed": changed,
+            "rounds": rounds,
+            "flushes": flushes,
+        }
         Path(report).write_text(json.dumps({"config": config, "checkpoints": lines}, indent=1))
 
 

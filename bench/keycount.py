@@ -7,6 +7,13 @@ Run it from the repository root::
     python -m bench.keycount --input events.parquet --output counts.parquet
     python -m bench.keycount --source spark --input events.parquet
     python -m bench.keycount --source spark-stream --input incoming/ --events 1000000
+    python -m bench.keycount --keys 1000000 --value-bytes 1024 --prefill --rate 50000
+
+``--value-bytes N`` gives every key's state an N-byte payload that each batch rewrites (state
+size: keys x N); ``--prefill`` writes the state of all ``--keys`` keys (count 0) into the count
+instances' RocksDB before the job starts (SST files, ingested), so 1M keys x 1 KB is ~1 GB of
+state from the first second. ``--warmup S`` adds ``latency_steady_ms``: latency over what reached
+the sink after S seconds (a prefilled state starts cold: the first seconds read it from disk).
 
 The dataflow is ``source -> key_by("key") -> count (keyed, RocksDB) -> sink``; the sink keeps the
 latest count per key (bounded memory). Throughput is what the count step took in per second of
@@ -59,9 +66,14 @@ def count_per_key(key: Any, records: pa.RecordBatch, state: Any) -> Any:
 FORMS = {"vectorised": count_vectorised, "per-key": count_per_key}
 
 
-def keycount_flow(source: Any, form: str, num_key_groups: int = 128) -> rs.Dataflow:
+def keycount_flow(
+    source: Any, form: str, num_key_groups: int = 128, value_bytes: int | None = None
+) -> rs.Dataflow:
+    from bench._payload import count_with_payload
+
+    op = FORMS[form] if value_bytes is None else count_with_payload(value_bytes, STEP)
     flow = rs.Dataflow("bench-keycount", num_key_groups=num_key_groups)
-    flow.source(source).key_by("key").apply(FORMS[form]).sink(LatestCountSink(), name=SINK)
+    flow.source(source).key_by("key").apply(op).sink(LatestCountSink(), name=SINK)
     return flow
 
 
@@ -122,7 +134,9 @@ def _connect_ray() -> bool:
     return True
 
 
-def _pickle_by_value(modules: tuple[str, ...] = ("bench.keycount", "bench._latest")) -> None:
+def _pickle_by_value(
+    modules: tuple[str, ...] = ("bench.keycount", "bench._latest", "bench._payload"),
+) -> None:
     """Ray workers need not import ``bench`` (it is not installed): ship our code by value."""
     from ray import cloudpickle
 
@@ -183,6 +197,7 @@ def _run(
     strategy: str = "meces",
     errors: list[str] | None = None,
     kills: list[tuple[str, int, float]] = (),  # type: ignore[assignment]
+    killed_at_ns: list[int] | None = None,
     **config: Any,
 ) -> rs.JobResult:
     """Start, rescale at the given times (P@T, T seconds after the start) and kill instances
@@ -205,6 +220,8 @@ def _run(
             time.sleep(max(0.0, at - (time.monotonic() - t0)))
             try:
                 _kill(job, step, index)
+                if killed_at_ns is not None:
+                    killed_at_ns.append(time.time_ns())
             except Exception as e:  # noqa: BLE001 - e.g. no such instance (any more)
                 errors.append(f"kill {step}:{index} at {at} s: {e}")
 
@@ -225,6 +242,32 @@ def _run(
         msg = f"the job did not finish within {timeout_s} s (--timeout); it was stopped"
         raise rs.JobFailedError(msg)
     return result
+
+
+def _processing_again(
+    report: dict[str, Any], result: rs.JobResult, killed_at_ns: list[int]
+) -> list[dict[str, Any]]:
+    """Per kill: when it happened (s after the job's origin) and how long until the count step
+    processed records again, i.e. the end of the first timeline window with count throughput
+    that starts after the recovery's new instances were deployed (at_s of the recovery)."""
+    step_s = report["window_ms"] / 1000
+    out = []
+    for at_ns in killed_at_ns:
+        kill_s = (at_ns - result.origin_ns) / 1e9
+        entry: dict[str, Any] = {"kill_s": round(kill_s, 3), "processing_again_s": None}
+        later = [r for r in result.recoveries if r["at_s"] >= kill_s]
+        if later:
+            deployed = later[0]["at_s"]
+            entry["deployed_s"] = round(deployed - kill_s, 3)
+            resumed = [row[0] for row in report["timeline"] if row[0] >= deployed and row[1] > 0]
+            if resumed:
+                entry["processing_again_s"] = round(resumed[0] + step_s - kill_s, 3)
+        out.append(entry)
+    return out
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(float(x), 3)
 
 
 def _stop(job: rs.Job) -> None:
@@ -359,6 +402,25 @@ def _stop(job: rs.Job) -> None:
     metavar="STEP:INDEX@T",
     help="Kill instance INDEX of STEP (ray.kill) T seconds after the start (repeatable).",
 )
+@click.option(
+    "--value-bytes",
+    type=int,
+    default=None,
+    help="Give each key's state an N-byte payload that every batch rewrites (state: keys x N).",
+)
+@click.option(
+    "--prefill",
+    is_flag=True,
+    help="Write the state of all --keys keys into the count instances before the job starts.",
+)
+@click.option(
+    "--warmup",
+    "warmup_s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Also report latency over what reached the sink after this many seconds of the job "
+    "(latency_steady_ms), leaving out a cold start.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
 def main(
     events: int,
@@ -384,6 +446,9 @@ def main(
     checkpoint_interval_s: float,
     checkpoint_dir: str | None,
     kill_at: tuple[str, ...],
+    value_bytes: int | None,
+    prefill: bool,
+    warmup_s: float,
     quiet: bool,
 ) -> None:
     """Key-count on raystream: events per key, counted in RocksDB keyed state."""
@@ -393,6 +458,12 @@ def main(
         raise click.BadParameter(msg, param_hint="'--parallelism'")
     rescales = _parse_rescales(rescale_at, num_key_groups)
     kills = _parse_kills(kill_at)
+    if value_bytes is not None and value_bytes <= 0:
+        msg = f"expected a payload size in bytes > 0 (e.g. 1024), got {value_bytes}"
+        raise click.BadParameter(msg, param_hint="'--value-bytes'")
+    if value_bytes is not None and form != "vectorised":
+        msg = "--value-bytes works with --form vectorised only"
+        raise click.BadParameter(msg, param_hint="'--form'")
     if kills and not checkpoint_interval_s:
         click.echo("warning: --kill without --checkpoint-interval fails the job", err=True)
     from raystream.errors import PluginNotFoundError
@@ -409,6 +480,12 @@ def main(
     _check_writable(report, "--report")
     if source_kind == "auto":
         source_kind = "parquet" if input_path is not None else "generator"
+    if prefill and source_kind != "generator":
+        msg = (
+            f"--prefill writes the state of the generator's --keys keys; it needs the generator "
+            f"source, not {source_kind} (drop --input/--source or --prefill)"
+        )
+        raise click.BadParameter(msg, param_hint="'--prefill'")
     spark_session = None
     if source_kind in ("spark", "spark-stream"):
         source, spark_session = _spark_source(source_kind, input_path, events, idle_timeout_s, batch_rows)
@@ -453,14 +530,32 @@ def main(
         "migration_support": migration_support,
         "checkpoint_interval_s": checkpoint_interval_s,
         "kill": [f"{s}:{i}@{t:g}" for s, i, t in kills],
+        "value_bytes": value_bytes,
+        "prefill": prefill,
+        "warmup_s": warmup_s,
     }
-    flow = keycount_flow(source, form, num_key_groups)
+    flow = keycount_flow(source, form, num_key_groups, value_bytes)
+    state_dir = None
+    if prefill:
+        import tempfile
+
+        from bench._payload import prefill_state
+
+        state_dir = tempfile.mkdtemp(prefix="raystream-bench-keycount-")
+        filled = prefill_state(state_dir, flow, STEP, parallelism, keys, key_type, value_bytes)
+        config["prefilled"] = filled
+        if not quiet:
+            click.echo(
+                f"prefilled {filled['rows']:,} keys, {filled['bytes'] / 1e6:,.0f} MB of state "
+                f"in {filled['seconds']:.1f} s"
+            )
 
     started_ray = _connect_ray()
     try:
         _pickle_by_value()
         t0 = time.perf_counter()
         rescale_errors: list[str] = []
+        killed_at_ns: list[int] = []
         try:
             result = _run(
                 flow,
@@ -470,8 +565,10 @@ def main(
                 strategy,
                 rescale_errors,
                 kills,
+                killed_at_ns,
                 checkpoint_interval_s=checkpoint_interval_s,
                 **({"checkpoint_dir": checkpoint_dir} if checkpoint_dir else {}),
+                **({"state_dir": state_dir} if state_dir else {}),
                 migration_support=migration_support,
                 batch_rows=batch_rows,
                 source_batch_rows=batch_rows,
@@ -493,9 +590,22 @@ def main(
                 "wall_s": round(wall_s, 3),
                 "rescale_errors": rescale_errors,
                 "recoveries": result.recoveries,
+                "kills": [],
                 "checkpoints": result.checkpoints,
             },
         )
+        data["kills"] = _processing_again(data, result, killed_at_ns)
+        if warmup_s > 0:
+            steady = (result.latency() or rs.metrics.LatencyRecorder(0)).summary_between(
+                warmup_s, 1e9
+            )
+            data["latency_steady_ms"] = {
+                "from_s": warmup_s,
+                "p50": _round(steady["p50_ms"]),
+                "p99": _round(steady["p99_ms"]),
+                "max": _round(steady["max_ms"]),
+                "records": steady["count"],
+            }
         total = int(np.asarray(final["count"]).sum()) if final is not None else 0
         # every event counted once, and every count reported; after a recovery the count step's
         # last attempt took in only what was replayed, so the whole input is the reference
@@ -524,6 +634,8 @@ def main(
             import ray
 
             ray.shutdown()
+        if state_dir is not None:  # the prefilled state (rs.start leaves a given state_dir)
+            shutil.rmtree(state_dir, ignore_errors=True)
         if spark_session is not None:
             spark_session.stop()
         if source_kind == "spark-stream":  # Spark's checkpoint of this run (a temp dir)

@@ -258,6 +258,10 @@ class Recovery:
             "at_s": self._now_s(),
             "duration_s": time.monotonic() - t0,
             "aligned_s": aligned_s,
+            # the longest any instance held inputs for alignment, and spent on its loop on the
+            # checkpoint (snapshot start, sink pre-commit, forwarding the barrier)
+            "max_align_s": max((float(a.get("align_s", 0.0)) for a in acks), default=0.0),
+            "max_sync_s": max((float(a.get("sync_s", 0.0)) for a in acks), default=0.0),
             "uploaded_bytes": int(sum(s.get("uploaded_bytes", 0) for s in states)),
             "referenced_bytes": int(sum(s.get("referenced_bytes", 0) for s in states)),
             "source_offsets": {
@@ -321,6 +325,7 @@ class Recovery:
             "completed": len(self.checkpoint_stats),
             "failed": len(self.failed_checkpoints),
             "last": last,
+            "recent": self.checkpoint_stats[-20:],
             "last_failure": self.failed_checkpoints[-1] if self.failed_checkpoints else None,
             "storage": f"{self.storage_spec[0]}/{self.storage_spec[1]}",
             "restored_from": self.restored_from,

@@ -66,6 +66,19 @@ def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     return fs, path.rstrip("/")
 
 
+def _link(fs: pafs.FileSystem, src: str, dst: str) -> bool:
+    """Hard-link local file ``src`` as ``dst`` when the storage is a local filesystem (RocksDB
+    never changes an SST file once written, so a link is as good as a copy, and costs no I/O).
+    False when it is not local or the link fails (another device, no link support): copy."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return False
+    try:
+        os.link(src, dst)
+    except OSError:
+        return False
+    return True
+
+
 def _join(*parts: str) -> str:
     return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts) if p)
 
@@ -144,18 +157,10 @@ class CheckpointReader:
         for entry in files:
             name = _check_name(entry["name"], "a state file name")
             target = local / name
-            try:
-                with (
-                    self.fs.open_input_stream(self._abs(entry["path"])) as src,
-                    open(target, "wb") as dst,
-                ):
-                    shutil.copyfileobj(src, dst, 1 << 20)
-            except (FileNotFoundError, OSError) as exc:
-                msg = (
-                    f"state file {entry['path']!r} cannot be read below {self.root!r} ({exc}); "
-                    "the checkpoint is damaged, restore from another one"
-                )
-                raise CheckpointError(msg) from exc
+            if name.endswith(".sst") and _link(self.fs, self._abs(entry["path"]), str(target)):
+                pass  # immutable: linked, not copied (a restored DB only ever deletes it)
+            else:
+                self._copy_in(entry, target)
             if target.stat().st_size != entry["size"]:
                 msg = (
                     f"state file {entry['path']!r} has {target.stat().st_size} bytes, the "
@@ -163,6 +168,20 @@ class CheckpointReader:
                 )
                 raise CheckpointError(msg)
         return str(local)
+
+    def _copy_in(self, entry: dict[str, Any], target: Path) -> None:
+        try:
+            with (
+                self.fs.open_input_stream(self._abs(entry["path"])) as src,
+                open(target, "wb") as dst,
+            ):
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except (FileNotFoundError, OSError) as exc:
+            msg = (
+                f"state file {entry['path']!r} cannot be read below {self.root!r} ({exc}); "
+                "the checkpoint is damaged, restore from another one"
+            )
+            raise CheckpointError(msg) from exc
 
     # ---- manifests --------------------------------------------------------------------------
     def _read_manifest(self, path: str) -> tuple[dict[str, Any] | None, str]:
@@ -225,8 +244,10 @@ class CheckpointStorage(CheckpointReader):
         with self.fs.open_output_stream(path) as out:
             out.write(data)
 
-    def _upload(self, local: str, path: str) -> None:
+    def _upload(self, local: str, path: str, *, link: bool = False) -> None:
         self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        if link and _link(self.fs, local, path):
+            return
         with open(local, "rb") as src, self.fs.open_output_stream(path) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
 
@@ -264,7 +285,7 @@ class CheckpointStorage(CheckpointReader):
                 if info.type != pafs.FileType.NotFound:  # same name, other size: a torn upload
                     rel = _join("shared", db_uid, f"{int(checkpoint_id)}-{name}")
                 tmp = self._abs(f"{rel}.{uuid.uuid4().hex}.tmp")
-                self._upload(str(local / name), tmp)
+                self._upload(str(local / name), tmp, link=True)  # SSTs: linked on a local fs
                 self.fs.move(tmp, self._abs(rel))
                 uploaded += size
             files.append({"name": name, "path": rel, "size": size})
@@ -282,12 +303,18 @@ class CheckpointStorage(CheckpointReader):
             "referenced_bytes": referenced,
         }
 
-    def put_blob(self, checkpoint_id: int, instance: str, name: str, data: bytes) -> str:
+    def put_blob(
+        self, checkpoint_id: int, instance: str, name: str, data: bytes, *, shared: bool = False
+    ) -> str:
         """Store ``data`` for ``instance`` in checkpoint ``checkpoint_id``; returns its ref (a
-        path relative to the root) for :meth:`get_blob`. Blobs are part of their checkpoint."""
+        path relative to the root) for :meth:`get_blob`. Blobs are part of their checkpoint.
+        ``shared=True``: the blob goes to ``shared/`` and lives as long as a retained manifest
+        references it as ``{"path": ref, "size": len(data)}`` (later checkpoints may too)."""
         _check_instance(instance)
         _check_name(name, "blob name")
         rel = _join(f"chk-{int(checkpoint_id)}", instance, "blobs", name)
+        if shared:
+            rel = _join("shared", "blobs", instance, f"{int(checkpoint_id)}-{name}")
         self._write(self._abs(rel), bytes(data))
         return rel
 

@@ -202,6 +202,7 @@ class OperatorInstance:
         self._pending_barriers: list[Barrier] = []
         self._barrier_seen: dict[int, set[ChannelId]] = {}
         self._open_barriers: dict[int, Barrier] = {}
+        self._barrier_first: dict[int, float] = {}  # epoch -> when its first input delivered it
         self._holding = False
         self._eos: set[ChannelId] = set()
         self._report: Reporter = lambda event, info: None
@@ -749,6 +750,8 @@ class OperatorInstance:
         have; other rescale barriers never block: they switch on their first arrival."""
         seen = self._barrier_seen.setdefault(barrier.epoch, set())
         first = not seen
+        if first:
+            self._barrier_first[barrier.epoch] = time.monotonic()
         seen.add(channel)
         self._open_barriers[barrier.epoch] = barrier
         aligned = barrier.kind == "checkpoint" or barrier.payload.get("aligned", False)
@@ -774,12 +777,16 @@ class OperatorInstance:
             info: dict[str, Any] = {"instance": self.spec.id, "epoch": epoch, "kind": barrier.kind}
             engine = self.engine
             mine = barrier.kind == "rescale" and barrier.payload["step"] == self.step.name
+            first_seen = self._barrier_first.pop(epoch, None)
             if barrier.kind == "checkpoint":
-                # the snapshot is cheap (hard links); its upload runs after the barrier went on,
-                # while records flow, and the acknowledgement follows when it is durable
+                # the snapshot starts here (its flush runs in a thread), its upload after the
+                # barrier went on, while records flow; the acknowledgement follows when durable
+                t0 = time.monotonic()
+                info["align_s"] = t0 - first_seen if first_seen is not None else 0.0
                 upload = self.checkpoints.take(self, barrier, info)
                 await self._forward_barrier(barrier)
                 self.inbox.unblock_all()
+                info["sync_s"] = time.monotonic() - t0
                 if upload is not None:
                     self.checkpoints.finish_later(upload, info, self._report)
                     continue

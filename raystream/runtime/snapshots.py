@@ -1,8 +1,9 @@
 """What one operator instance does for checkpoints and recovery. No Ray here.
 
-- At a checkpoint barrier: a source reports its position; a keyed instance takes a RocksDB
-  checkpoint (hard links, milliseconds) and copies its files to checkpoint storage *after* the
-  barrier went on, acknowledging once they are durable; a sink pre-commits (two-phase commit).
+- At a checkpoint barrier: a source reports its position; a keyed instance starts a RocksDB
+  checkpoint (memtable flush and hard links, in a thread: the loop goes on) and copies its files
+  to checkpoint storage *after* the barrier went on, acknowledging once they are durable; a sink
+  pre-commits (two-phase commit).
 - On recovery: a source rewinds to its recorded position, a keyed instance restores the key
   groups it owns from whichever instance held them at the checkpoint, a sink publishes what the
   checkpoint pre-committed and drops the rest.
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+
+from raystream.state.rocks import RocksStateBackend
 
 if TYPE_CHECKING:
     from raystream.runtime.instance import InstanceSpec, OperatorInstance
@@ -54,7 +57,8 @@ class CheckpointState:
     def __init__(self, spec: InstanceSpec) -> None:
         self.spec = spec
         self._storage: Any = None
-        self.sink_blobs: list[str] = []  # a collect sink's committed rows, one blob a checkpoint
+        # a collect sink's committed rows, one blob a checkpoint: {"path", "size"}
+        self.sink_blobs: list[dict[str, Any]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.uploaded_bytes = 0
         self.referenced_bytes = 0
@@ -95,13 +99,16 @@ class CheckpointState:
             if proc is not None and hasattr(proc, "backend"):
                 local = Path(f"{self.spec.state_path}-checkpoints") / f"chk-{cid}"
                 shutil.rmtree(local, ignore_errors=True)
-                proc.backend.snapshot(local)
+                # the memtable flush and the RocksDB checkpoint run in a thread; writes after the
+                # barrier wait in the write-back cache until it is taken
+                taken = proc.backend.snapshot_async(local)
                 info["key_groups"] = proc.owned_key_groups
                 uid = proc.backend.uid
                 storage = self.storage
 
                 def upload() -> dict[str, Any]:
                     try:
+                        taken.result()
                         desc = storage.upload_state(cid, instance, str(local), uid)
                     finally:
                         shutil.rmtree(local, ignore_errors=True)
@@ -117,8 +124,12 @@ class CheckpointState:
                     blobs = self.sink_blobs
 
                     def upload_rows() -> dict[str, Any]:
+                        # every checkpoint references the blobs of all earlier ones: they are
+                        # shared files with a size, kept while a retained manifest lists them
                         if rows.num_rows:
-                            blobs.append(storage.put_blob(cid, instance, "rows.arrow", _ipc(rows)))
+                            data = _ipc(rows)
+                            ref = storage.put_blob(cid, instance, "rows.arrow", data, shared=True)
+                            blobs.append({"path": ref, "size": len(data)})
                         return {"sink_state": {"blobs": list(blobs)}}
 
                     return upload_rows
@@ -214,28 +225,41 @@ def rewind_source(inst: OperatorInstance, restore: dict[str, Any]) -> None:
 
 # ---- keyed state ---------------------------------------------------------------------------
 def restore_keyed(inst: OperatorInstance) -> None:
-    """Recovery: load the key groups this instance owns from the checkpoint's instance states
-    (each downloaded once into a temporary folder, read by key group, then deleted)."""
+    """Recovery: load the key groups this instance owns from the checkpoint's instance states.
+
+    The state that holds most of them is downloaded as this instance's new RocksDB and opened in
+    place (files, no row copy; the key groups it should not bring are dropped by range); each
+    other one is downloaded into a temporary folder and its key groups are copied in by rows."""
     restore = inst.spec.restore or {}
     parts = restore.get("keyed") or []
     if not parts:
         return
     proc = inst.processor
     storage = open_storage(restore["storage"])
+    parts = sorted(parts, key=lambda part: -len(part["key_groups"]))
+    base, others = parts[0], parts[1:]
+    owned = [int(g) for g in proc.owned_key_groups]
+    path = Path(proc.backend.path)
+    local = Path(tempfile.mkdtemp(prefix=f"{path.name}-restored-", dir=path.parent)) / "db"
+    storage.materialize_state(base["state"], str(local))
+    fresh = RocksStateBackend(local, cache_entries=proc.cache_entries)
+    from_base = {int(g) for g in base["key_groups"]}
+    for g in range(proc.key_space.num_key_groups):
+        if g not in from_base:
+            fresh.drop_key_group(g)
+    proc.swap_backend(fresh, owned)
     rows = 0
-    for part in parts:
-        tmp = Path(
-            tempfile.mkdtemp(prefix="raystream-restore-", dir=Path(proc.backend.path).parent)
-        )
+    for part in others:
+        tmp = Path(tempfile.mkdtemp(prefix="raystream-restore-", dir=path.parent))
         try:
-            local = storage.materialize_state(part["state"], str(tmp / "db"))
-            rows += proc.backend.restore_key_groups(local, part["key_groups"])
+            snap = storage.materialize_state(part["state"], str(tmp / "db"))
+            rows += proc.backend.restore_key_groups(snap, part["key_groups"])
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     timers = getattr(proc, "timers", None)
-    if timers is not None:  # timers came back with their key groups: index them
+    if timers is not None and others:  # timers came back with their key groups: index them
         timers.reindex()
-    inst.metrics.restored_rows = rows  # type: ignore[attr-defined]
+    inst.metrics.restored_rows = rows  # type: ignore[attr-defined] - rows copied (not opened)
 
 
 # ---- sinks ---------------------------------------------------------------------------------
@@ -252,7 +276,8 @@ async def restore_sink(inst: OperatorInstance) -> None:
     if isinstance(state, dict) and "blobs" in state:
         storage = open_storage(restore["storage"])  # type: ignore[index]
         blobs = list(state["blobs"])
-        tables = await asyncio.to_thread(lambda: [_from_ipc(storage.get_blob(b)) for b in blobs])
+        refs = [b["path"] if isinstance(b, dict) else b for b in blobs]
+        tables = await asyncio.to_thread(lambda: [_from_ipc(storage.get_blob(r)) for r in refs])
         inst.checkpoints.sink_blobs = blobs
         state = {"tables": tables}
     writer.restore(state)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import threading
 import uuid
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pyarrow as pa
@@ -82,11 +84,19 @@ class RocksStateBackend:
 
     A bounded write-back cache sits in front of point reads and writes, bounded by entries
     (``cache_entries``; 0 turns it off) and by bytes of keys and values (``cache_bytes``). Range
-    operations — scan, export, drop, snapshot — first write the dirty entries to RocksDB and empty
-    the cache, so whatever is exported or snapshotted (at a barrier) is in RocksDB, and a range
-    that changed below the cache can never be read stale. A migration instead evicts only the
-    sub-groups that move (:meth:`evict_sub_groups`) and exports them past the cache.
+    operations — scan, export, drop, import — first write the dirty entries to RocksDB and empty
+    the cache, so whatever is exported is in RocksDB, and a range that changed below the cache can
+    never be read stale. A migration instead evicts only the sub-groups that move
+    (:meth:`evict_sub_groups`) and exports them past the cache.
+
+    A snapshot writes the dirty entries and keeps the cache (nothing changed below it). With
+    :meth:`snapshot_async` the memtable flush and the RocksDB checkpoint run in a thread (RocksDB
+    releases the GIL) while the caller goes on: writes stay in the cache until the checkpoint is
+    taken, so it holds exactly the state of the moment it was asked for. Anything that must write
+    to RocksDB meanwhile (a full cache, a range operation, ``write_direct``) first waits for it.
     """
+
+    _pending: Future[Path] | None = None  # a checkpoint being taken in a thread
 
     def __init__(
         self,
@@ -174,6 +184,7 @@ class RocksStateBackend:
     def _write_through(
         self, keys: Iterable[bytes], values: Iterable[bytes | None], deletes: Iterable[bytes] = ()
     ) -> None:
+        self.wait_snapshot()
         wb = WriteBatch(raw_mode=True)
         for k, v in zip(keys, values, strict=True):
             if v is None:
@@ -190,7 +201,17 @@ class RocksStateBackend:
         batches; when full, the oldest quarter (dicts keep insertion order) is evicted. In bytes:
         once the bytes put in since the last measurement pass ``cache_bytes``, the cache is
         measured, and if it holds more than half of ``cache_bytes`` the oldest entries go until
-        it holds half (so a measurement, O(entries), comes at most once per half bound written)."""
+        it holds half (so a measurement, O(entries), comes at most once per half bound written).
+        While a checkpoint is taken in a thread, dirty entries wait in the cache (up to its
+        bounds)."""
+        pending = self._pending
+        if (
+            pending is not None
+            and not pending.done()
+            and len(self._cache) <= self.cache_entries
+            and self._cache_added <= self.cache_bytes
+        ):
+            return
         if len(self._dirty) >= self.max_dirty:
             self._write_dirty()
         if len(self._cache) > self.cache_entries:
@@ -231,6 +252,7 @@ class RocksStateBackend:
 
     def flush_cache(self) -> None:
         """Write dirty entries to RocksDB (sorted, one WriteBatch) and empty the cache."""
+        self.wait_snapshot()
         self._write_dirty()
         self._cache.clear()
         self._cache_added = 0
@@ -385,15 +407,42 @@ class RocksStateBackend:
     # ---- snapshots -------------------------------------------------------------------------
     def snapshot(self, directory: str | Path) -> Path:
         """A consistent point-in-time copy of this instance's RocksDB (hard links, fast)."""
+        return self.snapshot_async(directory).result()
+
+    def snapshot_async(self, directory: str | Path) -> Future[Path]:
+        """Start a point-in-time copy of this RocksDB into ``directory`` (hard links): the dirty
+        entries are written now, the memtable flush and the checkpoint run in a thread. Writes
+        made before the future is done stay in the cache and are not in the copy."""
         directory = Path(directory)
         if directory.exists():
             msg = f"snapshot directory {directory} already exists; pass a new path"
             raise StateError(msg)
+        self.wait_snapshot()
         directory.parent.mkdir(parents=True, exist_ok=True)
-        self.flush_cache()
-        self._db.flush(True)
-        Checkpoint(self._db).create_checkpoint(str(directory))
-        return directory
+        self._write_dirty()
+        future: Future[Path] = Future()
+        db = self._db
+
+        def take() -> None:
+            try:
+                db.flush(True)
+                Checkpoint(db).create_checkpoint(str(directory))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(e)
+            else:
+                future.set_result(directory)
+
+        self._pending = future
+        threading.Thread(target=take, name="rocksdb-snapshot", daemon=True).start()
+        return future
+
+    def wait_snapshot(self) -> None:
+        """Block until a checkpoint taken in a thread is done (its failure is the waiter's of
+        :meth:`snapshot_async`, not raised here)."""
+        pending = self._pending
+        if pending is not None:
+            pending.exception()  # waits
+            self._pending = None
 
     def restore_key_groups(self, snapshot_dir: str | Path, key_groups: Iterable[int]) -> int:
         """Copy the given key groups from a snapshot into this instance. Returns rows copied."""
@@ -410,6 +459,7 @@ class RocksStateBackend:
 
     def close(self) -> None:
         if not self._closed:
+            self.wait_snapshot()
             self.flush_cache()
             self._closed = True
             self._db.close()

@@ -335,3 +335,52 @@ def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="new or empty local folder"):
         storage.materialize_state({"files": []}, tmp_path / "full")
     assert json.loads(json.dumps(storage.checkpoints())) == []
+
+
+def test_shared_blobs_live_while_a_retained_checkpoint_references_them(tmp_path: Path) -> None:
+    """A sink's blobs accumulate: checkpoint N references the blobs of 1..N. Stored shared, they
+    outlive the checkpoint that wrote them (retention keeps 2 here), and go once unreferenced."""
+    storage = CheckpointStorage(str(tmp_path / "chk"), "job", retain=2)
+    blobs: list[dict] = []
+    for cid in range(1, 6):
+        data = f"rows of {cid}".encode()
+        ref = storage.put_blob(cid, "sink/0", "rows.arrow", data, shared=True)
+        blobs.append({"path": ref, "size": len(data)})
+        storage.complete(cid, {"job": "job", "sink": {"blobs": list(blobs)}})
+    assert storage.checkpoints() == [4, 5]
+    latest = storage.latest()
+    assert latest is not None
+    got = [storage.get_blob(b["path"]) for b in latest["sink"]["blobs"]]
+    assert got == [f"rows of {c}".encode() for c in range(1, 6)]
+    # a blob no retained checkpoint references (its checkpoint never completed) is deleted
+    orphan = storage.put_blob(6, "sink/0", "rows.arrow", b"lost", shared=True)
+    storage.complete(7, {"job": "job", "sink": {"blobs": list(blobs)}})
+    with pytest.raises(CheckpointError):
+        storage.get_blob(orphan)
+    assert storage.get_blob(blobs[0]["path"]) == b"rows of 1"
+
+
+def test_local_storage_links_sst_files_and_they_outlive_the_db(tmp_path: Path) -> None:
+    """On a local filesystem SST files are hard-linked into storage and back out on restore
+    (no copy); the checkpoint still restores after the DB compacted them away and closed."""
+    db, oracle = small_db(tmp_path / "db", seed=11, n=2000)
+    storage = CheckpointStorage(str(tmp_path / "chk"), "j", retain=2)
+    snap = db.snapshot(tmp_path / "snap")
+    state = storage.upload_state(1, "count/0", str(snap), db.uid)
+    storage.complete(1, {"job": "j", "state": state})
+    ssts = [f for f in state["files"] if f["name"].endswith(".sst")]
+    assert ssts
+    for f in ssts:
+        stored = tmp_path / "chk" / "j" / f["path"]
+        assert stored.stat().st_ino == (snap / f["name"]).stat().st_ino
+    rng = np.random.default_rng(12)
+    write_keys(db, {}, np.arange(2000, 4000, dtype=np.int64), rng)
+    db._db.compact_range(None, None)  # noqa: SLF001 - rewrites (and deletes) every SST
+    db.destroy()
+    shutil.rmtree(snap)
+    local = Path(storage.materialize_state(state, tmp_path / "restored"))
+    for f in ssts:
+        assert (local / f["name"]).stat().st_ino == (
+            tmp_path / "chk" / "j" / f["path"]
+        ).stat().st_ino
+    assert restored_rows(storage, state, tmp_path / "again") == oracle
