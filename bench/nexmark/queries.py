@@ -842,10 +842,12 @@ def build_flow(
     max_out_of_orderness_ms: int = 0,
     num_key_groups: int = 128,
     name: str | None = None,
+    extra_sinks: Mapping[str, Any] | None = None,
 ) -> tuple[rs.Dataflow, Query]:
     """The dataflow of ``query`` over ``sources`` (table name -> raystream source), ending in
-    ``sink`` (step name :data:`SINK`). Each source's event time is its ``dateTime`` column,
-    with watermarks ``max_out_of_orderness_ms`` behind the largest seen."""
+    ``sink`` (step name :data:`SINK`) and in each of ``extra_sinks`` (step name -> sink). Each
+    source's event time is its ``dateTime`` column, with watermarks ``max_out_of_orderness_ms``
+    behind the largest seen."""
     if query not in QUERIES:
         msg = f"query {query!r} is not built as a raystream dataflow; built: {sorted(QUERIES)}"
         raise KeyError(msg)
@@ -863,7 +865,10 @@ def build_flow(
             event_time="dateTime",
             max_out_of_orderness_ms=max_out_of_orderness_ms,
         )
-    spec.build(inputs).sink(sink, name=SINK)
+    out = spec.build(inputs)
+    out.sink(sink, name=SINK)
+    for step, extra in (extra_sinks or {}).items():
+        out.sink(extra, name=step)
     return flow, spec
 
 
