@@ -28,6 +28,7 @@ sources.
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 import tempfile
@@ -163,13 +164,22 @@ def _pickle_by_value() -> None:
 
 
 def table_sources(
-    directory: Path, tables: tuple[str, ...], *, batch_rows: int, replay_rate_eps: float = 0.0
+    directory: Path,
+    tables: tuple[str, ...],
+    *,
+    batch_rows: int,
+    replay_rate_eps: float = 0.0,
+    columns: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, Any]:
-    """One Parquet source per table; with a replay rate, each at its share (1:3:46 of 50)."""
+    """One Parquet source per table; with a replay rate, each at its share (1:3:46 of 50);
+    ``columns``: per table the columns to read (the others are not read)."""
     share = {"person": 1 / 50, "auction": 3 / 50, "bid": 46 / 50}
     return {
         t: rs.sources.parquet(
-            directory / f"{t}.parquet", batch_rows=batch_rows, rate_eps=replay_rate_eps * share[t]
+            directory / f"{t}.parquet",
+            batch_rows=batch_rows,
+            rate_eps=replay_rate_eps * share[t],
+            columns=(columns or {}).get(t),
         )
         for t in tables
     }
@@ -386,7 +396,11 @@ def main(
             gen_s = None
             data = input_dir
         sources = table_sources(
-            data, spec.tables, batch_rows=batch_rows, replay_rate_eps=replay_rate
+            data,
+            spec.tables,
+            batch_rows=batch_rows,
+            replay_rate_eps=replay_rate,
+            columns=dict(spec.columns),
         )
         written: Any = None
         if output is not None:
@@ -436,6 +450,9 @@ def main(
             "linger_ms": linger_ms,
         }
         data_report = build_report(result, query, spec.tables, config)
+        data_report["command"] = " ".join(
+            ["python -m bench.nexmark", *(shlex.quote(a) for a in sys.argv[1:])]
+        )
         data_report["rescale_errors"] = errors
         if gen_s is not None:
             data_report["generator_events_per_s"] = round(events / gen_s, 1)

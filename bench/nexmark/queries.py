@@ -756,6 +756,7 @@ class Query:
     """One query: the tables it reads, how to build it, the step that ``--parallelism`` (and a
     rescale, when keyed) applies to, whether its result is updating (then its rows are changes
     ordered per ``key`` of the result by ``_version``, with a ``_kind`` column if ``deletes``),
+    ``columns``: the columns it reads of each table (its sources project the others away),
     ``finish``: sink rows -> the result's columns (row by row), and for windowed queries
     ``window_end``: result rows -> the end (ms, exclusive) of the window each belongs to."""
 
@@ -768,6 +769,7 @@ class Query:
     windowed: bool = False
     key: tuple[str, ...] = ()
     deletes: bool = False
+    columns: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (table, columns read); () all
     finish: Callable[[pa.Table], pa.Table] | None = None
     window_end: Callable[[pa.Table], pa.Array] | None = None
 
@@ -804,6 +806,7 @@ QUERIES: dict[str, Query] = {
         windowed=True,
         key=("window_start", "auction"),
         deletes=True,
+        columns=(("bid", ("auction", "dateTime")),),
         finish=_columnwise(_q5_finish),
         window_end=_column("window_end"),
     ),
@@ -817,6 +820,7 @@ QUERIES: dict[str, Query] = {
         "q8",
         keyed=True,
         windowed=True,
+        columns=(("person", ("id", "name", "dateTime")), ("auction", ("seller", "dateTime"))),
         window_end=_column("stime", 10_000),
     ),
     "q9": Query("q9", ("auction", "bid"), _q9, "q9", keyed=True, updating=True, key=("id",)),
@@ -827,6 +831,7 @@ QUERIES: dict[str, Query] = {
         "q11",
         keyed=True,
         windowed=True,
+        columns=(("bid", ("bidder", "dateTime")),),
         finish=_columnwise(_q11_finish),
         # [starttime, endtime] closes when the watermark reaches endtime = last bid + 10 s
         window_end=_column("endtime", 1),

@@ -50,7 +50,7 @@ def expected(data: Path) -> dict[str, Any]:
 
 def _run(query: str, data: Path, parallelism: int, **kw: Any) -> Any:
     spec = queries.QUERIES[query]
-    sources = cli.table_sources(data, spec.tables, batch_rows=4096)
+    sources = cli.table_sources(data, spec.tables, batch_rows=4096, columns=dict(spec.columns))
     result = cli.run_query(query, sources, parallelism=parallelism, timeout_s=120, **kw)
     assert result.state == "finished", result.state
     return result
@@ -103,7 +103,9 @@ def test_query_equals_oracle_across_a_live_rescale(
     """Out-of-order input (within the bound), a live 2 -> 3 rescale mid-stream: the final result
     equals DuckDB's over the same rows."""
     spec = queries.QUERIES[query]
-    sources = cli.table_sources(shuffled, spec.tables, batch_rows=2048, replay_rate_eps=15_000)
+    sources = cli.table_sources(
+        shuffled, spec.tables, batch_rows=2048, replay_rate_eps=15_000, columns=dict(spec.columns)
+    )
     errors: list[str] = []
     result = cli.run_query(
         query,
