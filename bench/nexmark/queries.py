@@ -640,59 +640,63 @@ def _q7(inputs: dict[str, rs.Stream]) -> rs.Stream:
 
 
 _Q8_GRACE_MS = 60_000
-_NEW_SELLER_STATE = {
-    "persons": rs.ValueState(object),  # {window start: [names]} of the persons with this id
-    "windows": rs.ValueState(object),  # window starts in which this id sold something
-    "emitted": rs.ValueState(object),  # (window start, name) pairs already emitted
-}
 
 
-@rs.keyed_batches(name="new_sellers", state=_NEW_SELLER_STATE)
+@rs.keyed_batches(name="new_sellers", state=rs.ValueState(object))
 def new_sellers(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
     """Keyed by person id = seller: input 0 persons (name, w), input 1 auctions (w), ``w`` the
     10 s window start. Emits (id, name, w) once, as soon as a person and an auction of theirs
-    are seen in the same window. A window's entries are dropped once the watermark passed its
-    end by :data:`_Q8_GRACE_MS` (nothing of it can come any more)."""
+    are seen in the same window. State per id: ``(persons, windows)``, the (w, name) pairs of
+    its persons and the windows it sold in; a pair is emitted when it comes into a window
+    already sold in, or a window is first sold in that has it (so each pair once). A window's
+    entries are dropped once the watermark passed its end by :data:`_Q8_GRACE_MS` (nothing of
+    it can come any more)."""
     keys, offsets, rec = batch.keys, batch.offsets, batch.records
-    persons = state.persons.get(keys)
-    windows_ = state.windows.get(keys)
-    emitted = state.emitted.get(keys)
-    w = rec.column("w").to_numpy()
+    values = state.get(keys)
+    w = rec.column("w").to_numpy().tolist()
     names = rec.column("name").to_pylist() if batch.input == 0 else None
+    bounds = offsets.tolist()
     # windows starting at or before this are complete (with a grace period: records a new
     # owner buffered during a rescale can be processed after its watermark passed them)
     closed = batch.watermark - 10_000 - _Q8_GRACE_MS
     out_idx: list[int] = []
     out_name: list[str] = []
     out_w: list[int] = []
-    for i in range(len(keys)):
-        ps = {k: v for k, v in (persons[i] or {}).items() if k > closed}
-        ws = {x for x in (windows_[i] or set()) if x > closed}
-        done = {x for x in (emitted[i] or set()) if x[0] > closed}
-        for r in range(int(offsets[i]), int(offsets[i + 1])):
-            if names is not None:
-                ps.setdefault(int(w[r]), []).append(names[r])
-            else:
-                ws.add(int(w[r]))
-        for start in ws:
-            for name in ps.get(start, ()):
-                if (start, name) not in done:
-                    done.add((start, name))
+    for i, v in enumerate(values):
+        if v is None:
+            ps: set[tuple[int, str]] = set()
+            ws: set[int] = set()
+        else:
+            ps = {p for p in v[0] if p[0] > closed}
+            ws = {x for x in v[1] if x > closed}
+        lo, hi = bounds[i], bounds[i + 1]
+        if names is not None:
+            for r in range(lo, hi):
+                pair = (w[r], names[r])
+                if pair in ps:
+                    continue
+                ps.add(pair)
+                if pair[0] in ws:
                     out_idx.append(i)
-                    out_name.append(name)
-                    out_w.append(start)
-        persons[i], windows_[i], emitted[i] = ps or None, ws or None, done or None
-    store_all = (
-        (state.persons, persons),
-        (state.windows, windows_),
-        (state.emitted, emitted),
-    )
-    for handle, values in store_all:
-        present = np.fromiter((v is not None for v in values), bool, len(values))
-        if present.any():
-            handle.put(keys.take(np.flatnonzero(present)), [v for v in values if v is not None])
-        if not present.all():
-            handle.delete(keys.take(np.flatnonzero(~present)))
+                    out_name.append(pair[1])
+                    out_w.append(pair[0])
+        else:
+            for r in range(lo, hi):
+                start = w[r]
+                if start in ws:
+                    continue
+                ws.add(start)
+                for pw, pn in ps:
+                    if pw == start:
+                        out_idx.append(i)
+                        out_name.append(pn)
+                        out_w.append(start)
+        values[i] = (ps, ws) if ps or ws else None
+    present = np.fromiter((v is not None for v in values), bool, len(values))
+    if present.any():
+        state.put(keys.take(np.flatnonzero(present)), [v for v in values if v is not None])
+    if not present.all():
+        state.delete(keys.take(np.flatnonzero(~present)))
     if not out_idx:
         return None
     idx = np.array(out_idx, np.int64)
