@@ -43,28 +43,39 @@ def _batches(seed: int) -> list[tuple[int, int, pa.RecordBatch]]:
     return out
 
 
-def _expected(batches: list[tuple[int, int, pa.RecordBatch]], ttl: int | None) -> list[Any]:
-    """Replay: per (side, key) the buffered ids and the time of the side's last record."""
+def _expected(
+    batches: list[tuple[int, int, pa.RecordBatch]], ttl: int | None, keep: str = "all"
+) -> list[Any]:
+    """Replay: per (side, key) the buffered ids and the time of the side's last record
+    (``keep="latest"``: a batch's last record of a key replaces the side's row)."""
     buf: dict[tuple[int, int], list[int]] = defaultdict(list)
     last: dict[tuple[int, int], int] = {}
     pairs = []
     for now, side, batch in batches:
-        for k, rid in zip(batch["k"].to_pylist(), batch["id"].to_pylist(), strict=True):
+        rows = list(zip(batch["k"].to_pylist(), batch["id"].to_pylist(), strict=True))
+        if keep == "latest":
+            rows = list(dict(rows).items())  # the last id of each key
+        for k, rid in rows:
             for s in (side, 1 - side):  # expired rows are gone before this record counts
                 if ttl is not None and (s, k) in last and last[s, k] + ttl <= now:
                     buf.pop((s, k), None)
                     del last[s, k]
             for other in buf.get((1 - side, k), []):
                 pairs.append((rid, other) if side == 0 else (other, rid))
-            buf[side, k].append(rid)
+            if keep == "latest":
+                buf[side, k] = [rid]
+            else:
+                buf[side, k].append(rid)
             last[side, k] = now
     return sorted(pairs)
 
 
-@pytest.mark.parametrize("ttl", [None, TTL])
-def test_join_state_ttl_vs_replay(tmp_path: Path, monkeypatch: Any, ttl: int | None) -> None:
+@pytest.mark.parametrize(("keep", "ttl"), [("all", None), ("all", TTL), ("latest", TTL)])
+def test_join_state_ttl_vs_replay(
+    tmp_path: Path, monkeypatch: Any, keep: str, ttl: int | None
+) -> None:
     batches = _batches(seed=3)
-    proc = _processor(tmp_path, joins.join(state_ttl_ms=ttl))
+    proc = _processor(tmp_path, joins.join(keep=keep, state_ttl_ms=ttl))
     got = []
     for now, side, batch in batches:
         monkeypatch.setattr(joins, "_now_ms", lambda now=now: now)
@@ -72,10 +83,10 @@ def test_join_state_ttl_vs_replay(tmp_path: Path, monkeypatch: Any, ttl: int | N
         outs += proc.fire_processing(now)
         for o in outs:
             got += zip(o["id_left"].to_pylist(), o["id_right"].to_pylist(), strict=True)
-    want = _expected(batches, ttl)
+    want = _expected(batches, ttl, keep)
     assert want and sorted(got) == want
     if ttl is not None:
-        assert len(want) < len(_expected(batches, None))  # the TTL dropped some matches
+        assert len(want) < len(_expected(batches, None, keep))  # the TTL dropped some matches
         end = batches[-1][0] + ttl
         monkeypatch.setattr(joins, "_now_ms", lambda: end)
         proc.fire_processing(end)
