@@ -83,9 +83,17 @@ class Groups:
         if n == 0:
             e = np.empty(0, np.int64)
             return Groups(e, e, e)
-        order = np.lexsort((b, a))
-        sa, sb = a[order], b[order]
-        new = np.r_[True, (sa[1:] != sa[:-1]) | (sb[1:] != sb[:-1])]
+        a0, b0 = int(a.min()), int(b.min())
+        span_a, span_b = int(a.max()) - a0 + 1, int(b.max()) - b0 + 1
+        if span_a * span_b < 1 << 62:  # one int64 code per pair: one sort instead of two
+            code = (a.astype(np.int64) - a0) * span_b + (b.astype(np.int64) - b0)
+            order = np.argsort(code, kind="stable")
+            sc = code[order]
+            new = np.r_[True, sc[1:] != sc[:-1]]
+        else:
+            order = np.lexsort((b, a))
+            sa, sb = a[order], b[order]
+            new = np.r_[True, (sa[1:] != sa[:-1]) | (sb[1:] != sb[:-1])]
         gid = np.cumsum(new) - 1
         ids = np.empty(n, np.int64)
         ids[order] = gid

@@ -13,6 +13,7 @@ to the side outputs ``"late_left"`` / ``"late_right"``, never silently dropped.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -290,17 +291,24 @@ def join(
     keep: str = "all",
     suffixes: tuple[str, str] = ("_left", "_right"),
     name: str | None = None,
+    state_ttl_ms: int | None = None,
 ) -> rs.Operator:
     """A regular inner join on the key, without time bounds; the output updates as records come.
 
     ``keep="all"``: every record of both sides is kept; a new record emits one row per
     matching record of the other side seen so far (each pair exactly once). State grows with
-    the input: use it for bounded streams or few records per key.
+    the input: use it for bounded streams or few records per key, or set ``state_ttl_ms``.
 
     ``keep="latest"``: each side is a table with one row per key, the latest record (a
     changelog). A new record replaces its side's row and, if the other side has a row for the
     key, emits the joined row. Read the output as upserts by key: the last row per key is the
     current join result.
+
+    ``state_ttl_ms`` (as Flink's ``table.exec.state.ttl``): a side's rows of a key expire once
+    that side got no record of the key for this long in processing (wall-clock) time; expired
+    rows never match again and are deleted by a processing-time timer. The result is then no
+    longer the full join: a record matches only the other side's records of the last
+    ``state_ttl_ms`` of activity of its key. None (the default): state is kept forever.
 
     Example::
 
@@ -312,25 +320,80 @@ def join(
         raise DataflowDefinitionError(msg)
     sfx = _suffixes(suffixes, where)
     step = check_name(name, where) or "join"
+    ttl = None
+    if state_ttl_ms is not None:
+        ttl = check_positive_ms(state_ttl_ms, "state_ttl_ms (the state retention)", where)
+    state_spec = _STATE if ttl is None else {**_STATE, "touched": rs.ValueState(object)}
 
-    @rs.keyed_batches(name=step, state=_STATE)
+    def expire(timers: Any, state: Any) -> None:
+        """Processing-time timers: drop the sides of the fired keys idle for ``ttl``."""
+        assert ttl is not None
+        now = _now_ms()
+        touched = state.touched.get(timers.keyset)
+        left, right = _last_write(touched)
+        for last, handle in ((left, state.left), (right, state.right)):
+            gone = (last >= 0) & (last + ttl <= now)
+            if gone.any():
+                handle.delete(timers.keyset.take(np.flatnonzero(gone)))
+                last[gone] = -1
+        store(state.touched, timers.keyset, _touched_values(left, right))
+
+    @rs.keyed_batches(name=step, state=state_spec, on_timer=expire if ttl is not None else None)
     def regular(batch: rs.KeyedBatch, state: Any) -> Any:
         side = batch.input
         mine_state, other_state = _sides(batch, state)
         n = len(batch.keys)
         records, key_index = batch.records, batch.key_index()
-        other = Buffers(other_state.get(batch.keys))
+        other_values = other_state.get(batch.keys)
+        mine_values: list[Any] | None = None
+        if ttl is not None:  # expired rows are never read, even before their timer fired
+            now = _now_ms()
+            last = _last_write(state.touched.get(batch.keys))
+            mine_last, other_last = (last[0], last[1]) if side == 0 else (last[1], last[0])
+            other_gone = (other_last >= 0) & (other_last + ttl <= now)
+            other_values = [None if g else v for v, g in zip(other_values, other_gone, strict=True)]
+            if keep == "all":
+                mine_gone = (mine_last >= 0) & (mine_last + ttl <= now)
+                mine_values = [
+                    None if g else v
+                    for v, g in zip(mine_state.get(batch.keys), mine_gone, strict=True)
+                ]
+            if other_gone.any():  # its timer has not fired yet: delete now
+                other_state.delete(batch.keys.take(np.flatnonzero(other_gone)))
+            mine_last[:] = now
+            other_last[other_gone] = -1
+            store(state.touched, batch.keys, _touched_values(*last))
+            batch.timers.register_processing(np.full(n, now + ttl, np.int64))
+        other = Buffers(other_values)
         if keep == "latest":  # the last record of every key in this batch
-            last = batch.offsets[1:] - 1
-            records, key_index = records.take(pa.array(last)), np.arange(n, dtype=np.int64)
+            last_row = batch.offsets[1:] - 1
+            records, key_index = records.take(pa.array(last_row)), np.arange(n, dtype=np.int64)
             store(mine_state, batch.keys, Buffers([None] * n).values(
                 n, records, key_index, batch.key_column
             ))  # fmt: skip
         else:
-            mine = Buffers(mine_state.get(batch.keys))
+            mine = Buffers(mine_values if mine_values is not None else mine_state.get(batch.keys))
             store(mine_state, batch.keys, mine.values(n, records, key_index, batch.key_column))
         zeros = np.zeros(len(key_index), np.int64)
         im, io = equal_pairs(key_index, zeros, other.key, np.zeros(len(other), np.int64))
         return _pairs_output(side, records, batch.key_column, im, other, io, sfx)
 
     return regular
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _last_write(touched: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Per key the wall-clock ms of the last record of the left and of the right side (-1:
+    none kept)."""
+    pairs = np.array([t if t is not None else (-1, -1) for t in touched], np.int64).reshape(-1, 2)
+    return pairs[:, 0].copy(), pairs[:, 1].copy()
+
+
+def _touched_values(left: np.ndarray, right: np.ndarray) -> list[Any]:
+    return [
+        None if a < 0 and b < 0 else (a, b)
+        for a, b in zip(left.tolist(), right.tolist(), strict=True)
+    ]

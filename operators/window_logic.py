@@ -338,27 +338,33 @@ class FixedWindows(_Windows):
         first = groups.first()
         parts = self.agg.partial(Rows(rows.batch, rec), groups)
         new = WindowTable(keys[first], start[first], end[first], np.zeros(groups.n, bool), parts)
-        changed = self._merge(stored, new)
+        changed, opened = self._merge(stored, new)
         changed = _fire_changed(changed, wm)
-        tk, tt = _timers(changed, self.lateness)
+        # a stored window's timers were registered when it opened (they move with its key)
+        tk, tt = _timers(changed if opened is None else changed.take(opened), self.lateness)
         table = WindowTable.concat([self._untouched(stored, changed), changed])
         emit = WindowTable.concat([emitted, changed.take(np.flatnonzero(changed.fired))])
         return BatchResult(table.to_state(len(state)), emit, lrec, lstart, lend, tk, tt)
 
-    def _merge(self, stored: WindowTable, new: WindowTable) -> WindowTable:
-        """The windows of ``new`` combined with the same (key, start) of ``stored``."""
+    def _merge(
+        self, stored: WindowTable, new: WindowTable
+    ) -> tuple[WindowTable, np.ndarray | None]:
+        """The windows of ``new`` combined with the same (key, start) of ``stored``, and the
+        positions among them of the windows not in ``stored`` (None: all are new)."""
         if not len(stored) or not len(new):
-            return new
+            return new, None
         both = WindowTable.concat([stored, new])
         groups = Groups.by_pairs(both.key, both.start)
         first = groups.first()
         merged = self.agg.merge(both.parts, groups)
-        has_new = groups.reduce((np.arange(len(both)) >= len(stored)).astype(np.int8), np.maximum)
+        is_new = (np.arange(len(both)) >= len(stored)).astype(np.int8)
+        has_new = groups.reduce(is_new, np.maximum)
+        has_old = groups.reduce(1 - is_new, np.maximum)
         touched = np.flatnonzero(has_new > 0)
         out = WindowTable(
             both.key[first], both.start[first], both.end[first], np.zeros(groups.n, bool), merged
         )
-        return out.take(touched)
+        return out.take(touched), np.flatnonzero(has_old[touched] == 0)
 
     @staticmethod
     def _untouched(stored: WindowTable, changed: WindowTable) -> WindowTable:

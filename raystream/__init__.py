@@ -87,6 +87,7 @@ from raystream.runtime.processors import KeyedBatch  # noqa: E402
 from raystream.runtime.timers import FiredTimers  # noqa: E402
 from raystream.state.handles import KeySet  # noqa: E402
 from raystream.state.spec import ListState, MapState, ValueState  # noqa: E402
+from raystream.upsert import read_upsert  # noqa: E402
 
 __all__ += [
     "ConnectedStreams",
@@ -111,6 +112,7 @@ __all__ += [
     "keyed_batches",
     "map",
     "map_batches",
+    "read_upsert",
     "run",
     "sinks",
     "sources",

@@ -5,7 +5,8 @@ instance, feeds the writer record batches, and at the end calls ``close()``, who
 picklable result goes back to the driver (``abort()`` instead when the job fails).
 
 Built-in sinks: :func:`collect` (batches back to the driver as one table), :func:`parquet`
-(Parquet part files per instance, published atomically) and :func:`null` (counts rows).
+(Parquet part files per instance, published atomically; ``mode="upsert"`` for updating
+results, read back with :func:`raystream.read_upsert`) and :func:`null` (counts rows).
 
 With checkpoints, writers commit in two phases (:class:`CommittingSinkWriter`): ``pre_commit`` at
 a checkpoint barrier returns a small state the checkpoint keeps, ``commit`` once that checkpoint is
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raystream.errors import CheckpointError, ConfigError, SchemaError
+from raystream.upsert import UpsertWriter, check_upsert_spec
 
 __all__ = [
     "CollectSink",
@@ -290,15 +293,36 @@ class ParquetSink:
     With checkpoints, ``pre_commit(c)`` turns the open part into a hidden
     ``.part-{i:05d}-{c:08d}.parquet.pending`` and ``commit(c)`` renames it to
     ``part-{i:05d}-{c:08d}.parquet``; rows after the last checkpoint end in
-    ``part-{i:05d}.parquet`` at ``close()``. Build it with :func:`parquet`."""
+    ``part-{i:05d}.parquet`` at ``close()``. Build it with :func:`parquet`.
+
+    ``mode="upsert"`` writes changes to a table keyed by ``key`` (see :mod:`raystream.upsert`):
+    the rows plus ``_change`` and ``_seq``, in the same part files."""
 
     path: str
+    mode: str = "append"
+    key: tuple[str, ...] = ()
+    order_by: str | None = None
+    kind_column: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
             msg = f"parquet sink path must be a directory path (str), got {self.path!r}"
             raise ConfigError(msg)
         object.__setattr__(self, "path", os.fspath(self.path))
+        where = f"parquet({self.path!r}, mode={self.mode!r})"
+        if self.mode == "upsert":
+            key = check_upsert_spec(self.key, self.order_by, self.kind_column, where)
+            object.__setattr__(self, "key", key)
+        elif self.mode == "append":
+            if self.key or self.order_by is not None or self.kind_column is not None:
+                msg = (
+                    f"{where}: key, order_by and kind_column are for mode='upsert'; an append "
+                    "sink writes every row as it comes"
+                )
+                raise ConfigError(msg)
+        else:
+            msg = f"parquet sink mode must be 'append' or 'upsert', got {self.mode!r}"
+            raise ConfigError(msg)
 
     def open(self, index: int, parallelism: int) -> SinkWriter:
         _check_partition(index, parallelism)
@@ -309,10 +333,28 @@ class ParquetSink:
             )
             raise ConfigError(msg)
         os.makedirs(self.path, exist_ok=True)
-        return _ParquetWriter(self.path, index)
+        writer = _ParquetWriter(self.path, index)
+        if self.mode == "append":
+            return writer
+        if self.order_by is None and parallelism > 1:
+            msg = (
+                f"{self.describe()} at sink parallelism {parallelism}: without order_by the "
+                "sink numbers the changes as they arrive, which orders the changes of a key only "
+                "at sink parallelism 1. Give the sink parallelism=1, or order_by a column that "
+                "grows with every change of a key (a version kept in keyed state)."
+            )
+            raise ConfigError(msg)
+        return UpsertWriter(writer, self.key, self.order_by, self.kind_column, self.describe())
 
     def describe(self) -> str:
-        return f"parquet({self.path!r})"
+        if self.mode == "append":
+            return f"parquet({self.path!r})"
+        extra = "".join(
+            f", {n}={v!r}"
+            for n, v in (("order_by", self.order_by), ("kind_column", self.kind_column))
+            if v is not None
+        )
+        return f"parquet({self.path!r}, mode='upsert', key={list(self.key)!r}{extra})"
 
 
 # part-<index>.parquet (final), part-<index>-<checkpoint>.parquet (committed), with a leading "."
@@ -488,10 +530,24 @@ class _ParquetWriter:
             os.remove(self._tmp)
 
 
-def parquet(path: str | os.PathLike[str]) -> ParquetSink:
+def parquet(
+    path: str | os.PathLike[str],
+    *,
+    mode: str = "append",
+    key: Sequence[str] = (),
+    order_by: str | None = None,
+    kind_column: str | None = None,
+) -> ParquetSink:
     """Write Parquet: ``path`` is a directory; instance ``i`` writes ``part-{i:05d}.parquet``
     (and, with checkpoints, ``part-{i:05d}-{checkpoint:08d}.parquet`` parts, see
     :class:`ParquetSink`). Read the output as ``path/*.parquet``.
+
+    ``mode="upsert"`` for an updating result: every row is a change to the table keyed by
+    ``key`` (column names), written with ``_change`` (``"upsert"``/``"delete"``) and ``_seq``
+    (the order of a key's changes: the ``order_by`` column, or the arrival order at a sink of
+    parallelism 1). ``kind_column`` names a column of Flink-style kinds (``+I``, ``-U``, ``+U``,
+    ``-D``); without it every row is an upsert. Read the final table with
+    :func:`raystream.read_upsert` or the DuckDB query in :mod:`raystream.upsert`.
 
     The schema is the first batch's; later batches may reorder columns or use another type of
     the same family (int32 for int64, large_string for string, ...), which is cast safely;
@@ -506,7 +562,13 @@ def parquet(path: str | os.PathLike[str]) -> ParquetSink:
         >>> w.close().rows
         2
     """
-    return ParquetSink(path=os.fspath(path))
+    return ParquetSink(
+        path=os.fspath(path),
+        mode=mode,
+        key=tuple(key) if not isinstance(key, str) else key,  # type: ignore[arg-type]
+        order_by=order_by,
+        kind_column=kind_column,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -552,11 +552,13 @@ class ParquetSource:
     The files (sorted by name; names starting with ``.`` or ``_`` are skipped) and their row
     groups are listed when the spec is built; instance ``i`` of ``P`` reads the (file, row group)
     units ``i, i + P, ...`` in that order. Within one unit rows keep their file order.
+    ``columns``: read only these columns, in this order (None: all).
     """
 
     path: str
     batch_rows: int = 65536
     rate_eps: float = 0.0
+    columns: tuple[str, ...] | None = None
     files: tuple[str, ...] = field(init=False, repr=False)
     units: tuple[tuple[int, int], ...] = field(init=False, repr=False)
     _schema: pa.Schema = field(init=False, repr=False, compare=False)
@@ -584,6 +586,17 @@ class ParquetSource:
                     "source to have the same columns and types. Rewrite or move the odd file."
                 )
                 raise SchemaError(msg)
+        if self.columns is not None and schema is not None:
+            cols = tuple(self.columns)
+            missing = [c for c in cols if c not in schema.names]
+            if isinstance(self.columns, str) or not cols or missing or len(set(cols)) < len(cols):
+                msg = (
+                    f"parquet source {self.path!r}: columns must be distinct column names of the "
+                    f"files ({schema.names}), got {self.columns!r}"
+                )
+                raise SchemaError(msg)
+            object.__setattr__(self, "columns", cols)
+            schema = pa.schema([schema.field(c) for c in cols], metadata=schema.metadata)
         object.__setattr__(self, "files", files)
         object.__setattr__(self, "units", tuple(units))
         object.__setattr__(self, "_schema", schema)
@@ -612,16 +625,23 @@ class ParquetSource:
                     pf = _open_parquet(self.files[file_index])
                     current = file_index
                 assert pf is not None
-                yield from pf.iter_batches(batch_size=self.batch_rows, row_groups=[row_group])
+                cols = list(self.columns) if self.columns is not None else None
+                yield from pf.iter_batches(
+                    batch_size=self.batch_rows, row_groups=[row_group], columns=cols
+                )
         finally:
             if pf is not None:
                 pf.close()
 
 
 def parquet(
-    path: str | os.PathLike[str], batch_rows: int = 65536, rate_eps: float = 0
+    path: str | os.PathLike[str],
+    batch_rows: int = 65536,
+    rate_eps: float = 0,
+    columns: Sequence[str] | None = None,
 ) -> ParquetSource:
-    """Read a Parquet file, or every ``*.parquet`` file of a directory (sorted by name).
+    """Read a Parquet file, or every ``*.parquet`` file of a directory (sorted by name);
+    ``columns``: only these (projection: the other columns are not read at all).
 
     Raises :class:`SourceError` at once for a missing path or an unreadable file, and
     :class:`SchemaError` when the files of a directory disagree on their schema.
@@ -635,7 +655,12 @@ def parquet(
         >>> src.schema().names, src.open(0, 1).read(10).num_rows
         (['key'], 3)
     """
-    return ParquetSource(path=os.fspath(path), batch_rows=batch_rows, rate_eps=rate_eps)
+    return ParquetSource(
+        path=os.fspath(path),
+        batch_rows=batch_rows,
+        rate_eps=rate_eps,
+        columns=None if columns is None else tuple(columns),
+    )
 
 
 # --------------------------------------------------------------------------------------------

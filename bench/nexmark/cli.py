@@ -13,14 +13,22 @@ advances by ``1/EPS`` s per event). Each table the query reads is one source rep
 in order (= ``dateTime`` order); ``--replay-rate`` throttles the replay in wall-clock time (each
 table at its share of the rate), else it runs as fast as the job takes it.
 
-``--output DIR`` writes the final result under ``DIR/<query>/`` as Parquet: append-only queries
-stream their rows into part files (one per sink instance); updating queries write the last
-value of every key once the job has finished. ``--check`` compares the final result with the
+``--output DIR`` writes the result under ``DIR/<query>/`` as Parquet: append-only queries
+stream their rows into part files (one per sink instance); updating queries (q4, q5, q9) stream
+their changes through ``rs.sinks.parquet(..., mode="upsert", key=<the result's key>,
+order_by="_version")``, and ``rs.read_upsert(DIR/<query>)`` (or the DuckDB query of
+:mod:`raystream.upsert`) gives the final result. ``--check`` compares the final result with the
 DuckDB oracle (the whole result is then collected in memory).
+
+The report: events/s, sink latency (``now - ingest_ts`` of the oldest input row behind an
+output) and, for windowed queries, ``watermark_lag_ms`` (:mod:`bench.nexmark.lag`): per window
+result, its arrival at the sink minus the wall-clock time at which the window closed at the
+sources.
 """
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 import tempfile
@@ -36,7 +44,16 @@ import pyarrow.parquet as pq
 
 import raystream as rs
 from bench.nexmark import generator, oracle
-from bench.nexmark.queries import QUERIES, SINK, build_flow, final_result
+from bench.nexmark.lag import LAG_SINK, WindowEndSink, watermark_lag
+from bench.nexmark.queries import (
+    KIND,
+    QUERIES,
+    SINK,
+    VERSION,
+    build_flow,
+    final_result,
+    result_rows,
+)
 
 __all__ = ["main", "run_query"]
 
@@ -82,24 +99,87 @@ class _ResultRows:
         self._inner.abort()
 
 
+@dataclass(frozen=True)
+class UpsertResultSink:
+    """The changes of an updating query as the result's columns (its ``finish`` applied) plus
+    ``_version`` (and ``_kind``), into ``rs.sinks.parquet(path, mode="upsert", key=<the
+    result's key>, order_by="_version")``. ``close()`` returns the inner writer's result."""
+
+    path: str
+    query: str
+
+    def _inner(self) -> Any:
+        spec = QUERIES[self.query]
+        return rs.sinks.parquet(
+            self.path,
+            mode="upsert",
+            key=spec.key,
+            order_by=VERSION,
+            kind_column=KIND if spec.deletes else None,
+        )
+
+    def open(self, index: int, parallelism: int) -> Any:
+        return _ChangeRows(self._inner().open(index, parallelism), self.query)
+
+    def describe(self) -> str:
+        return f"nexmark_changes({self._inner().describe()}, {self.query})"
+
+
+class _ChangeRows:
+    def __init__(self, inner: Any, query: str) -> None:
+        self._inner = inner
+        self._query = query
+        schema = oracle.SCHEMA[query]
+        extra = [pa.field(VERSION, pa.int64())]
+        if QUERIES[query].deletes:
+            extra.append(pa.field(KIND, pa.string()))
+        self._schema = pa.schema([*schema, *extra])
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        table = result_rows(self._query, pa.Table.from_batches([batch]))
+        table = table.select(self._schema.names).cast(self._schema)
+        for part in table.to_batches():
+            self._inner.write(part)
+
+    def close(self) -> Any:
+        return self._inner.close()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+
 def _pickle_by_value() -> None:
     """Ray workers need not import ``bench`` (it is not installed): ship it by value."""
     from ray import cloudpickle
 
-    for name in ("bench.nexmark.queries", "bench.nexmark.cli", "bench.nexmark.oracle"):
+    for name in (
+        "bench.nexmark.queries",
+        "bench.nexmark.cli",
+        "bench.nexmark.oracle",
+        "bench.nexmark.lag",
+    ):
         module = sys.modules.get(name)
         if module is not None:
             cloudpickle.register_pickle_by_value(module)
 
 
 def table_sources(
-    directory: Path, tables: tuple[str, ...], *, batch_rows: int, replay_rate_eps: float = 0.0
+    directory: Path,
+    tables: tuple[str, ...],
+    *,
+    batch_rows: int,
+    replay_rate_eps: float = 0.0,
+    columns: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, Any]:
-    """One Parquet source per table; with a replay rate, each at its share (1:3:46 of 50)."""
+    """One Parquet source per table; with a replay rate, each at its share (1:3:46 of 50);
+    ``columns``: per table the columns to read (the others are not read)."""
     share = {"person": 1 / 50, "auction": 3 / 50, "bid": 46 / 50}
     return {
         t: rs.sources.parquet(
-            directory / f"{t}.parquet", batch_rows=batch_rows, rate_eps=replay_rate_eps * share[t]
+            directory / f"{t}.parquet",
+            batch_rows=batch_rows,
+            rate_eps=replay_rate_eps * share[t],
+            columns=(columns or {}).get(t),
         )
         for t in tables
     }
@@ -116,12 +196,19 @@ def run_query(
     timeout_s: float = 600.0,
     max_out_of_orderness_ms: int = 0,
     errors: list[str] | None = None,
+    extra_sinks: dict[str, Any] | None = None,
     **config: Any,
 ) -> rs.JobResult:
     """Build, start, rescale the query's step at the given times (P@T), wait; a job still
     running at the timeout is stopped and raises."""
     sink = sink if sink is not None else rs.sinks.collect()
-    flow, spec = build_flow(query, sources, sink, max_out_of_orderness_ms=max_out_of_orderness_ms)
+    flow, spec = build_flow(
+        query,
+        sources,
+        sink,
+        max_out_of_orderness_ms=max_out_of_orderness_ms,
+        extra_sinks=extra_sinks,
+    )
     job = rs.start(flow, parallelism={spec.step: parallelism}, migration=strategy, **config)
     errors = errors if errors is not None else []
 
@@ -161,6 +248,20 @@ def build_report(
     base = keycount_report(result, step=spec.step, config=config)
     events = sum(int(m.get("records_out", 0)) for t in sources for m in result.step_metrics(t))
     elapsed = float(result.elapsed_s)
+    # the query's own sink only (a second sink on the result stream would count rows twice)
+    snaps = [m["latency"] for m in result.step_metrics(SINK) if m.get("latency")]
+    if snaps:
+        from raystream.metrics import LatencyRecorder
+
+        summary = LatencyRecorder.merge_snapshots(snaps).summary()
+        base["latency_ms"] = {
+            k: None if summary[f"{k}_ms"] is None else round(float(summary[f"{k}_ms"]), 3)
+            for k in ("p50", "p99", "max")
+        }
+        base["latency_records"] = summary["count"]
+    lag = watermark_lag(result, sources) if spec.windowed else None
+    if lag is not None:
+        base["watermark_lag_ms"] = lag
     base.update(
         {
             "benchmark": f"nexmark-{query}",
@@ -295,15 +396,25 @@ def main(
             gen_s = None
             data = input_dir
         sources = table_sources(
-            data, spec.tables, batch_rows=batch_rows, replay_rate_eps=replay_rate
+            data,
+            spec.tables,
+            batch_rows=batch_rows,
+            replay_rate_eps=replay_rate,
+            columns=dict(spec.columns),
         )
-        collect = spec.updating or check
-        if collect:
+        written: Any = None
+        if output is not None:
+            make = UpsertResultSink if spec.updating else PartFileSink
+            written = make(str(output / query), query)
+        extra: dict[str, Any] = {}
+        if check:
             sink: Any = rs.sinks.collect()
-        elif output is not None:
-            sink = PartFileSink(str(output / query), query)
+            if written is not None:
+                extra["output"] = written
         else:
-            sink = rs.sinks.null()
+            sink = written if written is not None else rs.sinks.null()
+        if spec.windowed:
+            extra[LAG_SINK] = WindowEndSink(query)
         started_ray = _connect_ray()
         _pickle_by_value()
         errors: list[str] = []
@@ -317,6 +428,7 @@ def main(
                 strategy=strategy,
                 timeout_s=timeout_s,
                 errors=errors,
+                extra_sinks=extra,
                 batch_rows=batch_rows,
                 source_batch_rows=batch_rows,
                 linger_ms=linger_ms,
@@ -338,26 +450,30 @@ def main(
             "linger_ms": linger_ms,
         }
         data_report = build_report(result, query, spec.tables, config)
+        data_report["command"] = " ".join(
+            ["python -m bench.nexmark", *(shlex.quote(a) for a in sys.argv[1:])]
+        )
         data_report["rescale_errors"] = errors
         if gen_s is not None:
             data_report["generator_events_per_s"] = round(events / gen_s, 1)
-        if collect:
+        if check:
             final = final_result(query, result.table(SINK))
             data_report["result_rows"] = final.num_rows
-            if check:
-                want = oracle.run(query, data)
-                ok = final.equals(want)
-                data_report["oracle_equal"] = ok
-                if not ok:
-                    click.echo(
-                        f"Error: {query} result ({final.num_rows} rows) differs from the DuckDB "
-                        f"oracle ({want.num_rows} rows)",
-                        err=True,
-                    )
-            if output is not None:
-                out = output / query
-                out.mkdir(parents=True, exist_ok=True)
-                pq.write_table(final, out / "part-00000.parquet")
+            want = oracle.run(query, data)
+            ok = final.equals(want)
+            data_report["oracle_equal"] = ok
+            if not ok:
+                click.echo(
+                    f"Error: {query} result ({final.num_rows} rows) differs from the DuckDB "
+                    f"oracle ({want.num_rows} rows)",
+                    err=True,
+                )
+        elif output is not None:
+            out = output / query
+            if spec.updating:
+                data_report["result_rows"] = rs.read_upsert(out).num_rows
+            elif out.is_dir():
+                data_report["result_rows"] = pq.read_table(out).num_rows
         if report is not None:
             from bench._report import write_json
 
@@ -382,6 +498,12 @@ def _print(r: dict[str, Any]) -> None:
         f"{r['throughput_eps']:,.0f} events/s (parallelism {r['parallelism']})",
         f"latency p50 {lat['p50']} ms, p99 {lat['p99']} ms, max {lat['max']} ms",
     ]
+    wl = r.get("watermark_lag_ms")
+    if wl and wl.get("p99") is not None:
+        lines.append(
+            f"watermark lag (window closed -> result at the sink) p50 {wl['p50']} ms, "
+            f"p99 {wl['p99']} ms, max {wl['max']} ms over {wl['rows']:,} rows"
+        )
     if "result_rows" in r:
         lines.append(f"result rows: {r['result_rows']:,}")
     if "oracle_equal" in r:

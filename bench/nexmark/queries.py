@@ -4,10 +4,12 @@ Input: one source per table (``person``, ``auction``, ``bid``), each replaying i
 in ``dateTime`` order. Output: a stream whose rows, gathered by the sink and passed through
 :func:`final_result`, equal the DuckDB oracle's answer (:mod:`bench.nexmark.oracle`).
 
-Append-only queries emit their result rows once. Updating queries emit a new row for a key each
+Append-only queries emit their result rows once. Updating queries emit a change for a key each
 time its value changes, with a per-key ``_version`` kept in keyed state (it moves with the
 key's state on a rescale), so the final value of a key is its row with the highest version,
-whatever order the sink saw them in.
+whatever order the sink saw them in; q5 also deletes rows (``_kind`` ``-D``: an auction that is
+no longer among a window's hottest). That is the changelog ``rs.sinks.parquet(dir,
+mode="upsert", key=..., order_by="_version")`` writes and ``rs.read_upsert`` reads back.
 
 Example::
 
@@ -32,11 +34,13 @@ from raystream.operators import windows
 
 import raystream as rs
 from bench.nexmark import oracle
+from raystream.upsert import final_table, to_changes
 
-__all__ = ["QUERIES", "SINK", "Query", "build_flow", "final_result"]
+__all__ = ["QUERIES", "SINK", "Query", "build_flow", "final_result", "result_rows"]
 
 SINK = "result"
 VERSION = "_version"
+KIND = "_kind"  # Flink's RowKind of a change: "+I" (insert or update) or "-D" (delete)
 META = ("event_time", "ingest_ts")
 
 
@@ -128,7 +132,11 @@ def _columnwise(
 
     def apply(table: pa.Table) -> pa.Table:
         cols = {n: table.column(n) for n in table.schema.names}
-        return pa.table(finish(cols))
+        out = finish(cols)
+        for passed in (VERSION, KIND, *META):  # the changelog's and the runtime's columns
+            if passed in cols:
+                out[passed] = cols[passed]
+        return pa.table(out)
 
     return apply
 
@@ -425,26 +433,33 @@ def _q4(inputs: dict[str, rs.Stream]) -> rs.Stream:
 )
 def hot_items(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
     """Keyed by hop window start: the highest bid count among the window's auctions and every
-    auction that has it (ties kept, in arrival order). A new row, with the key's ``_version``,
-    whenever that changes. A window's counts come once each (the window step emits an auction's
-    count when the window closes), so this is the join of AuctionBids with MaxBids of the query,
-    updated as counts come, without depending on when they come."""
+    auction that has it (ties kept). A window's counts come once each (the window step emits an
+    auction's count when the window closes), so this is the join of AuctionBids with MaxBids of
+    the query, updated as counts come, without depending on when they come.
+
+    Output: changes to the table keyed by (``hop_start``, ``auction``), all changes of a window
+    with the window's next ``_version``: ``+I`` for an auction that joins the top, ``-D`` for
+    those a higher count pushed out."""
     top = state.top.get(batch.keys)
     num = batch.records.column("num").to_numpy()
     auction = batch.records.column("auction").to_numpy()
     offsets = batch.offsets
     changed: list[int] = []
+    rows: list[tuple[int, int, int, str]] = []  # key index, auction, num, kind
     for i in range(len(top)):
         lo, hi = int(offsets[i]), int(offsets[i + 1])
         best = int(num[lo:hi].max())
         ties = auction[lo:hi][num[lo:hi] == best].tolist()
         old = top[i]
         if old is None or best > old[0]:
+            if old is not None:
+                rows.extend((i, a, old[0], "-D") for a in old[1])
             top[i] = (best, ties)
         elif best == old[0]:
             top[i] = (best, old[1] + ties)
         else:
             continue
+        rows.extend((i, a, best, "+I") for a in ties)
         changed.append(i)
     if not changed:
         return None
@@ -453,13 +468,17 @@ def hot_items(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
     version = state.version.get(sub) + 1
     state.top.put(sub, [top[i] for i in changed])
     state.version.put(sub, version)
+    at = np.zeros(len(top), np.int64)
+    at[idx] = version
+    key_index = np.array([r[0] for r in rows], np.int64)
     out = {
-        "hop_start": batch.keys.keys.take(pa.array(idx)),
-        "num": pa.array([top[i][0] for i in changed], pa.int64()),
-        "auctions": pa.array([top[i][1] for i in changed], pa.list_(pa.int64())),
-        VERSION: pa.array(version, pa.int64()),
+        "hop_start": batch.keys.keys.take(pa.array(key_index)),
+        "auction": pa.array([r[1] for r in rows], pa.int64()),
+        "num": pa.array([r[2] for r in rows], pa.int64()),
+        KIND: pa.array([r[3] for r in rows], pa.string()),
+        VERSION: pa.array(at[key_index], pa.int64()),
     }
-    _carry_meta(batch, idx, out)
+    _carry_meta(batch, key_index, out)
     return pa.RecordBatch.from_pydict(out)
 
 
@@ -484,20 +503,15 @@ def _q5(inputs: dict[str, rs.Stream]) -> rs.Stream:
         counts.apply(rs.map_batches(by_window, name="q5_by_window"))
         .key_by("hop_start")
         .apply(hot_items, name="q5_hot")
-    )  # hop_start, num, auctions, _version
+    )  # hop_start, auction, num, _kind, _version
 
 
 def _q5_finish(cols: dict[str, Any]) -> dict[str, Any]:
-    auctions = cols["auctions"]
-    if isinstance(auctions, pa.ChunkedArray):
-        auctions = auctions.combine_chunks()
-    parent = pc.list_parent_indices(auctions)
-    start = pc.take(cols["hop_start"], parent)
     return {
-        "auction": pc.list_flatten(auctions).cast(pa.int64()),
-        "num": pc.take(cols["num"], parent),
-        "window_start": start,
-        "window_end": pc.add(start, 10_000),
+        "auction": cols["auction"],
+        "num": cols["num"],
+        "window_start": cols["hop_start"],
+        "window_end": pc.add(cols["hop_start"], 10_000),
     }
 
 
@@ -626,59 +640,63 @@ def _q7(inputs: dict[str, rs.Stream]) -> rs.Stream:
 
 
 _Q8_GRACE_MS = 60_000
-_NEW_SELLER_STATE = {
-    "persons": rs.ValueState(object),  # {window start: [names]} of the persons with this id
-    "windows": rs.ValueState(object),  # window starts in which this id sold something
-    "emitted": rs.ValueState(object),  # (window start, name) pairs already emitted
-}
 
 
-@rs.keyed_batches(name="new_sellers", state=_NEW_SELLER_STATE)
+@rs.keyed_batches(name="new_sellers", state=rs.ValueState(object))
 def new_sellers(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
     """Keyed by person id = seller: input 0 persons (name, w), input 1 auctions (w), ``w`` the
     10 s window start. Emits (id, name, w) once, as soon as a person and an auction of theirs
-    are seen in the same window. A window's entries are dropped once the watermark passed its
-    end by :data:`_Q8_GRACE_MS` (nothing of it can come any more)."""
+    are seen in the same window. State per id: ``(persons, windows)``, the (w, name) pairs of
+    its persons and the windows it sold in; a pair is emitted when it comes into a window
+    already sold in, or a window is first sold in that has it (so each pair once). A window's
+    entries are dropped once the watermark passed its end by :data:`_Q8_GRACE_MS` (nothing of
+    it can come any more)."""
     keys, offsets, rec = batch.keys, batch.offsets, batch.records
-    persons = state.persons.get(keys)
-    windows_ = state.windows.get(keys)
-    emitted = state.emitted.get(keys)
-    w = rec.column("w").to_numpy()
+    values = state.get(keys)
+    w = rec.column("w").to_numpy().tolist()
     names = rec.column("name").to_pylist() if batch.input == 0 else None
+    bounds = offsets.tolist()
     # windows starting at or before this are complete (with a grace period: records a new
     # owner buffered during a rescale can be processed after its watermark passed them)
     closed = batch.watermark - 10_000 - _Q8_GRACE_MS
     out_idx: list[int] = []
     out_name: list[str] = []
     out_w: list[int] = []
-    for i in range(len(keys)):
-        ps = {k: v for k, v in (persons[i] or {}).items() if k > closed}
-        ws = {x for x in (windows_[i] or set()) if x > closed}
-        done = {x for x in (emitted[i] or set()) if x[0] > closed}
-        for r in range(int(offsets[i]), int(offsets[i + 1])):
-            if names is not None:
-                ps.setdefault(int(w[r]), []).append(names[r])
-            else:
-                ws.add(int(w[r]))
-        for start in ws:
-            for name in ps.get(start, ()):
-                if (start, name) not in done:
-                    done.add((start, name))
+    for i, v in enumerate(values):
+        if v is None:
+            ps: set[tuple[int, str]] = set()
+            ws: set[int] = set()
+        else:
+            ps = {p for p in v[0] if p[0] > closed}
+            ws = {x for x in v[1] if x > closed}
+        lo, hi = bounds[i], bounds[i + 1]
+        if names is not None:
+            for r in range(lo, hi):
+                pair = (w[r], names[r])
+                if pair in ps:
+                    continue
+                ps.add(pair)
+                if pair[0] in ws:
                     out_idx.append(i)
-                    out_name.append(name)
-                    out_w.append(start)
-        persons[i], windows_[i], emitted[i] = ps or None, ws or None, done or None
-    store_all = (
-        (state.persons, persons),
-        (state.windows, windows_),
-        (state.emitted, emitted),
-    )
-    for handle, values in store_all:
-        present = np.fromiter((v is not None for v in values), bool, len(values))
-        if present.any():
-            handle.put(keys.take(np.flatnonzero(present)), [v for v in values if v is not None])
-        if not present.all():
-            handle.delete(keys.take(np.flatnonzero(~present)))
+                    out_name.append(pair[1])
+                    out_w.append(pair[0])
+        else:
+            for r in range(lo, hi):
+                start = w[r]
+                if start in ws:
+                    continue
+                ws.add(start)
+                for pw, pn in ps:
+                    if pw == start:
+                        out_idx.append(i)
+                        out_name.append(pn)
+                        out_w.append(start)
+        values[i] = (ps, ws) if ps or ws else None
+    present = np.fromiter((v is not None for v in values), bool, len(values))
+    if present.any():
+        state.put(keys.take(np.flatnonzero(present)), [v for v in values if v is not None])
+    if not present.all():
+        state.delete(keys.take(np.flatnonzero(~present)))
     if not out_idx:
         return None
     idx = np.array(out_idx, np.int64)
@@ -740,8 +758,11 @@ def _q11_finish(cols: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Query:
     """One query: the tables it reads, how to build it, the step that ``--parallelism`` (and a
-    rescale, when keyed) applies to, whether its result is updating (then ``key`` names a
-    result row), and ``finish``: sink rows -> the result's columns (row by row)."""
+    rescale, when keyed) applies to, whether its result is updating (then its rows are changes
+    ordered per ``key`` of the result by ``_version``, with a ``_kind`` column if ``deletes``),
+    ``columns``: the columns it reads of each table (its sources project the others away),
+    ``finish``: sink rows -> the result's columns (row by row), and for windowed queries
+    ``window_end``: result rows -> the end (ms, exclusive) of the window each belongs to."""
 
     name: str
     tables: tuple[str, ...]
@@ -751,7 +772,10 @@ class Query:
     updating: bool = False
     windowed: bool = False
     key: tuple[str, ...] = ()
+    deletes: bool = False
+    columns: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (table, columns read); () all
     finish: Callable[[pa.Table], pa.Table] | None = None
+    window_end: Callable[[pa.Table], pa.Array] | None = None
 
 
 def _stateless(
@@ -761,6 +785,13 @@ def _stateless(
         return inputs["bid"].apply(rs.map_batches(fn, name=name))
 
     return build
+
+
+def _column(name: str, plus_ms: int = 0) -> Callable[[pa.Table], Any]:
+    def end(table: pa.Table) -> Any:
+        return pc.add(table.column(name), plus_ms) if plus_ms else table.column(name)
+
+    return end
 
 
 QUERIES: dict[str, Query] = {
@@ -777,14 +808,37 @@ QUERIES: dict[str, Query] = {
         keyed=True,
         updating=True,
         windowed=True,
-        key=("hop_start",),
+        key=("window_start", "auction"),
+        deletes=True,
+        columns=(("bid", ("auction", "dateTime")),),
         finish=_columnwise(_q5_finish),
+        window_end=_column("window_end"),
     ),
-    "q7": Query("q7", ("bid",), _q7, "q7", keyed=True, windowed=True),
-    "q8": Query("q8", ("person", "auction"), _q8, "q8", keyed=True, windowed=True),
+    "q7": Query(
+        "q7", ("bid",), _q7, "q7", keyed=True, windowed=True, window_end=_column("window_end")
+    ),
+    "q8": Query(
+        "q8",
+        ("person", "auction"),
+        _q8,
+        "q8",
+        keyed=True,
+        windowed=True,
+        columns=(("person", ("id", "name", "dateTime")), ("auction", ("seller", "dateTime"))),
+        window_end=_column("stime", 10_000),
+    ),
     "q9": Query("q9", ("auction", "bid"), _q9, "q9", keyed=True, updating=True, key=("id",)),
     "q11": Query(
-        "q11", ("bid",), _q11, "q11", keyed=True, windowed=True, finish=_columnwise(_q11_finish)
+        "q11",
+        ("bid",),
+        _q11,
+        "q11",
+        keyed=True,
+        windowed=True,
+        columns=(("bid", ("bidder", "dateTime")),),
+        finish=_columnwise(_q11_finish),
+        # [starttime, endtime] closes when the watermark reaches endtime = last bid + 10 s
+        window_end=_column("endtime", 1),
     ),
 }
 
@@ -797,10 +851,12 @@ def build_flow(
     max_out_of_orderness_ms: int = 0,
     num_key_groups: int = 128,
     name: str | None = None,
+    extra_sinks: Mapping[str, Any] | None = None,
 ) -> tuple[rs.Dataflow, Query]:
     """The dataflow of ``query`` over ``sources`` (table name -> raystream source), ending in
-    ``sink`` (step name :data:`SINK`). Each source's event time is its ``dateTime`` column,
-    with watermarks ``max_out_of_orderness_ms`` behind the largest seen."""
+    ``sink`` (step name :data:`SINK`) and in each of ``extra_sinks`` (step name -> sink). Each
+    source's event time is its ``dateTime`` column, with watermarks ``max_out_of_orderness_ms``
+    behind the largest seen."""
     if query not in QUERIES:
         msg = f"query {query!r} is not built as a raystream dataflow; built: {sorted(QUERIES)}"
         raise KeyError(msg)
@@ -818,31 +874,29 @@ def build_flow(
             event_time="dateTime",
             max_out_of_orderness_ms=max_out_of_orderness_ms,
         )
-    spec.build(inputs).sink(sink, name=SINK)
+    out = spec.build(inputs)
+    out.sink(sink, name=SINK)
+    for step, extra in (extra_sinks or {}).items():
+        out.sink(extra, name=step)
     return flow, spec
 
 
+def result_rows(query: str, table: pa.Table) -> pa.Table:
+    """Sink rows as the result's columns (``finish`` applied; the changelog's ``_version`` and
+    ``_kind`` and the runtime's columns kept)."""
+    finish = QUERIES[query].finish
+    return finish(table) if finish is not None else table
+
+
 def final_result(query: str, table: pa.Table) -> pa.Table:
-    """The final result from what the sink received: for an updating query the row of the
-    highest ``_version`` per key; canonical (columns, types, order) as the oracle's."""
+    """The final result from what the sink received: for an updating query the changes reduced
+    to the final table (per key the change of the highest ``_version``, unless a delete: the
+    reduction ``rs.read_upsert`` applies to an upsert sink's output); canonical (columns, types,
+    order) as the oracle's."""
     spec = QUERIES[query]
+    table = result_rows(query, table)
     if spec.updating and table.num_rows:
-        table = latest_by_version(table, spec.key)
-    if spec.finish is not None:
-        table = spec.finish(table)
+        kind = KIND if spec.deletes else None
+        changes, _ = to_changes(table, spec.key, order_by=VERSION, kind_column=kind)
+        table = final_table(changes, spec.key)
     return oracle.canonical(query, table)
-
-
-def latest_by_version(table: pa.Table, key: tuple[str, ...]) -> pa.Table:
-    """Per ``key``, the row with the highest ``_version`` (a key's versions are unique)."""
-    if table.num_rows == 0:
-        return table
-    order = pc.sort_indices(
-        table, sort_keys=[*((k, "ascending") for k in key), (VERSION, "descending")]
-    ).to_numpy()
-    keys = [table.column(k).to_numpy().astype(np.int64)[order] for k in key]
-    new = np.zeros(len(order), bool)
-    new[0] = True
-    for k in keys:
-        new[1:] |= k[1:] != k[:-1]
-    return table.take(pa.array(order[new]))

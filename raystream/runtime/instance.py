@@ -47,6 +47,7 @@ from raystream.sources import RateSchedule
 __all__ = ["InstanceSpec", "OutputSpec", "OperatorInstance", "RuntimeConfig"]
 
 SERVE_SLICE_ROWS = 4096  # rows an old owner processes between serving fetches of moved state
+WATERMARK_TIMELINE_MAX = 50_000  # points a source keeps of its watermark timeline
 
 Sender = Callable[[ChannelId, tuple[ChannelId, int, Any]], Awaitable[Any]]
 Reporter = Callable[[str, dict[str, Any]], Any]
@@ -223,6 +224,8 @@ class OperatorInstance:
         # event time: per-input watermarks, the last one forwarded, which input a channel is
         self.watermarks = WatermarkTracker(spec.inputs)
         self._wm_sent = WATERMARK_MIN
+        # a source's watermarks as sent: (wall-clock ns, watermark ms), for watermark-lag reports
+        self.watermark_timeline: list[tuple[int, int]] = []
         self._wm_deferred: int | None = None  # held back while moved sub-groups' records wait
         self._idle_sent = False
         self._input_of = {up: spec.step.input_of(up) for up in spec.step.upstream}
@@ -454,6 +457,8 @@ class OperatorInstance:
         snap["eos"] = len(self._eos)
         snap["barriers_open"] = {e: len(v) for e, v in self._barrier_seen.items()}
         snap["watermark_ms"] = self._wm_sent if self._wm_sent > WATERMARK_MIN else None
+        if self.watermark_timeline and self.finished:  # once, in the final metrics
+            snap["watermark_timeline"] = [list(p) for p in self.watermark_timeline]
         return snap
 
     # ---- the loop -------------------------------------------------------------------------
@@ -867,6 +872,14 @@ class OperatorInstance:
         if self.watermarks.all_idle:
             await self._send_watermark(Watermark(self._wm_sent, idle=True))
 
+    def _record_watermark(self, watermark_ms: int) -> None:
+        """Keep (now, watermark) of a source; past the cap, every other point is dropped (the
+        timeline keeps its span at half the resolution)."""
+        timeline = self.watermark_timeline
+        if len(timeline) >= WATERMARK_TIMELINE_MAX:
+            del timeline[1:-1:2]
+        timeline.append((time.time_ns(), watermark_ms))
+
     async def _send_watermark(self, wm: Watermark) -> None:
         """Forward on every output, after the rows before it; never backwards."""
         if wm.idle:
@@ -876,6 +889,8 @@ class OperatorInstance:
             return
         else:
             self._wm_sent = wm.timestamp_ms
+            if self.role == "source":
+                self._record_watermark(wm.timestamp_ms)
         self._idle_sent = wm.idle
         for part, channels in self.outputs:
             # a watermark only travels where rows can: a forward output uses one channel

@@ -51,6 +51,8 @@ class Codec:
             ).tobytes()
             joined = bytearray(b"".join(r if r is not None else fill for r in raws))
             return np.frombuffer(joined, self.numpy_dtype)  # writable: callers may update in place
+        if default is None or isinstance(default, (bool, int, float, str, bytes)):
+            return [pickle.loads(r) if r is not None else default for r in raws]  # immutable
         return [pickle.loads(r) if r is not None else copy.deepcopy(default) for r in raws]
 
 
