@@ -44,7 +44,12 @@ def _r(x: float | None, digits: int = 3) -> float | None:
 
 
 def build_report(
-    result: rs.JobResult, *, step: str, config: dict[str, Any], extra: dict[str, Any] | None = None
+    result: rs.JobResult,
+    *,
+    step: str,
+    config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    steady_from_s: float = 1.0,
 ) -> dict[str, Any]:
     """The report of one run: throughput of ``step`` (the keyed count), sink latency, timeline.
 
@@ -52,8 +57,9 @@ def build_report(
     since the job started: records into ``step`` per window (all instances merged) and the
     latency of the records reaching the sinks in that window, weighted per input event
     (``LATENCY_WEIGHTING``). Each rescale gets its window's figures (``RESCALE_WINDOW``, see
-    :func:`raystream.metrics.rescale_impact`); a rescale's steady span starts after the previous
-    rescale's window.
+    :func:`raystream.metrics.rescale_impact`); the first rescale's steady span starts
+    ``steady_from_s`` after the job's start (later: a cold start is not steady), a later one's
+    after the previous rescale's window.
     """
     insts = result.step_metrics(step)
     events_in = sum(int(m.get("records_in", 0)) for m in insts)
@@ -71,7 +77,7 @@ def build_report(
     summary = lat.summary()
     throughput = counter.timeline()
     rescales = []
-    steady_from = 1.0
+    steady_from = steady_from_s
     for r in result.rescales:
         impact = rescale_impact(
             lat,

@@ -22,7 +22,9 @@ reports both throughputs (the cost of tracking sub-groups for live rescaling).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -216,24 +218,45 @@ def _one(
     expected: tuple[np.ndarray, np.ndarray],
     config: dict[str, Any],
     migration_support: bool = True,
+    value_bytes: int | None = None,
+    prefill: bool = False,
+    steady_from_s: float = 1.0,
 ) -> dict[str, Any]:
-    """One run; its report carries ``exact``: the final counts against ``expected``."""
-    flow = keycount_flow(source, "vectorised")
+    """One run; its report carries ``exact``: the final counts against ``expected``.
+    ``value_bytes``/``prefill``: large state, as ``bench.keycount`` makes it."""
+    flow = keycount_flow(source, "vectorised", value_bytes=value_bytes)
+    state: dict[str, Any] = {}
+    if prefill:
+        from bench._payload import prefill_state
+
+        state["state_dir"] = tempfile.mkdtemp(prefix="raystream-bench-compare-")
+        config = {
+            **config,
+            "prefilled": prefill_state(
+                state["state_dir"], flow, STEP, parallelism, config["keys"], "int", value_bytes
+            ),
+        }
     errors: list[str] = []
-    result = _run(
-        flow,
-        parallelism,
-        3600.0,
-        rescales if strategy else [],
-        strategy or "meces",
-        errors,
-        migration_support=migration_support,
-        linger_ms=5.0,
-        # runs without a rescale start no warm standby actors (they would compete for the 2 cores)
-        standby_instances=2 if strategy else 0,
-    )
+    try:
+        result = _run(
+            flow,
+            parallelism,
+            3600.0,
+            rescales if strategy else [],
+            strategy or "meces",
+            errors,
+            migration_support=migration_support,
+            linger_ms=5.0,
+            # runs without a rescale start no warm standby actors (they would compete for the
+            # 2 cores)
+            standby_instances=2 if strategy else 0,
+            **state,
+        )
+    finally:
+        if state:
+            shutil.rmtree(state["state_dir"], ignore_errors=True)
     config = {**config, "strategy": strategy, "migration_support": migration_support}
-    report = build_report(result, step=STEP, config=config)
+    report = build_report(result, step=STEP, config=config, steady_from_s=steady_from_s)
     report["rescale_errors"] = errors
     parts = [t for t in result.results.get(SINK, []) if t is not None]
     final = latest_counts(pa.concat_tables(parts)) if parts else None
@@ -300,6 +323,22 @@ def _plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None
     default=0,
     help="also run this many events unthrottled with migration support on and off",
 )
+@click.option(
+    "--value-bytes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Give each key's state an N-byte payload every batch rewrites (as bench.keycount).",
+)
+@click.option("--prefill", is_flag=True, help="Write every key's state before each run starts.")
+@click.option(
+    "--steady-from",
+    "steady_from_s",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    help="The steady span (before the first rescale) starts this many seconds into the run "
+    "(later for a prefilled state: it starts cold).",
+)
+@click.option("--name", default="compare", help="Results are written as NAME.{md,json,png}.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("bench/results"))
 def main(
     events: int,
@@ -312,6 +351,10 @@ def main(
     strategies: str,
     repeats: int,
     overhead_events: int,
+    value_bytes: int | None,
+    prefill: bool,
+    steady_from_s: float,
+    name: str,
     out_dir: Path,
 ) -> None:
     """Same workload, --repeats runs per strategy: a Markdown table, a PNG and the JSON reports."""
@@ -333,22 +376,26 @@ def main(
     expected = expected_of(workload)
     config = {"events": events, "keys": keys, "zipf": zipf, "seed": seed, "rate": rate}
     config["parallelism"] = parallelism
+    config.update(value_bytes=value_bytes, prefill=prefill, steady_from_s=steady_from_s)
+    large = {"value_bytes": value_bytes, "prefill": prefill, "steady_from_s": steady_from_s}
     runs: dict[str, list[dict[str, Any]]] = {}
     overhead_runs: dict[str, list[dict[str, Any]]] = {}
     started = _connect_ray()
     try:
         _pickle_by_value()
         for k in range(repeats):  # round-robin: slow drift of the machine spreads over all
-            for name in names:
-                click.echo(f"running {name} ({k + 1}/{repeats}) ...", err=True)
-                rep = _one(name, workload, parallelism, rescales, expected, config)
-                runs.setdefault(name, []).append(rep)
+            for strategy in names:
+                click.echo(f"running {strategy} ({k + 1}/{repeats}) ...", err=True)
+                rep = _one(strategy, workload, parallelism, rescales, expected, config, **large)
+                runs.setdefault(strategy, []).append(rep)
         if overhead_events:
             src = source(overhead_events, 0)
             exp = expected_of(src)
             cfg = {**config, "events": overhead_events, "rate": 0}
             for support in (True, False):
-                rep = _one(None, src, parallelism, [], exp, cfg, migration_support=support)
+                rep = _one(
+                    None, src, parallelism, [], exp, cfg, migration_support=support, **large
+                )
                 overhead_runs[f"overhead, migration support {'on' if support else 'off'}"] = [rep]
     finally:
         if started:
@@ -362,8 +409,10 @@ def main(
         click.echo("Error: final counts are not exact; not writing results", err=True)
         sys.exit(1)
     summary = summarise(runs)
+    state = f", {value_bytes:,}-byte values" if value_bytes else ""
+    state += ", prefilled" if prefill else ""
     title = (
-        f"key-count {rate:,.0f} ev/s, {keys:,} keys, Zipf {zipf}, "
+        f"key-count {rate:,.0f} ev/s, {keys:,} keys{state}, Zipf {zipf}, "
         f"{parallelism} -> {' -> '.join(str(p) for p, _ in rescales)}"
     )
     md = (
@@ -391,11 +440,11 @@ def main(
         "overhead": overhead,
         "overhead_runs": overhead_runs,
     }
-    write_atomically(out_dir / "compare.md", lambda tmp: tmp.write_text(md))
+    write_atomically(out_dir / f"{name}.md", lambda tmp: tmp.write_text(md))
     write_atomically(
-        out_dir / "compare.json", lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n")
+        out_dir / f"{name}.json", lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n")
     )
-    _plot(runs, out_dir / "compare.png", title)
+    _plot(runs, out_dir / f"{name}.png", title)
     click.echo(md)
     if any(r["rescale_errors"] for reps in runs.values() for r in reps):
         sys.exit(1)
