@@ -202,10 +202,9 @@ def status(job: str, as_json: bool) -> None:
         "latency_p50_ms": "p50 ms",
         "latency_p99_ms": "p99 ms",
         "migration": "migration",
-        "nodes": "nodes (ip/id:instances)",
     }
     for key, header in columns.items():
-        table.add_column(header, justify="left" if key in ("operator", "migration", "nodes") else "right")
+        table.add_column(header, justify="left" if key in ("operator", "migration") else "right")
     for r in rows:
         table.add_row(
             r["operator"],
@@ -218,10 +217,12 @@ def status(job: str, as_json: bool) -> None:
             "" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:g}",
             "" if r["latency_p99_ms"] is None else f"{r['latency_p99_ms']:g}",
             r["migration"],
-            r["nodes"],
         )
     console = Console(width=max(Console().width, 120))
     console.print(table)
+    for r in rows:
+        if r["nodes"]:
+            console.print(f"{r['operator']} runs on (node ip/id: instances): {r['nodes']}")
     console.print(
         f"in/s: records in per second over the last {RATE_WINDOW_S:g} s; busy %: share of time "
         "spent processing since the instances started; p50/p99: sink end-to-end latency"

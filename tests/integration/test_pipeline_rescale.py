@@ -39,7 +39,7 @@ def per_bucket(batch: rs.KeyedBatch, state) -> pa.RecordBatch:  # noqa: ANN001
 
 def test_rescale_keyed_steps_inside_a_pipeline() -> None:
     flow = rs.Dataflow("pipeline-rescale", num_key_groups=32, sub_groups=8)
-    gen = rs.sources.generator(events=1_600_000, keys=20_000, zipf=1.0, seed=2, rate_eps=80_000)
+    gen = rs.sources.generator(events=800_000, keys=20_000, zipf=1.0, seed=2, rate_eps=80_000)
     (
         flow.source(gen)
         .apply(tag)
@@ -94,7 +94,7 @@ def test_scale_in_and_out_again_with_a_multi_input_step_before_the_keyed_one() -
     map sees the rescale barrier on one input while records of the other are still coming (the
     case stop-and-restart must align); the keyed step feeds a sink of equal parallelism."""
     flow = rs.Dataflow("reuse-ids", num_key_groups=32, sub_groups=8)
-    gen = rs.sources.generator(events=1_800_000, keys=20_000, zipf=1.0, seed=5, rate_eps=90_000)
+    gen = rs.sources.generator(events=1_080_000, keys=20_000, zipf=1.0, seed=5, rate_eps=90_000)
     (
         flow.source(gen, parallelism=2)
         .apply(rs.map_batches(lambda b: b, name="ident"))
