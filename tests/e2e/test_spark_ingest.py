@@ -392,6 +392,30 @@ def running_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
     )
 
 
+def _start_checkpointed(
+    name: str, source: Any, source_parallelism: int, out: Path, tmp_path: Path, batch_rows: int
+) -> rs.Job:
+    """The running-count job over ``source`` into a Parquet folder, checkpointing every 0.3 s
+    and recovering after 0.2 s (no warm standby actors: no rescale here)."""
+    flow = rs.Dataflow(name, num_key_groups=64, sub_groups=8)
+    (
+        flow.source(source, parallelism=source_parallelism)
+        .key_by("key")
+        .apply(running_count, name="count")
+        .sink(rs.sinks.parquet(str(out)), name="out")
+    )
+    return rs.start(
+        flow,
+        parallelism={"count": 2},
+        checkpoint_interval_s=0.3,
+        checkpoint_dir=str(tmp_path / "chk"),
+        restart_delay_s=0.2,
+        batch_rows=batch_rows,
+        linger_ms=10.0,
+        standby_instances=0,
+    )
+
+
 def _kill_instance(job: rs.Job, step: str, index: int) -> None:
     import ray
 
@@ -454,23 +478,8 @@ def test_a_spark_fed_job_recovers_exactly_once_from_a_keyed_and_a_source_kill(
         f"(id * 7919) % {REC_KEYS} as key", "id as seq"
     )
     out = tmp_path / "out"
-    flow = rs.Dataflow("e2e-spark-recover", num_key_groups=64, sub_groups=8)
-    (
-        flow.source(rs.sources.spark(df, push_rows=2_000, capacity_rows=4_000), parallelism=2)
-        .key_by("key")
-        .apply(running_count, name="count")
-        .sink(rs.sinks.parquet(str(out)), name="out")
-    )
-    job = rs.start(
-        flow,
-        parallelism={"count": 2},
-        checkpoint_interval_s=0.3,
-        checkpoint_dir=str(tmp_path / "chk"),
-        restart_delay_s=0.2,
-        batch_rows=2_000,
-        linger_ms=10.0,
-        standby_instances=0,
-    )
+    source = rs.sources.spark(df, push_rows=2_000, capacity_rows=4_000)
+    job = _start_checkpointed("e2e-spark-recover", source, 2, out, tmp_path, batch_rows=2_000)
     try:
         _wait_for(job, "rows in a checkpoint", lambda s: _checkpointed(s) > 0)
         _kill_instance(job, "count", 1)
@@ -515,23 +524,7 @@ def test_a_structured_streaming_job_recovers_exactly_once_from_a_keyed_kill(
         sdf, checkpoint_location=str(tmp_path / "spark-chk"), max_rows=60_000, idle_timeout_s=60
     )
     out = tmp_path / "out"
-    flow = rs.Dataflow("e2e-spark-stream-recover", num_key_groups=64, sub_groups=8)
-    (
-        flow.source(src)
-        .key_by("key")
-        .apply(running_count, name="count")
-        .sink(rs.sinks.parquet(str(out)), name="out")
-    )
-    job = rs.start(
-        flow,
-        parallelism={"count": 2},
-        checkpoint_interval_s=0.3,
-        checkpoint_dir=str(tmp_path / "chk"),
-        restart_delay_s=0.2,
-        batch_rows=5_000,
-        linger_ms=10.0,
-        standby_instances=0,
-    )
+    job = _start_checkpointed("e2e-spark-stream-recover", src, 1, out, tmp_path, batch_rows=5_000)
     try:
         _wait_for(job, "rows in a checkpoint", lambda s: _checkpointed(s) > 0)
         _kill_instance(job, "count", 0)
