@@ -127,7 +127,7 @@ class Controller(Recovery):
                 self.autoscaler.run(lambda: self.state == "running")
             )
         if self.config.migration_support and any(s.is_keyed for s in self.plan.steps.values()):
-            asyncio.get_running_loop().create_task(self._fill_standby())
+            asyncio.get_running_loop().create_task(self._fill_standby(self.config.standby_delay_s))
         return self.describe()
 
     async def _deploy(self) -> None:
@@ -603,10 +603,14 @@ class Controller(Recovery):
         while (self._rescale_lock.locked() or self._queued) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
-    async def _fill_standby(self) -> None:
-        """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs."""
+    async def _fill_standby(self, delay_s: float = 0.0) -> None:
+        """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs. The
+        first fill waits ``delay_s``: their processes would compete with the job's own start-up,
+        and a job that ends sooner (or rescales before: it starts what it needs) needs none."""
         from raystream.runtime.actors import InstanceActor
 
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
         if self._standby_filling:
             return
         self._standby_filling = True

@@ -65,6 +65,7 @@ class RuntimeConfig:
     migration: str = "meces"  # default migration strategy for rescales
     migration_support: bool = True  # False: no per-sub-group tracking, rescale refused
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
+    standby_delay_s: float = 2.0  # ... started this long after the job (not competing with its start)
     state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
     state_cache_bytes: int = 64 << 20  # ... and its bound in bytes of keys and values
     migration_buffer_bytes: int = 64 << 20  # records waiting for moving state, per instance
@@ -87,7 +88,7 @@ class RuntimeConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 msg = f"{name} must be an int >= 1, got {v!r}"
                 raise ConfigError(msg)
-        for name in ("linger_ms", "checkpoint_interval_s", "restart_delay_s"):
+        for name in ("linger_ms", "checkpoint_interval_s", "restart_delay_s", "standby_delay_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 msg = f"{name} must be a number >= 0, got {v!r}"

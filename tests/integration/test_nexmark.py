@@ -1,6 +1,6 @@
 """NEXMark queries as raystream dataflows against the DuckDB oracle (bench/nexmark).
 
-Every built query runs at parallelism 1 and 3 over a small generated input (Parquet files, one
+Every built query runs at parallelism 3 over a small generated input (Parquet files, one
 source per table); every stateful one once more with a live rescale under meces. The final
 result must equal the oracle's exactly (same rows, same types).
 """
@@ -56,7 +56,8 @@ def _run(query: str, data: Path, parallelism: int, **kw: Any) -> Any:
     return result
 
 
-@pytest.mark.parametrize("parallelism", [1, 3])
+# parallelism 3 (every query also runs at 2 -> 3 below; 1 instance adds a job start, not a check)
+@pytest.mark.parametrize("parallelism", [3])
 @pytest.mark.parametrize("query", BUILT)
 def test_query_equals_oracle(query: str, parallelism: int, data: Path, expected: Any) -> None:
     result = _run(query, data, parallelism, batch_rows=4096, linger_ms=2)
