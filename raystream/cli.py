@@ -20,7 +20,6 @@ Exit codes: 0 success, 1 the job failed (its error and traceback on stderr), 2 a
 from __future__ import annotations
 
 import json
-import os
 import runpy
 import sys
 import time
@@ -201,8 +200,11 @@ def run(
         checkpoints["checkpoint_interval_s"] = checkpoint_interval_s
     if checkpoint_dir is not None:
         checkpoints["checkpoint_dir"] = checkpoint_dir
-    if address:
-        os.environ["RAY_ADDRESS"] = address
+    if address:  # (without it, rs.start connects to RAY_ADDRESS or starts a local Ray)
+        from raystream.cluster import connect
+        from raystream.runtime.actors import NAMESPACE
+
+        connect(address, namespace=NAMESPACE, log_to_driver=True)
     job = rs.start(
         flow,
         parallelism=_parallelism(parallelism) or None,

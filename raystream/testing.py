@@ -213,14 +213,16 @@ class KeyedStepHarness:
 
         h = KeyedStepHarness(window_count, key="user", event_time="ts")
         h.process([{"user": "a", "ts": 1_000}, {"user": "a", "ts": 1_500}])
-        assert h.state("a") == {1_999: 2}
-        fired = h.advance_watermark(1_999)     # the window's timer fires
+        assert h.state("a") == {2_000: 2}      # MapState: window end -> count
+        fired = h.advance_watermark(1_999)     # the window's timer (at its end - 1) fires
         assert fired.to_pylist() == [{"user": "a", "window_end": 2_000, "count": 2}]
-        assert h.side_output("late").num_rows == 0
+        assert h.side_output("late").num_rows == 0  # rs.Outputs(..., late=rows)
 
-    Watermarks only go forward (a smaller one is ignored, as in the runtime); processing-time
-    timers fire when :meth:`advance_processing_time` passes them (the harness's clock, not the
-    wall clock). Close it (or use ``with``) to release RocksDB and its folder.
+    (``window_count`` is in ``tests/unit/test_testing_harness.py``.) Watermarks only go
+    forward (a smaller one is ignored, as in the runtime); processing-time timers fire when
+    :meth:`advance_processing_time` passes them (the harness's own clock, starting at 0, not
+    the wall clock). One instance holds every key group; rescaling is not part of the harness.
+    Close it (or use ``with``) to release RocksDB and its folder.
     """
 
     def __init__(
