@@ -31,6 +31,7 @@ from raystream.errors import (  # noqa: E402
     CheckpointError,
     ConfigError,
     DataflowDefinitionError,
+    InternalError,
     JobFailedError,
     JobNotFoundError,
     NullKeyError,
@@ -50,6 +51,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DataflowDefinitionError",
+    "InternalError",
     "JobFailedError",
     "JobNotFoundError",
     "KeyGroupRange",
@@ -120,7 +122,7 @@ __all__ += [
     "start",
 ]
 
-# last: the built-in operators are written against the public API above
-from raystream import operators  # noqa: E402
+# last: the built-in operators and the test harness are written against the public API above
+from raystream import operators, testing  # noqa: E402
 
-__all__ += ["operators"]
+__all__ += ["operators", "testing"]

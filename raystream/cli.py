@@ -1,15 +1,20 @@
-"""``raystream`` command line: run a job file, and status / rescale / stop a running job by name.
+"""``raystream`` command line: run a job file, and list / status / rescale / stop running jobs.
 
     raystream run examples/keycount_job.py --parallelism count=2
     raystream submit examples/keycount_job.py -p count=2 --address http://127.0.0.1:8265
-    raystream status keycount
+    raystream list --address 127.0.0.1:6379
+    raystream status keycount --watch
     raystream rescale keycount count 4 --strategy meces
     raystream stop keycount
-    raystream demo
+    raystream --version
 
-``status``, ``rescale`` and ``stop`` connect to the Ray cluster in ``RAY_ADDRESS`` (its GCS address
-HOST:PORT), else to the one already running on this machine (``address="auto"``), and find the
-job's controller by name. ``submit`` talks to the cluster's job server (dashboard, HTTP).
+``list``, ``status``, ``rescale``, ``stop``, ``cancel`` and ``savepoint`` connect to the Ray
+cluster at ``--address`` (its GCS address HOST:PORT), else ``RAY_ADDRESS``, else the one already
+running on this machine (``"auto"``), and find a job's controller by name. ``submit`` talks to the
+cluster's job server (dashboard, HTTP). ``run`` starts a local Ray unless given ``--address``.
+
+Exit codes: 0 success, 1 the job failed (its error and traceback on stderr), 2 a usage error
+(a bad option, an unknown job, an unreachable cluster).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +31,24 @@ import click
 
 __all__ = ["main"]
 
+JOB_FAILED = 1  # exit code: the job failed
+USAGE = 2  # exit code: a usage error (click's own, and raystream's other errors)
 
-def _connect() -> None:
+ADDRESS_HELP = (
+    "the Ray cluster's GCS address HOST:PORT (what `ray start --head` prints); default "
+    "RAY_ADDRESS, else the cluster running on this machine"
+)
+
+
+def address_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--address", default=None, metavar="HOST:PORT", help=ADDRESS_HELP)(f)
+
+
+def _connect(address: str | None = None) -> None:
     from raystream.cluster import connect
     from raystream.runtime.actors import NAMESPACE
 
-    connect(namespace=NAMESPACE)
+    connect(address, namespace=NAMESPACE)
 
 
 def _parallelism(values: tuple[str, ...]) -> dict[str, int]:
@@ -65,11 +84,31 @@ def _load_flow(path: str, flow_name: str | None) -> Any:
 
 
 class _RaystreamError(click.ClickException):
-    exit_code = 2
+    exit_code = USAGE
+
+
+class _JobFailed(click.ClickException):
+    exit_code = JOB_FAILED
+
+
+def error_exit(e: BaseException) -> click.ClickException:
+    """The CLI's exception for a raystream error: exit 1 with the full message (traceback
+    included) for a failed job, exit 2 with the message for anything else. Ray's wrapper of an
+    error raised in an actor is unwrapped to the error itself."""
+    from raystream.errors import JobFailedError, RaystreamError
+
+    cause = getattr(e, "cause", None)  # ray.exceptions.RayTaskError around ours
+    if isinstance(cause, RaystreamError):
+        e = cause
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, JobFailedError):
+        return _JobFailed(text)
+    return _RaystreamError(text)
 
 
 class _Group(click.Group):
-    """Turns raystream's own errors (also when Ray wraps them) into a one-line message, exit 2."""
+    """Turns raystream's own errors (also when Ray wraps them) into a message and an exit code:
+    1 for a failed job, 2 for everything else."""
 
     def invoke(self, ctx: click.Context) -> Any:
         from raystream.errors import RaystreamError
@@ -77,13 +116,15 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except RaystreamError as e:
-            lines = [line for line in str(e).strip().splitlines() if line.strip()]
-            raise _RaystreamError(lines[-1] if lines else type(e).__name__) from None
+            raise error_exit(e) from None
 
 
 @click.group(cls=_Group)
+@click.version_option(package_name="raystream", prog_name="raystream")
 def main() -> None:
-    """raystream: elastic, stateful stream processing on Ray."""
+    """raystream: elastic, stateful stream processing on Ray.
+
+    Exit codes: 0 success, 1 the job failed, 2 a usage error."""
 
 
 @main.command()
@@ -117,6 +158,21 @@ def main() -> None:
     help="resume from this job's checkpoints: 'latest' or a checkpoint id",
 )
 @click.option("--from-savepoint", default=None, help="resume from a savepoint folder")
+@click.option(
+    "--address",
+    default=None,
+    metavar="HOST:PORT",
+    help="run on the Ray cluster at this GCS address (this process is the job's driver); "
+    "default RAY_ADDRESS, else a new local Ray",
+)
+@click.option(
+    "--progress-interval",
+    "progress_s",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="seconds between progress lines on stderr (0: none)",
+)
 def run(
     job_file: str,
     parallelism: tuple[str, ...],
@@ -127,17 +183,29 @@ def run(
     checkpoint_dir: str | None,
     from_checkpoint: str | None,
     from_savepoint: str | None,
+    address: str | None,
+    progress_s: float,
 ) -> None:
-    """Run JOB_FILE (a Python file that builds a Dataflow) until its sources are exhausted."""
+    """Run JOB_FILE (a Python file that builds a Dataflow) until its sources are exhausted,
+    with a progress line every few seconds and a summary at the end. Exits 1 if the job fails
+    (its error and traceback on stderr)."""
     import raystream as rs
 
+    if progress_s < 0:
+        msg = f"--progress-interval takes seconds >= 0, got {progress_s}"
+        raise click.BadParameter(msg)
     flow = _load_flow(job_file, flow_name)
     checkpoints: dict[str, Any] = {}
     if checkpoint_interval_s is not None:
         checkpoints["checkpoint_interval_s"] = checkpoint_interval_s
     if checkpoint_dir is not None:
         checkpoints["checkpoint_dir"] = checkpoint_dir
-    result = rs.run(
+    if address:  # (without it, rs.start connects to RAY_ADDRESS or starts a local Ray)
+        from raystream.cluster import connect
+        from raystream.runtime.actors import NAMESPACE
+
+        connect(address, namespace=NAMESPACE, log_to_driver=True)
+    job = rs.start(
         flow,
         parallelism=_parallelism(parallelism) or None,
         migration=strategy,
@@ -146,6 +214,7 @@ def run(
         from_savepoint=from_savepoint,
         **checkpoints,
     )
+    result = follow(job, progress_s, Progress())
     for r in result.recoveries:
         click.echo(
             f"recovered t={r['at_s']:.1f}s from checkpoint {r['checkpoint_id']} after "
@@ -154,42 +223,189 @@ def run(
         )
     ck = result.checkpoints
     if ck.get("completed") or ck.get("failed"):
-        click.echo(f"checkpoints: {ck['completed']} completed, {ck['failed']} failed ({ck['storage']})")
+        click.echo(
+            f"checkpoints: {ck['completed']} completed, {ck['failed']} failed ({ck['storage']})"
+        )
     for d in result.autoscaling:
         if d.get("to") != d.get("from"):  # a rescale (holds and warnings are in the log)
             click.echo(
                 f"autoscaler t={d.get('t_s', 0):.1f}s {d.get('operator', '')} "
                 f"{d.get('from')} -> {d.get('to')}: {d.get('reason', '')}"[:300]
             )
-    lat = result.latency()
-    click.echo(f"job {result.job!r} {result.state} in {result.elapsed_s:.2f} s")
-    if lat is not None:
-        s = lat.summary()
-        click.echo(f"latency p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms, max {s['max_ms']} ms")
-    for sink, parts in result.results.items():
-        click.echo(f"sink {sink!r}: {parts}"[:400])
+    from raystream.status_view import summary_lines
+
+    for line in summary_lines(result):
+        click.echo(line)
+
+
+class Progress:
+    """Where ``raystream run`` reports progress: stderr, one line rewritten in place on a
+    terminal, plain lines otherwise (a log, ``raystream submit``); events stay on their line."""
+
+    def __init__(self, tty: bool | None = None, write: Callable[[str], None] | None = None):
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self._write = write or (lambda text: click.echo(text, nl=False, err=True))
+        self._open = False  # a rewritten line is showing
+
+    def line(self, text: str) -> None:
+        if self.tty:
+            self._write("\r\x1b[2K" + text)
+            self._open = True
+        else:
+            self._write(text + "\n")
+
+    def event(self, text: str) -> None:
+        self._write(("\r\x1b[2K" if self._open else "") + text + "\n")
+        self._open = False
+
+    def close(self) -> None:
+        if self._open:
+            self._write("\n")
+            self._open = False
+
+
+def follow(job: Any, interval_s: float, progress: Progress) -> Any:
+    """Wait for ``job`` to end, with a progress line every ``interval_s`` (0: none) and an
+    event line for each rescale as it happens; returns its ``JobResult``. A failed job raises
+    its ``JobFailedError``; Ctrl-C (or any other error) stops the job first."""
+    from raystream.errors import JobFailedError
+    from raystream.status_view import progress_line
+
+    started = last_t = time.monotonic()
+    previous: dict[str, Any] | None = None
+    try:
+        while True:
+            result = job.wait(interval_s if interval_s > 0 else None)
+            if result.state not in ("created", "running", "recovering"):
+                return result
+            st = job.status()
+            now = time.monotonic()
+            before = (previous or {}).get("parallelism") or {}
+            for step, p in (st.get("parallelism") or {}).items():
+                if before.get(step, p) != p:
+                    progress.event(
+                        f"{now - started:.1f} s  rescaled {step!r} {before[step]} -> {p}"
+                    )
+            dt = now - last_t if previous is not None else None
+            progress.line(progress_line(st, now - started, previous, dt))
+            previous, last_t = st, now
+    except JobFailedError:
+        raise  # the controller already stopped the job
+    except BaseException:
+        job.stop()
+        raise
+    finally:
+        progress.close()
 
 
 @main.command()
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def status(job: str, as_json: bool) -> None:
-    """Operators of the running JOB: parallelism, records, rate, busy, backlog, latency."""
-    from rich.console import Console
-    from rich.table import Table
-
+@click.option("--watch", "-w", is_flag=True, help="refresh the table until the job ends (Ctrl-C)")
+@click.option(
+    "--interval",
+    "interval_s",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="seconds between refreshes of --watch",
+)
+@click.option("--count", type=int, default=None, help="--watch: stop after N refreshes")
+@address_option
+def status(
+    job: str,
+    as_json: bool,
+    watch: bool,
+    interval_s: float,
+    count: int | None,
+    address: str | None,
+) -> None:
+    """Operators of the running JOB: parallelism, records, rate, busy, backlog, latency,
+    migration progress; ``--watch`` keeps the table live (busy % then over the last refresh)."""
     import raystream as rs
-    from raystream.status_view import RATE_WINDOW_S, operator_rows
+    from raystream.status_view import operator_rows
 
-    _connect()
-    st = rs.attach(job).status()
-    rows = operator_rows(st)
+    if interval_s <= 0 or (count is not None and count < 1):
+        msg = f"--interval takes seconds > 0 and --count N >= 1, got {interval_s} and {count}"
+        raise click.BadParameter(msg)
+    _connect(address)
+    handle = rs.attach(job)
+    st = handle.status()
     if as_json:
+        rows = operator_rows(st)
         click.echo(json.dumps({**st, "operators": rows}, default=str, indent=1))
         return
+    if not watch:
+        _console().print(status_view(st, operator_rows(st)))
+        return
+    _watch(handle, st, interval_s, count)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(width=max(Console().width, 120))
+
+
+def _watch(handle: Any, st: dict[str, Any], interval_s: float, count: int | None) -> None:
+    """Refresh the status table every ``interval_s`` (live on a terminal, one table per
+    refresh otherwise) until the job ends, Ctrl-C, or ``count`` refreshes."""
+    import ray
+    from rich.live import Live
+
+    from raystream.status_view import operator_rows
+
+    console = _console()
+    previous: dict[str, Any] | None = None
+    shown = 0
+    live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+    ended = None
+    try:
+        if live is not None:
+            live.start()
+        while True:
+            view = status_view(st, operator_rows(st, previous=previous), watching=interval_s)
+            if live is not None:
+                live.update(view, refresh=True)
+            else:
+                console.print(view)
+            shown += 1
+            if count is not None and shown >= count:
+                break
+            time.sleep(interval_s)
+            previous = st
+            try:
+                st = handle.status()
+            except ray.exceptions.RayActorError:
+                ended = f"job {handle.name!r} ended (its controller is gone)"
+                break
+            if st.get("state") not in ("created", "running", "recovering"):
+                ended = f"job {handle.name!r} {st.get('state')}"
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+    if ended:
+        console.print(ended)
+
+
+def status_view(
+    st: dict[str, Any], rows: list[dict[str, Any]], watching: float | None = None
+) -> Any:
+    """The status of a job as a rich renderable: the operator table and notes below it.
+    ``watching``: the refresh interval of ``--watch`` (busy % over it where known)."""
+    from rich.console import Group
+    from rich.table import Table
+
+    from raystream.status_view import RATE_WINDOW_S
+
     title = f"job {st['job']!r}: {st['state']}"
     if st.get("rescaling"):
         title += ", rescaling"
+    if watching:
+        title += f"  ({time.strftime('%H:%M:%S')}, every {watching:g} s)"
     table = Table(title=title)
     columns = {
         "operator": "operator",
@@ -205,48 +421,97 @@ def status(job: str, as_json: bool) -> None:
     }
     for key, header in columns.items():
         table.add_column(header, justify="left" if key in ("operator", "migration") else "right")
+    recent = any(r.get("busy_recent_pct") is not None for r in rows)
     for r in rows:
+        busy = r["busy_recent_pct"] if r.get("busy_recent_pct") is not None else r["busy_pct"]
         table.add_row(
             r["operator"],
             str(r["parallelism"]),
             f"{r['records_in']:,}",
             f"{r['records_out']:,}",
             f"{r['rate_in_per_s']:,.0f}",
-            f"{r['busy_pct']:.1f}",
+            f"{busy:.1f}",
             f"{r['backlog']:,}",
             "" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:g}",
             "" if r["latency_p99_ms"] is None else f"{r['latency_p99_ms']:g}",
             r["migration"],
         )
-    console = Console(width=max(Console().width, 120))
-    console.print(table)
+    notes: list[str] = []
     for r in rows:
-        if r["nodes"]:
-            console.print(f"{r['operator']} runs on (node ip/id: instances): {r['nodes']}")
-    console.print(
-        f"in/s: records in per second over the last {RATE_WINDOW_S:g} s; busy %: share of time "
-        "spent processing since the instances started; p50/p99: sink end-to-end latency"
+        if r.get("nodes"):
+            notes.append(f"{r['operator']} runs on (node ip/id: instances): {r['nodes']}")
+    busy_note = (
+        f"share of time spent processing over the last {watching:g} s"
+        if recent and watching
+        else "share of time spent processing since the instances started"
+    )
+    notes.append(
+        f"in/s: records in per second over the last {RATE_WINDOW_S:g} s; busy %: {busy_note}; "
+        "p50/p99: sink end-to-end latency"
     )
     ck = st.get("checkpoints") or {}
     if ck.get("completed") or ck.get("failed"):
         last = ck.get("last") or {}
-        console.print(
+        notes.append(
             f"checkpoints: {ck['completed']} completed, {ck['failed']} failed; last "
             f"{last.get('checkpoint_id')} took {last.get('duration_s', 0):.2f} s "
             f"({last.get('uploaded_bytes', 0):,} bytes uploaded)"
         )
     for r in st.get("recoveries") or []:
-        console.print(
+        notes.append(
             f"recovery {r['attempt']}: t={r['at_s']:.1f}s {r['instance']} failed; restarted from "
             f"checkpoint {r['checkpoint_id']}, down {r['downtime_s']:.2f} s, "
             f"{r['records_replayed']:,} records replayed"
         )
     if st.get("latency"):
         lat = st["latency"]
-        console.print(
+        notes.append(
             f"end-to-end latency (all sinks, whole run): p50 {lat['p50_ms']} ms  "
             f"p99 {lat['p99_ms']} ms  max {lat['max_ms']} ms"
         )
+    return Group(table, *notes)
+
+
+@main.command(name="list")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@address_option
+def list_jobs(as_json: bool, address: str | None) -> None:
+    """The raystream jobs running on the cluster: name, state, parallelism per step."""
+    import ray
+
+    import raystream as rs
+    from raystream.cluster import gcs_address, running_jobs
+    from raystream.errors import JobNotFoundError
+
+    _connect(address)
+    jobs = []
+    for name in running_jobs():
+        try:
+            info = ray.get(rs.attach(name).controller.describe.remote())
+        except (JobNotFoundError, ray.exceptions.RayActorError):
+            continue  # it ended while we listed
+        jobs.append(info)
+    if as_json:
+        click.echo(json.dumps(jobs, default=str, indent=1))
+        return
+    if not jobs:
+        click.echo(f"no raystream jobs running on the Ray cluster at {gcs_address(address)}")
+        return
+    from rich.table import Table
+
+    table = Table(title=f"raystream jobs on {gcs_address(address)}")
+    for header in ("job", "state", "parallelism", "rescaling", "checkpoints"):
+        table.add_column(header)
+    for j in jobs:
+        ck = j.get("checkpoints") or {}
+        table.add_row(
+            str(j["job"]),
+            str(j["state"]),
+            " ".join(f"{k}={v}" for k, v in (j.get("parallelism") or {}).items()),
+            "yes" if j.get("rescaling") else "",
+            f"{ck.get('completed', 0)}" if ck.get("completed") else "",
+        )
+    _console().print(table)
 
 
 @main.command()
@@ -258,11 +523,14 @@ def status(job: str, as_json: bool) -> None:
     default=None,
     help="meces (default), all_at_once, fluid, batched, lazy, stop_restart, or module:attr",
 )
-def rescale(job: str, step: str, parallelism: int, strategy: str | None) -> None:
+@address_option
+def rescale(
+    job: str, step: str, parallelism: int, strategy: str | None, address: str | None
+) -> None:
     """Change the parallelism of keyed STEP of the running JOB to PARALLELISM."""
     import raystream as rs
 
-    _connect()
+    _connect(address)
     stats = rs.attach(job).rescale(step, parallelism, strategy)
     click.echo(
         f"rescaled {step!r} {stats['from']} -> {stats['to']} with {stats['strategy']} in "
@@ -273,12 +541,13 @@ def rescale(job: str, step: str, parallelism: int, strategy: str | None) -> None
 
 @main.command()
 @click.argument("job")
-def stop(job: str) -> None:
+@address_option
+def stop(job: str, address: str | None) -> None:
     """Stop the running JOB with a final checkpoint: sinks publish what came before it, and
     `raystream run FILE --from-checkpoint latest` resumes from it. `cancel` stops at once."""
     import raystream as rs
 
-    _connect()
+    _connect(address)
     result = rs.attach(job).stop()
     if result is None:  # its driver saw the end first and removed the controller
         click.echo(f"job {job!r} stopped")
@@ -290,11 +559,12 @@ def stop(job: str) -> None:
 
 @main.command()
 @click.argument("job")
-def cancel(job: str) -> None:
+@address_option
+def cancel(job: str, address: str | None) -> None:
     """Stop the running JOB at once, without a final checkpoint (unpublished output dropped)."""
     import raystream as rs
 
-    _connect()
+    _connect(address)
     result = rs.attach(job).cancel()
     click.echo(f"job {job!r} {'cancelled' if result is None else result.state}")
 
@@ -302,12 +572,13 @@ def cancel(job: str) -> None:
 @main.command()
 @click.argument("job")
 @click.argument("path")
-def savepoint(job: str, path: str) -> None:
+@address_option
+def savepoint(job: str, path: str, address: str | None) -> None:
     """Take a savepoint of the running JOB into PATH (a folder or pyarrow.fs URI); resume with
     `raystream run FILE --from-savepoint PATH` (at any parallelism)."""
     import raystream as rs
 
-    _connect()
+    _connect(address)
     sp = rs.attach(job).savepoint(path)
     click.echo(
         f"savepoint of checkpoint {sp['checkpoint_id']} at {sp['savepoint']} "

@@ -74,7 +74,9 @@ def _probe(address: str, timeout_s: float = 3.0) -> None:
         raise ClusterError(msg) from None
 
 
-def connect(address: str | None = None, namespace: str = "raystream") -> str:
+def connect(
+    address: str | None = None, namespace: str = "raystream", *, log_to_driver: bool = False
+) -> str:
     """Connect this process to the cluster at ``address`` (see :func:`gcs_address`); returns the
     address tried. Raises :class:`ClusterError` naming that address and the fix."""
     import ray
@@ -93,7 +95,12 @@ def connect(address: str | None = None, namespace: str = "raystream") -> str:
         if "RAY_AUTH_MODE" not in os.environ and token_available():
             _enable_token_auth()
     try:
-        ray.init(address=target, namespace=namespace, log_to_driver=False, logging_level="error")
+        ray.init(
+            address=target,
+            namespace=namespace,
+            log_to_driver=log_to_driver,
+            logging_level="error",
+        )
     except (ConnectionError, RuntimeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if target == "auto":

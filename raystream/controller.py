@@ -201,6 +201,7 @@ class Controller(Recovery):
                         "instance": iid,
                         "error": self._hung.pop(iid, None) or out["error"],
                         "traceback": out.get("traceback"),
+                        "context": out.get("context"),
                     }
                     if await self._recover_or_fail(cause):
                         break  # a new attempt runs: collect its outcomes
@@ -465,7 +466,7 @@ class Controller(Recovery):
                 raise RescaleError(self._not_started(step, parallelism))
             if self._sources_done():
                 msg = f"the sources finished; {k} of {len(plan.steps)} migration steps were done"
-                raise RuntimeError(msg)
+                raise RescaleError(msg)
             epoch = self._next_epoch()
             table = RoutingTable(epoch=epoch, owners=table.owners, parallelism=table.parallelism)
             final = k == len(plan.steps) - 1
@@ -492,7 +493,7 @@ class Controller(Recovery):
                         if not switched:
                             raise RescaleError(self._not_started(step, parallelism))
                         msg = f"the sources finished; {k} of {len(plan.steps)} migration steps done"
-                        raise RuntimeError(msg)
+                        raise RescaleError(msg)
                 switched.append(k)
                 stats += await self._await_migration(step, parallelism, epoch, peers, width)
             finally:

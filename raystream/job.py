@@ -161,12 +161,14 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
         if out["state"] == "failed" and raise_on_error:
             err = out["error"]
             step, index = err["instance"]
-            msg = f"job {out['job']!r} failed in step {step!r}, instance {index}: {err['error']}"
-            if err.get("traceback"):
-                msg += "\n\nTraceback of the failure (in the instance's actor):\n" + err["traceback"]
-            exc = JobFailedError(msg)
-            exc.step, exc.index, exc.cause = step, index, err["error"]  # type: ignore[attr-defined]
-            raise exc
+            raise JobFailedError.of_instance(
+                out["job"],
+                step,
+                index,
+                err["error"],
+                context=err.get("context"),
+                traceback=err.get("traceback"),
+            )
         results: dict[str, list[Any]] = {}
         for (step, _index), res in sorted(out["results"].items()):
             results.setdefault(step, []).append(res)

@@ -594,7 +594,7 @@ class _StreamFeeder(_FeederBase):
             return
         exc = self.query.exception()
         if exc is not None:
-            raise RuntimeError(str(exc))
+            raise SourceError(str(exc))
         self._end_sources(self.attempt if self.recovers else None)
 
     def _refeed(self, attempt: int | None) -> None:

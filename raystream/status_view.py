@@ -20,7 +20,14 @@ from typing import Any
 
 from raystream.metrics import LatencyRecorder, WindowedCounter
 
-__all__ = ["RATE_WINDOW_S", "operator_rows", "recent_rate"]
+__all__ = [
+    "RATE_WINDOW_S",
+    "describe_sink_result",
+    "operator_rows",
+    "progress_line",
+    "recent_rate",
+    "summary_lines",
+]
 
 RATE_WINDOW_S = 2.0
 
@@ -59,11 +66,40 @@ def _nodes(instances: list[dict[str, Any]]) -> str:
     return " ".join(f"{k}:{v}" for k, v in sorted(where.items()))
 
 
-def operator_rows(status: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
-    """Per operator (step): parallelism, records in/out, recent input rate, busy % (since the
-    instances started), backlog, sink latency p50/p99 (whole run), migration progress and the
-    nodes the live instances run on."""
+def _recent_busy(insts: list[dict[str, Any]], previous: dict[tuple[str, int], Any]) -> float | None:
+    """Busy % between the previous reading and this one, over the instances in both."""
+    busy = uptime = 0.0
+    for m in insts:
+        before = previous.get((str(m.get("step")), int(m.get("index", -1))))
+        if before is None:
+            continue
+        busy += float(m.get("busy_s", 0.0)) - float(before.get("busy_s", 0.0))
+        uptime += float(m.get("uptime_s", 0.0)) - float(before.get("uptime_s", 0.0))
+    if uptime <= 0:
+        return None
+    return round(min(100.0, max(0.0, 100.0 * busy / uptime)), 1)
+
+
+def _role(insts: list[dict[str, Any]]) -> str:
+    roles = {str(m["role"]) for m in insts if m.get("role")}
+    return roles.pop() if len(roles) == 1 else "operator"
+
+
+def operator_rows(
+    status: dict[str, Any],
+    now_ns: int | None = None,
+    previous: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Per operator (step): its role (source, operator, sink), parallelism, records in/out,
+    recent input rate, busy % (since the instances started; ``busy_recent_pct``: since the
+    ``previous`` status, None without one), backlog, sink latency p50/p99 (whole run),
+    migration progress and the nodes the live instances run on."""
     now_ns = time.time_ns() if now_ns is None else now_ns
+    before = {
+        (str(m.get("step")), int(m.get("index", -1))): m
+        for m in (previous or {}).get("instances", [])
+        if m.get("step") is not None
+    }
     by_step: dict[str, list[dict[str, Any]]] = {}
     for m in status.get("instances", []):
         if m.get("step") is not None:
@@ -83,6 +119,7 @@ def operator_rows(status: dict[str, Any], now_ns: int | None = None) -> list[dic
         rows.append(
             {
                 "operator": step,
+                "role": _role(insts),
                 "parallelism": int(
                     status.get("parallelism", {}).get(step, len(live) or len(insts))
                 ),
@@ -91,6 +128,7 @@ def operator_rows(status: dict[str, Any], now_ns: int | None = None) -> list[dic
                 "records_out": sum(int(m.get("records_out", 0)) for m in insts),
                 "rate_in_per_s": round(rate, 1),
                 "busy_pct": round(100.0 * busy / uptime, 1) if uptime > 0 else 0.0,
+                "busy_recent_pct": _recent_busy(live, before) if before else None,
                 "backlog": sum(int(m.get("backlog", 0)) for m in live),
                 "latency_p50_ms": summary["p50_ms"] if summary else None,
                 "latency_p99_ms": summary["p99_ms"] if summary else None,
@@ -99,3 +137,115 @@ def operator_rows(status: dict[str, Any], now_ns: int | None = None) -> list[dic
             }
         )
     return rows
+
+
+def _totals(rows: list[dict[str, Any]]) -> tuple[int, int]:
+    """(records the sources emitted, records the sinks received)."""
+    events_in = sum(r["records_out"] for r in rows if r["role"] == "source")
+    events_out = sum(r["records_in"] for r in rows if r["role"] == "sink")
+    return events_in, events_out
+
+
+def progress_line(
+    status: dict[str, Any],
+    elapsed_s: float,
+    previous: dict[str, Any] | None = None,
+    interval_s: float | None = None,
+) -> str:
+    """One line of a running job's progress: records in (from the sources) and out (into the
+    sinks) with their rates since ``previous`` (``interval_s`` before), sink latency p99 so far,
+    the keyed steps' parallelism, and a running rescale's progress. Example::
+
+        >>> st = {"parallelism": {"src": 1, "count": 2}, "instances": [
+        ...     {"step": "src", "index": 0, "role": "source", "records_out": 3000},
+        ...     {"step": "count", "index": 0, "role": "sink", "records_in": 1000}]}
+        >>> progress_line(st, 4.0, {"instances": [
+        ...     {"step": "src", "index": 0, "role": "source", "records_out": 1000}]}, 2.0)
+        '4.0 s  in 3,000 (1,000/s)  out 1,000 (500/s)  parallelism src=1 count=2'
+    """
+    rows = operator_rows(status)
+    events_in, events_out = _totals(rows)
+    parts = [f"{elapsed_s:.1f} s"]
+    if previous is not None and interval_s:
+        prev_in, prev_out = _totals(operator_rows(previous))
+        rate_in = max(0.0, (events_in - prev_in) / interval_s)
+        rate_out = max(0.0, (events_out - prev_out) / interval_s)
+        parts += [f"in {events_in:,} ({rate_in:,.0f}/s)", f"out {events_out:,} ({rate_out:,.0f}/s)"]
+    else:
+        parts += [f"in {events_in:,}", f"out {events_out:,}"]
+    lat = status.get("latency")
+    if lat:
+        parts.append(f"p99 {lat['p99_ms']:g} ms")
+    backlog = sum(r["backlog"] for r in rows)
+    if backlog:
+        parts.append(f"backlog {backlog:,}")
+    par = " ".join(f"{k}={v}" for k, v in (status.get("parallelism") or {}).items())
+    parts.append(f"parallelism {par}")
+    moving = [
+        f"{r['operator']} {r['migration']}" for r in rows if r["migration"] not in ("", "done")
+    ]
+    if status.get("rescaling") or moving:
+        parts.append("rescaling" + (f" ({', '.join(moving)})" if moving else ""))
+    return "  ".join(parts)
+
+
+def describe_sink_result(parts: list[Any]) -> str:
+    """What a sink's instances returned, in words: rows of collected tables, files written,
+    row counts. Example::
+
+        >>> import pyarrow as pa
+        >>> describe_sink_result([pa.table({"k": [1, 2]}), pa.table({"k": [3]}), None])
+        '3 rows collected (columns: k)'
+    """
+    tables = [p for p in parts if hasattr(p, "num_rows") and hasattr(p, "column_names")]
+    files = [p for p in parts if hasattr(p, "paths") and hasattr(p, "rows")]
+    counts = [p for p in parts if isinstance(p, int) and not isinstance(p, bool)]
+    known = len(tables) + len(files) + counts.__len__() + sum(p is None for p in parts)
+    out = []
+    if tables:
+        cols = ", ".join(tables[0].column_names)
+        out.append(f"{sum(t.num_rows for t in tables):,} rows collected (columns: {cols})")
+    if files:
+        paths = [str(x) for f in files for x in (f.paths or ((f.path,) if f.path else ()))]
+        shown = ", ".join(paths[:3]) + (f", ... ({len(paths)} files)" if len(paths) > 3 else "")
+        out.append(f"{sum(int(f.rows) for f in files):,} rows written to {shown or 'no file'}")
+    if counts:
+        out.append(f"{sum(counts):,} rows")
+    if known < len(parts):
+        others = [p for p in parts if p is not None and p not in tables + files + counts]
+        out.append(", ".join(repr(p)[:120] for p in others[:3]))
+    return "; ".join(out) if out else "no output"
+
+
+def summary_lines(result: Any) -> list[str]:
+    """The end of ``raystream run``: the job's outcome, per operator its instances, records
+    and busy share, latency, and what each sink produced (a ``JobResult``)."""
+    lines = [f"job {result.job!r} {result.state} in {result.elapsed_s:.2f} s"]
+    status = {"parallelism": {}, "instances": result.metrics}
+    rows = operator_rows(status)
+    width = max((len(r["operator"]) for r in rows), default=0)
+    for r in rows:
+        n = r["parallelism"]
+        counts = []
+        if r["role"] != "source":
+            counts.append(f"in {r['records_in']:,}")
+        if r["role"] != "sink":
+            counts.append(f"out {r['records_out']:,}")
+        busy = f"  busy {r['busy_pct']:.0f} %" if r["role"] == "operator" else ""
+        lines.append(
+            f"  {r['operator']:<{width}}  {r['role']:<8} {n} instance{'s' if n != 1 else ''}  "
+            f"{'  '.join(counts)}{busy}"
+        )
+    lat = result.latency()
+    if lat is not None:
+        s = lat.summary()
+        lines.append(f"latency p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms, max {s['max_ms']} ms")
+    for r in result.rescales:
+        if "from" in r and "to" in r:
+            lines.append(
+                f"rescaled {r.get('step', r.get('operator', '?'))!r} {r['from']} -> {r['to']}"
+                f" with {r.get('strategy', '?')} in {float(r.get('duration_s', 0)):.2f} s"
+            )
+    for sink, parts in result.results.items():
+        lines.append(f"sink {sink!r}: {describe_sink_result(parts)}")
+    return lines

@@ -88,6 +88,7 @@ class InstanceActor:
             "result": inst.result,
             "error": inst.error,
             "traceback": inst.error_traceback,
+            "context": inst.error_context,
             "metrics": {**inst.snapshot_metrics(), **_where()},
             "acked": sorted(inst.acked),
             "sink_state": inst.final_sink_state,

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from raystream.dataflow import KeySpec
-from raystream.errors import SchemaError
+from raystream.errors import InternalError, SchemaError
 from raystream.keys import KeySpace, RoutingTable, stable_hash, to_key_array
 from raystream.runtime.messages import ChannelId
 
@@ -57,7 +57,7 @@ class Inbox:
         if channel in self._queues:
             if self._queues[channel]:
                 msg = f"channel {channel} reopened with {len(self._queues[channel])} unread items"
-                raise RuntimeError(msg)
+                raise InternalError(msg)
             self._next_seq[channel] = 0
             self._blocked.discard(channel)
         else:
@@ -67,7 +67,7 @@ class Inbox:
         q = self._queues.pop(channel, None)
         if q:
             msg = f"channel {channel} removed with {len(q)} unread items"
-            raise RuntimeError(msg)
+            raise InternalError(msg)
         self._space.pop(channel, None)
         self._next_seq.pop(channel, None)
         self._blocked.discard(channel)

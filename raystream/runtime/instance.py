@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from raystream.dataflow import KeySpec, Step
-from raystream.errors import RescaleError, SourceError
+from raystream.errors import RescaleError, SourceError, context_of
 from raystream.ingest import IngestBuffer
 from raystream.keys import KeySpace, RoutingTable
 from raystream.metrics import InstanceMetrics, LatencyRecorder
@@ -216,6 +216,7 @@ class OperatorInstance:
         self.final_sink_state: Any = None  # a two-phase sink's pre-committed end of input
         self.error: str | None = None
         self.error_traceback: str | None = None
+        self.error_context: tuple[str, str] | None = None  # e.g. ("key", "'a'"): see errors.py
         self.rows_emitted = 0  # sources: rows sent so far (offset in their partition)
         self._pace: tuple[RateSchedule | None, float] = (None, 0.0)  # sources: schedule, start
         self._stop = False
@@ -477,6 +478,7 @@ class OperatorInstance:
         except Exception as e:  # noqa: BLE001 - reported to the controller, which fails the job
             self.error = f"{type(e).__name__}: {e}"
             self.error_traceback = traceback.format_exc()
+            self.error_context = context_of(e)
             if self.writer is not None:
                 self.writer.abort()
             self._report(
@@ -485,7 +487,8 @@ class OperatorInstance:
                     "instance": self.spec.id,
                     "error": self.error,
                     "exception": e,
-                    "traceback": traceback.format_exc(),
+                    "traceback": self.error_traceback,
+                    "context": self.error_context,
                 },
             )
 

@@ -71,8 +71,19 @@ async def run_local(
         from raystream.errors import JobFailedError
 
         first = failures[0]
-        msg = f"instance {first['instance']} failed: {first['error']}"
-        raise JobFailedError(msg) from first.get("exception")
+        if first["instance"] == "-":
+            msg = f"job {flow.name!r} failed: {first['error']}"
+            raise JobFailedError(msg)
+        step, index = first["instance"]
+        raise JobFailedError.of_instance(
+            flow.name,
+            step,
+            index,
+            first["error"],
+            context=first.get("context"),
+            traceback=first.get("traceback"),
+            where="the instance",
+        ) from first.get("exception")
     out: dict[str, pa.Table | None] = {}
     for iid, inst in sorted(instances.items()):
         if inst.role != "sink":

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raystream.dataflow import Step
-from raystream.errors import SchemaError, StateError
+from raystream.errors import ConfigError, SchemaError, StateError, note_context
 from raystream.keys import KeySpace, key_kind, stable_hash
 from raystream.runtime.channels import materialise_key
 from raystream.runtime.migration import MigrationEngine
@@ -87,6 +87,14 @@ def _to_batches(out: Any, step: str) -> list[pa.RecordBatch]:
     raise SchemaError(msg)
 
 
+def _first_key(keys: KeySet) -> Any:
+    return keys.keys[0].as_py() if len(keys) else None
+
+
+def _user_fields(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in _META and k != INPUT_EVENTS}
+
+
 def _rows_to_batch(rows: list[dict[str, Any]], step: str) -> list[pa.RecordBatch]:
     if not rows:
         return []
@@ -109,9 +117,22 @@ class MapProcessor:
         fn = self.step.fn
         kind = self.step.kind
         rows = batch.to_pylist()
+        try:
+            return self._process_rows(fn, kind, batch, rows)
+        except Exception as e:
+            if self._current is not None:
+                note_context(e, "record", _user_fields(self._current))
+            raise
+
+    _current: dict[str, Any] | None = None  # the record being processed (for error context)
+
+    def _process_rows(
+        self, fn: Any, kind: str, batch: pa.RecordBatch, rows: list[dict[str, Any]]
+    ) -> list[pa.RecordBatch]:
         out: list[dict[str, Any]] = []
         if kind == "map":
             for r in rows:
+                self._current = r
                 o = fn(r)
                 if not isinstance(o, dict):
                     msg = f"map step {self.step.name!r} must return a dict per record, got {o!r}"
@@ -120,6 +141,7 @@ class MapProcessor:
                 out.append(o)
         elif kind == "flat_map":
             for r in rows:
+                self._current = r
                 for o in fn(r) or ():
                     if not isinstance(o, dict):
                         msg = f"flat_map step {self.step.name!r} must yield dicts, got {o!r}"
@@ -127,8 +149,13 @@ class MapProcessor:
                     _carry_meta(r, o)
                     out.append(o)
         else:  # filter
-            mask = np.fromiter((bool(fn(r)) for r in rows), dtype=bool, count=len(rows))
+            mask = np.zeros(len(rows), dtype=bool)
+            for i, r in enumerate(rows):
+                self._current = r
+                mask[i] = bool(fn(r))
+            self._current = None
             return [batch.filter(pa.array(mask))] if mask.any() else []
+        self._current = None
         return _rows_to_batch(out, self.step.name)
 
 
@@ -338,9 +365,15 @@ class KeyedProcessor:
             self.timers if self.step.on_timer is not None else None, kb.keys, self.step.name
         )
         if self.step.kind == "keyed_batches":
-            out = (
-                self.step.fn(kb, self.states.vectorised()) if self.step.state else self.step.fn(kb)
-            )
+            try:
+                out = (
+                    self.step.fn(kb, self.states.vectorised())
+                    if self.step.state
+                    else self.step.fn(kb)
+                )
+            except Exception as e:
+                note_context(e, "batch", _first_key(kb.keys))
+                raise
             return _to_batches(out, self.step.name)
         return self._per_key(kb)
 
@@ -421,7 +454,11 @@ class KeyedProcessor:
                 if self.step.kind == "keyed":
                     outs.extend(self._per_key_timers(fired))
                     continue
-                out = fn(fired, self.states.vectorised()) if self.step.state else fn(fired)
+                try:
+                    out = fn(fired, self.states.vectorised()) if self.step.state else fn(fired)
+                except Exception as e:
+                    note_context(e, "timer", _first_key(keyset))
+                    raise
                 outs.extend(_to_batches(out, self.step.name))
         msg = (
             f"step {self.step.name!r}: on_timer kept registering timers at or before "
@@ -444,7 +481,7 @@ class KeyedProcessor:
         ts = fired.timestamps.tolist()
         now = [time.time_ns()] * len(ts)
         fn, keyset, timers, wm = self.step.on_timer, fired.keyset, fired.timers, fired.watermark
-        return self._per_key_calls(fn, keyset, ts.__getitem__, timers, wm, now, ts)
+        return self._per_key_calls(fn, keyset, ts.__getitem__, timers, wm, now, ts, kind="timer")
 
     def _per_key_calls(
         self,
@@ -456,45 +493,53 @@ class KeyedProcessor:
         ingest: list[int] | None,
         event: list[int] | None,
         events: list[int] | None = None,
+        *,
+        kind: str = "key",
     ) -> list[pa.RecordBatch]:
         """Call ``fn(key, second(i)[, state][, timers])`` per key, state loaded and written back
         in one go; each yielded row gets the key and, unless set, ``ingest``/``event`` times and
         ``events`` (the input events of the key in this batch: every row the key yields for
-        them carries that number)."""
+        them carries that number). An exception of ``fn`` carries the key (``kind``: "key" or
+        "timer") for the job's error."""
         has_state = bool(self.step.state)
         timed = self.step.on_timer is not None
         preloaded = self.states.preload(keyset) if has_state else {}
         keys = keyset.keys.to_pylist()
         rows: list[dict[str, Any]] = []
         col = self.key_column
-        for i, key in enumerate(keys):
-            args = [key, second(i)]
-            if has_state:
-                args.append(self.states.handles_for(preloaded, i))
-            if timed:
-                assert timers is not None
-                args.append(KeyTimers(timers, i, watermark))
-            out = fn(*args)
-            for o in out or ():
-                if isinstance(o, tuple) and len(o) == 2:
-                    k, v = o
-                    o = {col: k, **v} if isinstance(v, dict) else {col: k, "value": v}
-                elif isinstance(o, dict):
-                    if col not in o:
-                        o = {col: key, **o}
-                else:
-                    msg = (
-                        f"keyed step {self.step.name!r} must yield dicts or (key, value) "
-                        f"tuples, got {type(o).__name__}: {o!r}"
-                    )
-                    raise SchemaError(msg)
-                if ingest is not None and INGEST_TS not in o:
-                    o[INGEST_TS] = ingest[i]
-                if event is not None and EVENT_TIME not in o:
-                    o[EVENT_TIME] = event[i]
-                if events is not None and INPUT_EVENTS not in o:
-                    o[INPUT_EVENTS] = events[i]
-                rows.append(o)
+        key = None
+        try:
+            for i, key in enumerate(keys):
+                args = [key, second(i)]
+                if has_state:
+                    args.append(self.states.handles_for(preloaded, i))
+                if timed:
+                    assert timers is not None
+                    args.append(KeyTimers(timers, i, watermark))
+                out = fn(*args)
+                for o in out or ():
+                    if isinstance(o, tuple) and len(o) == 2:
+                        k, v = o
+                        o = {col: k, **v} if isinstance(v, dict) else {col: k, "value": v}
+                    elif isinstance(o, dict):
+                        if col not in o:
+                            o = {col: key, **o}
+                    else:
+                        msg = (
+                            f"keyed step {self.step.name!r} must yield dicts or (key, value) "
+                            f"tuples, got {type(o).__name__}: {o!r}"
+                        )
+                        raise SchemaError(msg)
+                    if ingest is not None and INGEST_TS not in o:
+                        o[INGEST_TS] = ingest[i]
+                    if event is not None and EVENT_TIME not in o:
+                        o[EVENT_TIME] = event[i]
+                    if events is not None and INPUT_EVENTS not in o:
+                        o[INPUT_EVENTS] = events[i]
+                    rows.append(o)
+        except Exception as e:
+            note_context(e, kind, key)
+            raise
         if has_state:
             self.states.write_back(keyset, preloaded)
         return _rows_to_batch(rows, self.step.name)
@@ -533,4 +578,4 @@ def make_processor(
             heat_half_life_s=heat_half_life_s,
         )
     msg = f"no processor for step kind {step.kind!r}"
-    raise ValueError(msg)
+    raise ConfigError(msg)
