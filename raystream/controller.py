@@ -544,6 +544,7 @@ class Controller(Recovery):
             ),
         }
         self.rescales.append(record)
+        self._export("rescale", record["duration_s"])
         return record
 
     async def _await_migration(
