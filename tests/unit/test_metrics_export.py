@@ -137,3 +137,42 @@ def test_state_size_estimate_follows_the_bytes_written(tmp_path: Path) -> None:
         assert 0.8 * raw <= size <= 1.6 * raw, (size, raw)
     finally:
         backend.close()
+
+
+def exported_series(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Every Prometheus series name the exporter defines (Ray prefixes ``ray_``; counters get
+    ``_total``)."""
+    import ray.util.metrics
+
+    class Counter(FakeMetric):
+        kind = "counter"
+
+    class Gauge(FakeMetric):
+        kind = "gauge"
+
+    monkeypatch.setattr(ray.util.metrics, "Counter", Counter)
+    monkeypatch.setattr(ray.util.metrics, "Gauge", Gauge)
+    monkeypatch.setattr(mx, "_metrics", None)
+    monkeypatch.setattr(mx, "_job_metrics", {})
+    mx.export_job_event("j", "checkpoint", 1.0)
+    metrics = [*vars(mx._ray_metrics()).values(), *mx._job_metrics.values()]
+    return {
+        f"ray_{m.name}" + ("_total" if m.kind == "counter" else "")  # type: ignore[attr-defined]
+        for m in metrics
+    }
+
+
+def test_grafana_dashboard_queries_only_exported_series(monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    dashboard = json.loads((root / "deploy" / "grafana" / "raystream.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"\bray_raystream_\w+", e)}
+    series = exported_series(monkeypatch)
+    assert used <= series, f"the dashboard queries series nobody exports: {used - series}"
+    must = {"ray_raystream_sink_latency_ms_total", "ray_raystream_state_bytes"}
+    must |= {f"ray_raystream_{n}_total" for n in ("checkpoints", "rescales", "recoveries")}
+    assert must <= used
+    assert any("histogram_quantile(0.99, sum by (le)" in e for e in exprs)
