@@ -268,6 +268,7 @@ class FileSource:
     full_schema: pa.Schema = field(repr=False)
     file_schema: pa.Schema | None = field(repr=False)  # the declared schema of CSV / JSON files
     delimiter: str = ","
+    digest: str = field(default="", repr=False)  # of the listing; set by build()
 
     @classmethod
     def build(
@@ -325,6 +326,7 @@ class FileSource:
             full_schema=full,
             file_schema=schema,
             delimiter=delimiter,
+            digest=_digest(files, units),
         )
 
     # -- the Source protocol ----------------------------------------------------------------
@@ -344,15 +346,6 @@ class FileSource:
             f"{self.format}({self.path!r}: {len(self.files)} file(s), {len(self.units)} {what}, "
             f"rate_eps={self.rate_eps})"
         )
-
-    @property
-    def digest(self) -> str:
-        """A fingerprint of the listing (files and units): the same input, the same digest."""
-        h = hashlib.sha256()
-        for f in self.files:
-            h.update(f.encode() + b"\0")
-        h.update(repr(self.units).encode())
-        return h.hexdigest()[:16]
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -380,6 +373,15 @@ class FileSource:
                 "move the file."
             )
             raise SourceError(msg) from exc
+
+
+def _digest(files: Sequence[str], units: Sequence[tuple[int, int, int]]) -> str:
+    """A fingerprint of a listing (files and units): the same input, the same digest."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.encode() + b"\0")
+    h.update(repr(tuple(units)).encode())
+    return h.hexdigest()[:16]
 
 
 def _inspect(
