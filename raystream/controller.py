@@ -545,6 +545,7 @@ class Controller(Recovery):
             ),
         }
         self.rescales.append(record)
+        self._export("rescale", record["duration_s"])
         return record
 
     async def _await_migration(

@@ -333,6 +333,10 @@ class LatencyRecorder:
     def count(self) -> int:
         return int(self._total.get_total_count())
 
+    def total_histogram(self) -> HdrHistogram:
+        """The histogram of the whole run (latencies in us; read it, do not change it)."""
+        return self._total
+
     # -- reading -----------------------------------------------------------------------------
 
     def _histogram_of(self, w: int) -> HdrHistogram:

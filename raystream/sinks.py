@@ -25,8 +25,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -296,19 +298,42 @@ class ParquetSink:
     ``part-{i:05d}.parquet`` at ``close()``. Build it with :func:`parquet`.
 
     ``mode="upsert"`` writes changes to a table keyed by ``key`` (see :mod:`raystream.upsert`):
-    the rows plus ``_change`` and ``_seq``, in the same part files."""
+    the rows plus ``_change`` and ``_seq``, in the same part files.
+
+    Rolling: with ``max_file_bytes`` and/or ``max_file_s`` an instance closes its open part once
+    it holds that many bytes (checked after each batch) or once its first batch is that many
+    seconds old (checked before each batch), and starts a new one. Every file's name then ends in
+    ``-r{n:04d}`` (the instance's n-th part): ``part-{i:05d}-{c:08d}-r{n:04d}.parquet`` for the
+    parts of checkpoint ``c``, ``part-{i:05d}-r{n:04d}.parquet`` for those published at
+    ``close()``. A rolled part stays hidden (``.part-{i:05d}-r{n:04d}.parquet.rolled``) until the
+    next checkpoint pre-commits it and its commit publishes it, so rolling keeps exactly-once;
+    without checkpoints rolled parts are published at ``close()``."""
 
     path: str
     mode: str = "append"
     key: tuple[str, ...] = ()
     order_by: str | None = None
     kind_column: str | None = None
+    max_file_bytes: int | None = None
+    max_file_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
             msg = f"parquet sink path must be a directory path (str), got {self.path!r}"
             raise ConfigError(msg)
         object.__setattr__(self, "path", os.fspath(self.path))
+        size, age = self.max_file_bytes, self.max_file_s
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            msg = f"parquet sink max_file_bytes must be an int >= 1 (bytes) or None, got {size!r}"
+            raise ConfigError(msg)
+        if age is not None and (
+            isinstance(age, bool)
+            or not isinstance(age, (int, float))
+            or not math.isfinite(age)
+            or age <= 0
+        ):
+            msg = f"parquet sink max_file_s must be a number > 0 (seconds) or None, got {age!r}"
+            raise ConfigError(msg)
         where = f"parquet({self.path!r}, mode={self.mode!r})"
         if self.mode == "upsert":
             key = check_upsert_spec(self.key, self.order_by, self.kind_column, where)
@@ -333,7 +358,7 @@ class ParquetSink:
             )
             raise ConfigError(msg)
         os.makedirs(self.path, exist_ok=True)
-        writer = _ParquetWriter(self.path, index)
+        writer = _ParquetWriter(self.path, index, self.max_file_bytes, self.max_file_s)
         if self.mode == "append":
             return writer
         if self.order_by is None and parallelism > 1:
@@ -347,25 +372,44 @@ class ParquetSink:
         return UpsertWriter(writer, self.key, self.order_by, self.kind_column, self.describe())
 
     def describe(self) -> str:
+        roll = "".join(
+            f", {n}={v!r}"
+            for n, v in (("max_file_bytes", self.max_file_bytes), ("max_file_s", self.max_file_s))
+            if v is not None
+        )
         if self.mode == "append":
-            return f"parquet({self.path!r})"
+            return f"parquet({self.path!r}{roll})"
         extra = "".join(
             f", {n}={v!r}"
             for n, v in (("order_by", self.order_by), ("kind_column", self.kind_column))
             if v is not None
         )
-        return f"parquet({self.path!r}, mode='upsert', key={list(self.key)!r}{extra})"
+        return f"parquet({self.path!r}, mode='upsert', key={list(self.key)!r}{extra}{roll})"
 
 
-# part-<index>.parquet (final), part-<index>-<checkpoint>.parquet (committed), with a leading "."
-# and ".pending" (pre-committed) or ".tmp" (being written) while not visible.
-_PART = re.compile(r"^(\.?)part-(\d+)(?:-(\d+))?\.parquet(\.pending|\.tmp)?$")
+# part-<index>.parquet (final), part-<index>-<checkpoint>.parquet (committed), -r<n> before
+# .parquet when the sink rolls; with a leading "." and ".pending" (pre-committed), ".rolled"
+# (rolled, not pre-committed yet) or ".tmp" (being written) while not visible.
+# Groups: 1 hidden, 2 index, 3 checkpoint, 4 roll number, 5 suffix.
+_PART = re.compile(r"^(\.?)part-(\d+)(?:-(\d+))?(?:-r(\d+))?\.parquet(\.pending|\.rolled|\.tmp)?$")
 
 
 class _ParquetWriter:
-    def __init__(self, directory: str, index: int) -> None:
+    def __init__(
+        self,
+        directory: str,
+        index: int,
+        max_file_bytes: int | None = None,
+        max_file_s: float | None = None,
+    ) -> None:
         self._dir = directory
         self._index = index
+        self._max_bytes = max_file_bytes
+        self._max_s = max_file_s
+        self._rolling = max_file_bytes is not None or max_file_s is not None
+        self._rolled: list[tuple[int, int]] = []  # (roll number, rows): hidden, not pre-committed
+        self._roll_no = 0  # the number of the open part
+        self._part_started = 0.0  # monotonic time of the open part's first batch
         self._final = self._file(None)
         self._tmp = os.path.join(directory, f".part-{index:05d}.parquet.tmp")
         self._writer: pq.ParquetWriter | None = None
@@ -391,10 +435,30 @@ class _ParquetWriter:
             self._schema = batch.schema
         else:
             batch = _conform(batch, self._schema, f"parquet sink {self._final!r}")
+        if (
+            self._max_s is not None
+            and self._writer is not None
+            and time.monotonic() - self._part_started >= self._max_s
+        ):
+            self._roll()
         if self._writer is None:
             self._writer = pq.ParquetWriter(self._tmp, self._schema)
+            self._part_started = time.monotonic()
         self._writer.write_batch(batch)
         self._part_rows += batch.num_rows
+        if self._max_bytes is not None and os.path.getsize(self._tmp) >= self._max_bytes:
+            self._roll()
+
+    def _rolled_file(self, roll_no: int) -> str:
+        return os.path.join(self._dir, f".part-{self._index:05d}-r{roll_no:04d}.parquet.rolled")
+
+    def _roll(self, *, keep_empty: bool = False) -> None:
+        """Close the open part into a hidden rolled file (it waits for a checkpoint or close)."""
+        done, rows = self._finish_part(keep_empty=keep_empty)
+        if done:
+            os.replace(self._tmp, self._rolled_file(self._roll_no))
+            self._rolled.append((self._roll_no, rows))
+            self._roll_no += 1
 
     def _finish_part(self, *, keep_empty: bool = False) -> tuple[bool, int]:
         """Close the open part (the .tmp file): (True, rows) if it holds rows (or
@@ -421,13 +485,21 @@ class _ParquetWriter:
             raise _closed_error("pre_commit")
         self._touched = True
         cid = int(checkpoint_id)
-        done, rows = self._finish_part()
-        if done:
-            pending = self._file(cid, pending=True)
-            os.replace(self._tmp, pending)
-            self._pending.append(
-                {"file": os.path.basename(pending), "checkpoint": cid, "rows": rows}
-            )
+        if self._rolling:
+            self._roll()
+            for roll_no, rows in self._rolled:
+                name = f".part-{self._index:05d}-{cid:08d}-r{roll_no:04d}.parquet.pending"
+                os.replace(self._rolled_file(roll_no), os.path.join(self._dir, name))
+                self._pending.append({"file": name, "checkpoint": cid, "rows": rows})
+            self._rolled = []
+        else:
+            done, rows = self._finish_part()
+            if done:
+                pending = self._file(cid, pending=True)
+                os.replace(self._tmp, pending)
+                self._pending.append(
+                    {"file": os.path.basename(pending), "checkpoint": cid, "rows": rows}
+                )
         return {
             "index": self._index,
             "checkpoint": cid,
@@ -447,7 +519,7 @@ class _ParquetWriter:
         """Rename one pending file to its visible name (already done counts as done)."""
         name = entry["file"]
         match = _PART.match(name)
-        if match is None or match.group(4) != ".pending":
+        if match is None or match.group(5) != ".pending":
             msg = f"parquet sink state lists {name!r}, which is not a pending part file name"
             raise CheckpointError(msg)
         pending = os.path.join(self._dir, name)
@@ -488,7 +560,7 @@ class _ParquetWriter:
             match = _PART.match(name)
             if match is None or int(match.group(2)) != self._index or name in keep:
                 continue
-            hidden, cid, suffix = match.group(1), match.group(3), match.group(4)
+            hidden, cid, suffix = match.group(1), match.group(3), match.group(5)
             # Pending or being written (hidden, suffix), or published after the checkpoint.
             if hidden or suffix or cid is None or int(cid) > restored:
                 with contextlib.suppress(FileNotFoundError):
@@ -500,6 +572,14 @@ class _ParquetWriter:
             raise _closed_error("close")
         self._open = False
         self.commit(1 << 62)
+        if self._rolling:
+            # only empty batches and nothing else: an empty file still records the schema
+            self._roll(keep_empty=not self._published and not self._rolled)
+            for roll_no, rows in self._rolled:
+                final = os.path.join(self._dir, f"part-{self._index:05d}-r{roll_no:04d}.parquet")
+                os.replace(self._rolled_file(roll_no), final)
+                self._published.append((final, rows))
+            self._rolled = []
         # Only empty batches and nothing else published: an empty file still records the schema.
         done, rows = self._finish_part(keep_empty=not self._published)
         if done:
@@ -517,13 +597,17 @@ class _ParquetWriter:
         )
 
     def abort(self) -> None:
-        """Drop the part not pre-committed yet; pending files stay for ``restore``."""
+        """Drop the parts not pre-committed yet; pending files stay for ``restore``."""
         self._open = False
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 self._writer.close()
             self._writer = None
         self._remove_tmp()
+        for roll_no, _ in self._rolled:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._rolled_file(roll_no))
+        self._rolled = []
 
     def _remove_tmp(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -537,6 +621,8 @@ def parquet(
     key: Sequence[str] = (),
     order_by: str | None = None,
     kind_column: str | None = None,
+    max_file_bytes: int | None = None,
+    max_file_s: float | None = None,
 ) -> ParquetSink:
     """Write Parquet: ``path`` is a directory; instance ``i`` writes ``part-{i:05d}.parquet``
     (and, with checkpoints, ``part-{i:05d}-{checkpoint:08d}.parquet`` parts, see
@@ -554,6 +640,10 @@ def parquet(
     other columns or types raise :class:`SchemaError`. An instance that got no batch writes no
     file (empty parts at checkpoints are skipped too). ``close()`` returns a :class:`WrittenFile`.
 
+    ``max_file_bytes`` / ``max_file_s`` roll part files by size or age (see
+    :class:`ParquetSink`); rolled parts are published by the checkpoint after them, exactly once.
+    The sink writes to a local (or mounted) folder: publishing is an atomic rename.
+
     Example::
 
         >>> import tempfile, pyarrow as pa
@@ -568,6 +658,8 @@ def parquet(
         key=tuple(key) if not isinstance(key, str) else key,  # type: ignore[arg-type]
         order_by=order_by,
         kind_column=kind_column,
+        max_file_bytes=max_file_bytes,
+        max_file_s=max_file_s,
     )
 
 

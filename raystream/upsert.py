@@ -210,8 +210,8 @@ def final_table(changes: pa.Table, key: Sequence[str]) -> pa.Table:
     )
 
 
-# part-<index>[-<checkpoint>].parquet: the visible files a parquet sink publishes
-_VISIBLE = re.compile(r"^part-\d+(?:-\d+)?\.parquet$")
+# part-<index>[-<checkpoint>][-r<n>].parquet: the visible files a parquet sink publishes
+_VISIBLE = re.compile(r"^part-\d+(?:-\d+)?(?:-r\d+)?\.parquet$")
 
 
 def read_upsert(path: str | os.PathLike[str], key: Sequence[str] | None = None) -> pa.Table:

@@ -220,7 +220,9 @@ class InstanceActor:
     # ---- Ray metrics export (Prometheus / Ray Dashboard), see raystream/metrics_export.py -----
     def _export_metrics(self, exporter: Any, *, up: bool = True) -> None:
         inst = self._instance
-        exporter.export(inst.metrics, inst.inbox.depth(), inst.latency, up=up)
+        backend = getattr(inst.processor, "backend", None)
+        size = backend.size_bytes() if hasattr(backend, "size_bytes") and up else None
+        exporter.export(inst.metrics, inst.inbox.depth(), inst.latency, up=up, state_bytes=size)
 
     def _start_metrics_export(self) -> Any:
         """A background task exporting this instance's counters every ``metrics_export_s``."""

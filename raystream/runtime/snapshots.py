@@ -166,9 +166,12 @@ class CheckpointState:
 
 # ---- sources ------------------------------------------------------------------------------
 def source_state(inst: OperatorInstance) -> dict[str, Any]:
-    """A source's position at a checkpoint barrier: the rows it emitted before it; a push
-    source adds, per writer token, the rows of it that went downstream (its dedupe table)."""
+    """A source's position at a checkpoint barrier: the rows it emitted before it; a file
+    source adds its (unit, row) and listing digest; a push source adds, per writer token, the rows of it that went downstream (its dedupe table)."""
     state: dict[str, Any] = {"offset": inst.rows_emitted}
+    position = getattr(inst.reader, "position", None)
+    if callable(position):  # a file source: (unit, row) and its listing's digest
+        state["position"] = position()
     buffer = getattr(inst.reader, "buffer", None)
     if buffer is not None and hasattr(buffer, "checkpoint_state"):
         state["pushed"] = buffer.checkpoint_state()
@@ -214,6 +217,11 @@ def rewind_source(inst: OperatorInstance, restore: dict[str, Any]) -> None:
     if hasattr(inst.reader, "aread"):
         return
     offset = int(state.get("offset", 0))
+    if "position" in state and callable(getattr(inst.reader, "check_position", None)):
+        inst.reader.check_position(state["position"])
+    if callable(getattr(inst.reader, "skip", None)):  # skips what it can without reading
+        inst.rows_emitted = inst.reader.skip(offset)
+        return
     skipped = 0
     while skipped < offset:
         batch = inst.reader.read(min(_SKIP_ROWS, offset - skipped))

@@ -222,6 +222,14 @@ class RocksStateBackend:
         if self._cache_added > self.cache_bytes:
             self._bound_bytes()
 
+    def size_bytes(self) -> int:
+        """Estimated bytes of state: RocksDB's live data and memtables, plus the write-back
+        cache (an estimate, cheap to ask for: metrics read it every second)."""
+        prop = self._db.property_int_value
+        live = prop("rocksdb.estimate-live-data-size") or 0
+        mem = prop("rocksdb.cur-size-all-mem-tables") or 0
+        return int(live + mem + self.cached_bytes())
+
     def cached_bytes(self) -> int:
         """Bytes of keys and values in the write-back cache now (measured: O(entries))."""
         cache = self._cache
