@@ -49,7 +49,8 @@ class InstanceActor:
     def __init__(self, spec: InstanceSpec | None) -> None:
         """``spec=None`` makes a warm standby: process started and imports done; a scale-out
         gives it its spec with :meth:`configure` instead of waiting for a new process."""
-        import pandas  # noqa: F401 - pyarrow's to_numpy imports it lazily: pay that here, not mid-stream
+        with contextlib.suppress(ImportError):  # pandas is optional (the [spark] extra) ...
+            import pandas  # noqa: F401 - ... pyarrow's to_numpy imports it lazily: pay that here
 
         self._instance = OperatorInstance(spec) if spec is not None else None  # type: ignore[assignment]
         self._receivers: dict[ChannelId, Any] = {}
