@@ -717,7 +717,19 @@ class OperatorInstance:
         if released:
             with self.metrics.busy():
                 for piece in released:
-                    await self._emit(self.processor.process(piece, count=False))
+                    # in slices: a backlog handed over with the state can be seconds of work,
+                    # and calls (pushes, fetches, the controller's) are answered in between
+                    start = 0
+                    while start < piece.num_rows:
+                        n = self._slice_rows()
+                        part = piece.slice(start, n)
+                        t0 = time.perf_counter()
+                        outs = self.processor.process(part, count=False)
+                        self._learn_cost(time.perf_counter() - t0, part.num_rows)
+                        await self._emit(outs)
+                        start += n
+                        if start < piece.num_rows:
+                            await asyncio.sleep(0)
                 if self._wm_sent > WATERMARK_MIN:  # due timers of arrived sub-groups
                     await self._emit(self.processor.on_watermark(self._wm_sent))
         if self._wm_deferred is not None and not engine.holds_watermark:
