@@ -12,7 +12,8 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
   or all at once, as the strategy's :class:`FetchPolicy` says. A sub-group comes in chunks of at
   most ``chunk_bytes`` (one ``serve`` call each, resumed where the last stopped), with at most
   ``inflight_chunks`` calls outstanding per (new owner, old owner) pair.
-* The old owner serves one chunk at a time, on-demand requests before background pulls; the
+* The old owner serves one chunk at a time, on-demand requests before background pulls (the
+  requests queued meanwhile back to back, for up to ``SERVE_BURST_S``); the
   sub-groups it hands out are evicted from its write-back cache once, at the seal, and the
   rest of its cache stays.
 * A sub-group is released (its buffered records processed, then new ones directly) when it
@@ -43,6 +44,8 @@ from raystream.rescale import FetchPolicy
 
 __all__ = ["HANDOVER_META", "DecayingHeat", "MigrationEngine", "MigrationTask", "PrioritySlots"]
 
+# the old owner serves queued requests back to back for up to this long before records run again
+SERVE_BURST_S = 0.02
 # schema metadata of a batch of records handed over with a sub-group's state: its sub-group
 HANDOVER_META = b"raystream.handover"
 
@@ -571,10 +574,12 @@ class MigrationEngine:
         if not task.evicted:  # once: the moving sub-groups leave the cache, the rest stays
             self.backend.evict_sub_groups(divmod(g, self.sub_groups) for g in task.outgoing)
             task.evicted = True
+        burst_from = time.monotonic()
         while self.task is task:
             if not self._serve_queue:
                 self._serve_wake.clear()
                 await self._serve_wake.wait()
+                burst_from = time.monotonic()
                 continue
             _, _, req = heapq.heappop(self._serve_queue)
             if req.urgent:
@@ -586,7 +591,10 @@ class MigrationEngine:
                 req.future.set_result(self._serve_chunk(task, req.groups, req.max_bytes))
             except Exception as e:  # noqa: BLE001 - the requester's call fails with it
                 req.future.set_exception(e)
-            await asyncio.sleep(0)  # records, and new (urgent) requests, between chunks
+            if self._serve_queue and time.monotonic() - burst_from < SERVE_BURST_S:
+                continue  # requests queued while records ran: serve them together
+            await asyncio.sleep(0)  # records, and new (urgent) requests, between bursts
+            burst_from = time.monotonic()
 
     def _serve_chunk(
         self, task: MigrationTask, groups: list[int], max_bytes: int
