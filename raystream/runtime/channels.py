@@ -80,6 +80,7 @@ class Inbox:
         self._poked = False
         self._overtake_below: dict[ChannelId, int] = {}  # pushes below this seq skip the room check
         self.overtaking = 0  # OvertakingBarrier items queued, not read yet
+        self.incoming_overtaking = 0  # overtaking barriers pushed, waiting for their turn
         # called when an overtaking barrier is pushed (before it waits for its turn)
         self.on_overtaking: Callable[[Barrier], None] = lambda barrier: None
 
@@ -156,12 +157,16 @@ class Inbox:
             # barrier's turn comes without waiting for the reader
             self._overtake_below[channel] = max(self._overtake_below.get(channel, 0), seq)
             self.on_overtaking(item)
-            async with cond:
-                cond.notify_all()
-                await cond.wait_for(lambda: self._next_seq[channel] == seq)
-                self._insert_overtaking(q, item)
-                self._next_seq[channel] = seq + 1
-                cond.notify_all()
+            self.incoming_overtaking += 1
+            try:
+                async with cond:
+                    cond.notify_all()
+                    await cond.wait_for(lambda: self._next_seq[channel] == seq)
+                    self._insert_overtaking(q, item)
+                    self._next_seq[channel] = seq + 1
+                    cond.notify_all()
+            finally:
+                self.incoming_overtaking -= 1
             self._readable.set()
             return
         async with cond:
@@ -174,6 +179,14 @@ class Inbox:
             cond.notify_all()
         self.max_depth_seen = max(self.max_depth_seen, len(q))
         self._readable.set()
+
+    async def let_overtaking_in(self, timeout_s: float = 1.0) -> None:
+        """Yield until the overtaking barriers pushed here are queued (each needs the pushes
+        before it to come in first, a few turns of the event loop that a reader busy with
+        records would otherwise stretch to one slice of records each)."""
+        deadline = time.monotonic() + timeout_s
+        while self.incoming_overtaking and time.monotonic() < deadline:
+            await asyncio.sleep(0)
 
     def _insert_overtaking(self, q: deque[Any], barrier: Barrier) -> None:
         """Queue ``barrier`` ahead of the record batches after the last control event."""

@@ -662,6 +662,8 @@ class OperatorInstance:
         while not self._stop:
             if engine is not None:
                 await self._run_released(engine)
+            if self.inbox.incoming_overtaking:  # a rescale barrier is coming in: let it
+                await self.inbox.let_overtaking_in()
             deadline = self._next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             got = await self.inbox.get(timeout)
@@ -776,7 +778,7 @@ class OperatorInstance:
                 # arrives meanwhile overtakes the rest (put back in front of the queue)
                 start = 0
                 while start < batch.num_rows:
-                    if self.inbox.overtaking and start:
+                    if (self.inbox.overtaking or self.inbox.incoming_overtaking) and start:
                         self.inbox.put_back(channel, [batch.slice(start)])
                         return
                     n = self._slice_rows()
