@@ -57,6 +57,7 @@ __all__ = ["InstanceSpec", "OutputSpec", "OperatorInstance", "RuntimeConfig"]
 SERVE_SLICE_ROWS = 4096  # rows an old owner processes between serving fetches of moved state
 SLICE_TARGET_S = 0.1  # a keyed step takes a large batch in slices of about this much work ...
 SLICE_MIN_ROWS = 64  # ... of at least this many rows, so a rescale barrier waits one slice at most
+SERVE_SLICE_TARGET_S = 0.02  # ... and of this much while it hands out state (fetches wait less)
 WATERMARK_TIMELINE_MAX = 50_000  # points a source keeps of its watermark timeline
 
 Sender = Callable[[ChannelId, tuple[ChannelId, int, Any]], Awaitable[Any]]
@@ -800,10 +801,13 @@ class OperatorInstance:
 
     def _slice_rows(self) -> int:
         """Rows of a slice: about SLICE_TARGET_S of work at the measured cost (SERVE_SLICE_ROWS
-        while unmeasured); while serving moved state, at most SERVE_SLICE_ROWS."""
+        while unmeasured); while serving moved state, SERVE_SLICE_TARGET_S and at most
+        SERVE_SLICE_ROWS (each round trip of a new owner's fetch waits for one slice)."""
         cost = self.row_cost_s
-        rows = SERVE_SLICE_ROWS if cost <= 0 else max(SLICE_MIN_ROWS, int(SLICE_TARGET_S / cost))
-        return min(rows, SERVE_SLICE_ROWS) if self._serving() else rows
+        serving = self._serving()
+        target = SERVE_SLICE_TARGET_S if serving else SLICE_TARGET_S
+        rows = SERVE_SLICE_ROWS if cost <= 0 else max(SLICE_MIN_ROWS, int(target / cost))
+        return min(rows, SERVE_SLICE_ROWS) if serving else rows
 
     def _learn_cost(self, elapsed_s: float, rows: int) -> None:
         if rows > 0:
