@@ -10,9 +10,11 @@ The count step costs ``--cost-us`` microseconds of *sleeping* work per record, s
 processes at most ~1e6/cost records per second whatever the number of cores: scaling out adds
 real capacity even on a small machine (a CPU-bound operator on 2 cores could not show that).
 
-Writes ``<out>.json`` (configuration, every autoscaler decision with its reason, every rescale,
-the timeline) and ``<out>.png``: offered and processed rate, parallelism, and sink p99 latency
-over time. The final counts are checked against the generator's own stream (numpy bincount).
+Writes ``<out>.json`` (configuration, every autoscaler decision with its reason, every rescale
+with its timings from the decision -- routing switch, seal, first on-demand fetch served, done --
+and the backlog at the decision, the timeline) and ``<out>.png``: offered and processed rate,
+parallelism, and sink p99 latency over time. The final counts are checked against the
+generator's own stream (numpy bincount).
 """
 
 from __future__ import annotations
@@ -55,6 +57,36 @@ def loadstep_flow(source: Any, cost_s: float) -> rs.Dataflow:
         LatestCountSink(), name="latest"
     )
     return flow
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _rescale_timing(r: dict[str, Any]) -> dict[str, Any]:
+    """One rescale's timings, in seconds from the request (the autoscaler's decision; the
+    controller takes it a few ms later): routing switched at the first instance, last old owner
+    sealed, first on-demand chunk served, all state settled; and the backlog then."""
+    backlog = r.get("backlog_at_start") or {}
+    serve = r.get("on_demand_serve_wait_ms") or {}
+    fetch = r.get("fetch_wait_ms") or {}
+    return {
+        "from": r["from"],
+        "to": r["to"],
+        "strategy": r["strategy"],
+        "start_s": r["start_s"],
+        "switch_s": r.get("switch_s"),
+        "sealed_s": r.get("sealed_s"),
+        "first_on_demand_served_s": r.get("first_on_demand_served_s"),
+        "done_s": r["duration_s"],
+        "serve_wait_p99_ms": serve.get("p99"),
+        "fetch_wait_p50_ms": fetch.get("p50"),
+        "fetch_wait_p99_ms": fetch.get("p99"),
+        "backlog_queued_rows": backlog.get("queued_rows"),
+        "backlog_source_lag_rows": backlog.get("source_lag_rows"),
+        "backlog_work_s": backlog.get("total_work_s"),
+        "handover_rows": r.get("handover_rows", 0),
+    }
 
 
 def _parallelism_timeline(start: int, rescales: list[dict[str, Any]]) -> list[tuple[float, int]]:
@@ -272,6 +304,7 @@ def main(
         },
         "timeline": timeline,
     }
+    report["per_rescale"] = [_rescale_timing(r) for r in result.rescales]
     high_start = phases["high"][0]
     outs = [r for r in result.rescales if r["to"] > r["from"] and r["start_s"] >= high_start - 1]
     report["reaction_s"] = {
@@ -290,6 +323,16 @@ def main(
             f"  {name}: p99 {lat_ph.get('p99_ms')} ms, max {lat_ph.get('max_ms')} ms, rescales {ph['rescales']}"
         )
     click.echo(f"  reaction: {report['reaction_s']}")
+    for r in report["per_rescale"]:
+        click.echo(
+            f"  rescale {r['from']} -> {r['to']} at t={r['start_s']:.1f}s: switch "
+            f"{_fmt(r['switch_s'])} s, sealed {_fmt(r['sealed_s'])} s, first on-demand served "
+            f"{_fmt(r['first_on_demand_served_s'])} s, done {_fmt(r['done_s'])} s; on-demand serve "
+            f"wait p99 {_fmt(r['serve_wait_p99_ms'])} ms, record wait p50/p99 "
+            f"{_fmt(r['fetch_wait_p50_ms'])}/{_fmt(r['fetch_wait_p99_ms'])} ms; backlog "
+            f"{r['backlog_queued_rows']} queued + {r['backlog_source_lag_rows']} at the source "
+            f"= {_fmt(r['backlog_work_s'])} s of work; handed over {r['handover_rows']} records"
+        )
     click.echo(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     if not exact:
         raise click.ClickException("final counts differ from the generator's stream")

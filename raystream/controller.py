@@ -446,10 +446,11 @@ class Controller(Recovery):
         old = self.routing[step]
         s = self.flow.key_space.sub_groups
         live = [i for i in range(old.parallelism)]
-        heat = np.sum(
-            await asyncio.gather(*(self.handles[(step, i)].sub_group_load.remote() for i in live)),
-            axis=0,
+        loads, backlog = await asyncio.gather(
+            asyncio.gather(*(self.handles[(step, i)].sub_group_load.remote() for i in live)),
+            self._backlog(step, live),
         )
+        heat = np.sum(loads, axis=0)
         kg_load = heat.reshape(-1, s).sum(axis=1)
         target = rebalance(old, parallelism, kg_load)
         plan = strategy.plan(RescaleContext(step, old, target, kg_load, s))
@@ -514,6 +515,11 @@ class Controller(Recovery):
         serve_waits = [st.get("serve_wait_ms", []) for st in stats]
         firsts = [w[0] for w in serve_waits if w]
         every = [x for w in serve_waits for x in w]
+
+        def since_start(key: str, pick: Any) -> float | None:
+            times = [st[key] for st in stats if st.get(key) is not None]
+            return float(pick(times) - t0) if times else None
+
         record = {
             "step": step,
             "from": old.parallelism,
@@ -538,6 +544,13 @@ class Controller(Recovery):
                 "max": float(max(every)) if every else None,
                 "count": len(every),
             },
+            # from the request (the decision) to: the first instance switching its routing, the
+            # last old owner sealing, the first on-demand chunk served; the backlog then
+            "switch_s": since_start("activated_wall", min),
+            "sealed_s": since_start("sealed_wall", max),
+            "first_on_demand_served_s": since_start("first_urgent_served_wall", min),
+            "backlog_at_start": backlog,
+            "handover_rows": int(sum(st.get("handover_rows_out", 0) for st in stats)),
             "chunks": int(sum(st.get("chunks_out", 0) for st in stats)),
             "max_chunk_bytes": int(max((st.get("max_chunk_bytes", 0) for st in stats), default=0)),
             "max_inflight_chunks": int(
@@ -547,6 +560,30 @@ class Controller(Recovery):
         self.rescales.append(record)
         self._export("rescale", record["duration_s"])
         return record
+
+    async def _backlog(self, step: str, live: list[int]) -> dict[str, Any]:
+        """Work waiting for ``step`` now: records queued in its instances' inboxes, records its
+        sources are behind their schedule, and both in seconds of the step's work (records x
+        measured cost per record / instances)."""
+        snaps = await asyncio.gather(
+            *(self.handles[(step, i)].metrics.remote() for i in live),
+            *(self.handles[s].metrics.remote() for s in self.plan.sources),
+            return_exceptions=True,  # a figure for the report: never fails the rescale
+        )
+        snaps = [m if isinstance(m, dict) else {} for m in snaps]
+        mine, sources = snaps[: len(live)], snaps[len(live) :]
+        queued = int(sum(m.get("backlog_rows", 0) for m in mine))
+        lag = int(sum(m.get("lag_rows", 0) for m in sources))
+        costs = [m["row_cost_s"] for m in mine if m.get("row_cost_s")]
+        cost = float(np.mean(costs)) if costs else None
+        per = max(len(live), 1)
+        return {
+            "queued_rows": queued,
+            "source_lag_rows": lag,
+            "queued_work_s": queued * cost / per if cost is not None else None,
+            "total_work_s": (queued + lag) * cost / per if cost is not None else None,
+            "row_cost_us": cost * 1e6 if cost is not None else None,
+        }
 
     async def _await_migration(
         self, step: str, parallelism: int, epoch: int, peers: dict[int, Any], width: int

@@ -4,6 +4,13 @@ Backpressure is credit-based. A sender keeps at most ``max_inflight`` pushes per
 unacknowledged; the receiver acknowledges a push only once the batch is in its inbox, and an inbox
 holds at most ``capacity`` items per channel. So per channel at most ``max_inflight + capacity``
 batches exist between two instances, and a slow operator slows its senders down to the sources.
+
+A rescale barrier that does not align (:func:`overtakes`) does not wait behind data: its sender
+pushes it without waiting for credit (:attr:`OutputChannel.overtaking`), the pushes before it enter
+the inbox without waiting for room, and in the inbox it overtakes the record batches queued after
+the channel's last control event. It is read as an :class:`OvertakingBarrier` that carries those
+batches (records sent before the barrier, in channel order), so the receiver can hand the records
+of moving sub-groups over with their state and put the rest back in front of its queue.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,9 +28,40 @@ import pyarrow as pa
 from raystream.dataflow import KeySpec
 from raystream.errors import InternalError, SchemaError
 from raystream.keys import KeySpace, RoutingTable, stable_hash, to_key_array
-from raystream.runtime.messages import ChannelId
+from raystream.runtime.messages import Barrier, ChannelId
 
-__all__ = ["ByKeyGroup", "Forward", "Inbox", "OutputChannel", "Rebalance", "materialise_key"]
+__all__ = [
+    "ByKeyGroup",
+    "Forward",
+    "Inbox",
+    "OutputChannel",
+    "OvertakingBarrier",
+    "Rebalance",
+    "materialise_key",
+    "overtakes",
+]
+
+
+def overtakes(item: Any) -> bool:
+    """A rescale barrier that does not align: it may overtake queued record batches."""
+    return (
+        isinstance(item, Barrier)
+        and item.kind == "rescale"
+        and not item.payload.get("aligned", False)
+    )
+
+
+@dataclass
+class OvertakingBarrier:
+    """A rescale barrier as read from the inbox, with the record batches it overtook there
+    (``pre_barrier``: sent before the barrier on the same channel, in order, not read yet)."""
+
+    barrier: Barrier
+    pre_barrier: list[pa.RecordBatch] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(b.num_rows for b in self.pre_barrier)
 
 
 class Inbox:
@@ -39,6 +78,11 @@ class Inbox:
         self._next_seq: dict[ChannelId, int] = {}
         self.max_depth_seen = 0
         self._poked = False
+        self._overtake_below: dict[ChannelId, int] = {}  # pushes below this seq skip the room check
+        self.overtaking = 0  # OvertakingBarrier items queued, not read yet
+        self.incoming_overtaking = 0  # overtaking barriers pushed, waiting for their turn
+        # called when an overtaking barrier is pushed (before it waits for its turn)
+        self.on_overtaking: Callable[[Barrier], None] = lambda barrier: None
 
     def poke(self) -> None:
         """Wake a waiting :meth:`get` (it returns None): something besides input needs work."""
@@ -60,6 +104,7 @@ class Inbox:
                 raise InternalError(msg)
             self._next_seq[channel] = 0
             self._blocked.discard(channel)
+            self._overtake_below.pop(channel, None)
         else:
             self.add_channel(channel)
 
@@ -70,6 +115,7 @@ class Inbox:
             raise InternalError(msg)
         self._space.pop(channel, None)
         self._next_seq.pop(channel, None)
+        self._overtake_below.pop(channel, None)
         self._blocked.discard(channel)
         self._order = [c for c in self._order if c != channel]
 
@@ -79,6 +125,17 @@ class Inbox:
 
     def depth(self) -> int:
         return sum(len(q) for q in self._queues.values())
+
+    def backlog_rows(self) -> int:
+        """Records queued here, not read yet (with those an overtaking barrier carries)."""
+        rows = 0
+        for q in self._queues.values():
+            for item in q:
+                if isinstance(item, pa.RecordBatch):
+                    rows += item.num_rows
+                elif isinstance(item, OvertakingBarrier):
+                    rows += item.rows
+        return rows
 
     def unread(self, channel: ChannelId) -> int:
         """Items of ``channel`` queued here, not read yet."""
@@ -95,12 +152,61 @@ class Inbox:
             self.add_channel(channel)
         q = self._queues[channel]
         cond = self._space[channel]
+        if overtakes(item):
+            # the pushes before it are pre-barrier records: they come in without room, so the
+            # barrier's turn comes without waiting for the reader
+            self._overtake_below[channel] = max(self._overtake_below.get(channel, 0), seq)
+            self.on_overtaking(item)
+            self.incoming_overtaking += 1
+            try:
+                async with cond:
+                    cond.notify_all()
+                    await cond.wait_for(lambda: self._next_seq[channel] == seq)
+                    self._insert_overtaking(q, item)
+                    self._next_seq[channel] = seq + 1
+                    cond.notify_all()
+            finally:
+                self.incoming_overtaking -= 1
+            self._readable.set()
+            return
         async with cond:
-            await cond.wait_for(lambda: self._next_seq[channel] == seq and len(q) < self.capacity)
+            await cond.wait_for(
+                lambda: self._next_seq[channel] == seq
+                and (len(q) < self.capacity or seq < self._overtake_below.get(channel, 0))
+            )
             q.append(item)
             self._next_seq[channel] = seq + 1
             cond.notify_all()
         self.max_depth_seen = max(self.max_depth_seen, len(q))
+        self._readable.set()
+
+    async def let_overtaking_in(self, timeout_s: float = 1.0) -> None:
+        """Yield until the overtaking barriers pushed here are queued (each needs the pushes
+        before it to come in first, a few turns of the event loop that a reader busy with
+        records would otherwise stretch to one slice of records each)."""
+        deadline = time.monotonic() + timeout_s
+        while self.incoming_overtaking and time.monotonic() < deadline:
+            await asyncio.sleep(0)
+
+    def _insert_overtaking(self, q: deque[Any], barrier: Barrier) -> None:
+        """Queue ``barrier`` ahead of the record batches after the last control event."""
+        pre: list[pa.RecordBatch] = []
+        while q and isinstance(q[-1], pa.RecordBatch):
+            pre.append(q.pop())
+        pre.reverse()
+        q.append(OvertakingBarrier(barrier, pre))
+        self.overtaking += 1
+
+    def put_back(self, channel: ChannelId, batches: list[pa.RecordBatch]) -> None:
+        """Put ``batches`` (read from ``channel``, in order) back: they come before everything
+        queued on the channel, so an overtaking barrier at its front overtakes them too."""
+        if not batches:
+            return
+        q = self._queues[channel]
+        if q and isinstance(q[0], OvertakingBarrier):
+            q[0].pre_barrier[:0] = batches
+        else:
+            q.extendleft(reversed(batches))
         self._readable.set()
 
     def block(self, channel: ChannelId) -> None:
@@ -113,12 +219,22 @@ class Inbox:
 
     def get_nowait(self) -> tuple[ChannelId, Any] | None:
         n = len(self._order)
+        if self.overtaking:  # a rescale barrier at the front of a channel goes first
+            for ch in self._order:
+                q = self._queues[ch]
+                if q and isinstance(q[0], OvertakingBarrier) and ch not in self._blocked:
+                    self.overtaking -= 1
+                    item = q.popleft()
+                    asyncio.get_running_loop().create_task(self._notify(ch))
+                    return ch, item
         for i in range(n):
             ch = self._order[(self._next + i) % n]
             q = self._queues[ch]
             if q and ch not in self._blocked:
                 self._next = (self._next + i + 1) % n
                 item = q.popleft()
+                if isinstance(item, OvertakingBarrier):
+                    self.overtaking -= 1
                 asyncio.get_running_loop().create_task(self._notify(ch))
                 return ch, item
         return None
@@ -176,6 +292,10 @@ class OutputChannel:
         self._first_at: float | None = None
         self._inflight: deque[Any] = deque()
         self._seq = 0  # per-channel sequence number of the next push
+        # while set, pushes do not wait for credit (a rescale barrier is on its way out: what is
+        # in front of it must not wait behind the receiver's backlog); see :meth:`overtake`
+        self.overtaking = False
+        self._credit_wake: asyncio.Event | None = None
         self.receiver: ChannelId = ("", -1)
         self.max_inflight_seen = 0
         self.batches_sent = 0
@@ -206,9 +326,20 @@ class OutputChannel:
         await self.push(batch)
         self.rows_sent += batch.num_rows
 
+    def overtake(self, on: bool) -> None:
+        """Push without waiting for credit (``on``) until a rescale barrier went out; a push
+        waiting for credit now goes at once. Bounded: the sender turns it off at the barrier."""
+        self.overtaking = on
+        if on and self._credit_wake is not None:
+            self._credit_wake.set()
+
     async def push(self, item: Any) -> None:
         """Send one item (a batch or a control event) under the credit limit, in order."""
-        while len(self._inflight) >= self.max_inflight:
+        while len(self._inflight) >= self.max_inflight and not self.overtaking:
+            head = self._inflight[0]
+            if not _done(head):
+                await self._wait_credit(head)
+                continue
             await self._inflight.popleft()
         # drop acknowledged pushes from the front without waiting
         while self._inflight and _done(self._inflight[0]):
@@ -217,6 +348,18 @@ class OutputChannel:
         self._seq += 1
         self.batches_sent += 1
         self.max_inflight_seen = max(self.max_inflight_seen, len(self._inflight))
+
+    async def _wait_credit(self, head: Any) -> None:
+        """Until the oldest push is acknowledged, or :meth:`overtake` is turned on."""
+        wake = self._credit_wake = asyncio.Event()
+        if not asyncio.isfuture(head):
+            head = self._inflight[0] = asyncio.ensure_future(head)
+        waker = asyncio.ensure_future(wake.wait())
+        try:
+            await asyncio.wait({head, waker}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waker.cancel()
+            self._credit_wake = None
 
     async def drain(self) -> None:
         """Flush buffered rows and wait until every push was acknowledged."""

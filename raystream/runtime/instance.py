@@ -22,7 +22,15 @@ from raystream.errors import RescaleError, SourceError, context_of
 from raystream.ingest import IngestBuffer
 from raystream.keys import KeySpace, RoutingTable
 from raystream.metrics import InstanceMetrics, LatencyRecorder
-from raystream.runtime.channels import ByKeyGroup, Forward, Inbox, OutputChannel, Rebalance
+from raystream.runtime.channels import (
+    ByKeyGroup,
+    Forward,
+    Inbox,
+    OutputChannel,
+    OvertakingBarrier,
+    Rebalance,
+    overtakes,
+)
 from raystream.runtime import snapshots
 from raystream.runtime.messages import Barrier, ChannelId, EndOfStream, Watermark
 from raystream.runtime.migration import MigrationEngine, MigrationTask
@@ -47,6 +55,9 @@ from raystream.sources import RateSchedule
 __all__ = ["InstanceSpec", "OutputSpec", "OperatorInstance", "RuntimeConfig"]
 
 SERVE_SLICE_ROWS = 4096  # rows an old owner processes between serving fetches of moved state
+SLICE_TARGET_S = 0.1  # a keyed step takes a large batch in slices of about this much work ...
+SLICE_MIN_ROWS = 64  # ... of at least this many rows, so a rescale barrier waits one slice at most
+SERVE_SLICE_TARGET_S = 0.02  # ... and of this much while it hands out state (fetches wait less)
 WATERMARK_TIMELINE_MAX = 50_000  # points a source keeps of its watermark timeline
 
 Sender = Callable[[ChannelId, tuple[ChannelId, int, Any]], Awaitable[Any]]
@@ -234,6 +245,9 @@ class OperatorInstance:
         self._barriers_closed = False  # sources: past the last barrier they will ever emit
         self._outputs_closed = False  # EndOfStream sent (or being sent) on every output
         self._unconnected: set[ChannelId] = set()  # new receivers not routed to yet
+        self._switched_epoch = 0  # the last rescale epoch this instance switched at
+        self.row_cost_s = 0.0  # keyed steps: seconds of work per record (moving average)
+        self.inbox.on_overtaking = self._overtake_outputs
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
@@ -258,6 +272,15 @@ class OperatorInstance:
             self.outputs.append((part, channels))
         if isinstance(self.processor, KeyedProcessor):
             self.processor.engine.poke = self.inbox.poke
+
+    def _overtake_outputs(self, barrier: Barrier) -> None:
+        """A rescale barrier is on its way here (or, at a source, injected): until it went out,
+        this instance's pushes do not wait for credit, so it is not held behind a backlog
+        downstream (bounded: what the instance is sending now, then the barrier)."""
+        if barrier.epoch > self._switched_epoch:
+            for _, channels in self.outputs:
+                for c in channels:
+                    c.overtake(True)
 
     def _channel_to(self, receiver: ChannelId) -> OutputChannel:
         assert self._sender is not None
@@ -414,6 +437,8 @@ class OperatorInstance:
         if self._barriers_closed:
             return False
         self._pending_barriers.append(barrier)
+        if overtakes(barrier):
+            self._overtake_outputs(barrier)
         return True
 
     def stop(self) -> None:
@@ -455,6 +480,9 @@ class OperatorInstance:
             t_s = time.monotonic() - started
             snap["target_rate_eps"] = pace.rate_at(t_s)
             snap["lag_rows"] = max(0, int(pace.rows_by(t_s)) - self.rows_emitted)
+        snap["backlog_rows"] = self.inbox.backlog_rows()
+        if self.row_cost_s > 0:
+            snap["row_cost_s"] = self.row_cost_s
         snap["inputs"] = len(self.inputs)
         snap["eos"] = len(self._eos)
         snap["barriers_open"] = {e: len(v) for e, v in self._barrier_seen.items()}
@@ -639,6 +667,8 @@ class OperatorInstance:
         while not self._stop:
             if engine is not None:
                 await self._run_released(engine)
+            if self.inbox.incoming_overtaking:  # a rescale barrier is coming in: let it
+                await self.inbox.let_overtaking_in()
             deadline = self._next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             got = await self.inbox.get(timeout)
@@ -647,6 +677,8 @@ class OperatorInstance:
                 if isinstance(item, pa.RecordBatch):
                     self.watermarks.on_records(channel)
                     await self._on_batch(item, channel)
+                elif isinstance(item, OvertakingBarrier):
+                    await self._on_overtaking(channel, item)
                 elif isinstance(item, Barrier):
                     await self._on_barrier(channel, item)
                 elif isinstance(item, Watermark) and channel in self.inputs:
@@ -692,10 +724,22 @@ class OperatorInstance:
         if released:
             with self.metrics.busy():
                 for piece in released:
-                    await self._emit(self.processor.process(piece, count=False))
+                    # in slices: a backlog handed over with the state can be seconds of work,
+                    # and calls (pushes, fetches, the controller's) are answered in between
+                    start = 0
+                    while start < piece.num_rows:
+                        n = self._slice_rows()
+                        part = piece.slice(start, n)
+                        t0 = time.perf_counter()
+                        outs = self.processor.process(part, count=False)
+                        self._learn_cost(time.perf_counter() - t0, part.num_rows)
+                        await self._emit(outs)
+                        start += n
+                        if start < piece.num_rows:
+                            await asyncio.sleep(0)
                 if self._wm_sent > WATERMARK_MIN:  # due timers of arrived sub-groups
                     await self._emit(self.processor.on_watermark(self._wm_sent))
-        if self._wm_deferred is not None and not engine.pending_rows:
+        if self._wm_deferred is not None and not engine.holds_watermark:
             w, self._wm_deferred = self._wm_deferred, None
             await self._on_watermark(w)
         task = engine.task
@@ -733,25 +777,82 @@ class OperatorInstance:
                     self.latency.record(ingest, now, weights)
                 self.writer.write(batch)
                 m.record_in(batch.num_rows, now)
-            elif self._serving() and batch.num_rows > SERVE_SLICE_ROWS:
-                # an old owner mid-migration: new owners wait for its sealed sub-groups, so it
-                # takes a large batch in slices and lets their fetches in between (a slice is
-                # processed as a smaller batch would be; order within the batch is kept)
-                for start in range(0, batch.num_rows, SERVE_SLICE_ROWS):
-                    piece = batch.slice(start, SERVE_SLICE_ROWS)
+            elif keyed and batch.num_rows > self._slice_rows():
+                # a large batch in slices (processed as smaller batches would be; order kept):
+                # fetches of moved state are served in between, and a rescale barrier that
+                # arrives meanwhile overtakes the rest (put back in front of the queue)
+                start = 0
+                while start < batch.num_rows:
+                    if (self.inbox.overtaking or self.inbox.incoming_overtaking) and start:
+                        self.inbox.put_back(channel, [batch.slice(start)])
+                        return
+                    n = self._slice_rows()
+                    piece = batch.slice(start, n)
+                    t0 = time.perf_counter()
                     outs = self.processor.process(piece, **kw)
+                    self._learn_cost(time.perf_counter() - t0, piece.num_rows)
                     m.record_in(piece.num_rows)
                     await self._emit(outs)
+                    start += n
                     await asyncio.sleep(0)
             else:
+                t0 = time.perf_counter()
                 outs = self.processor.process(batch, **kw)
+                if keyed:
+                    self._learn_cost(time.perf_counter() - t0, batch.num_rows)
                 m.record_in(batch.num_rows)
                 await self._emit(outs)
+
+    def _slice_rows(self) -> int:
+        """Rows of a slice: about SLICE_TARGET_S of work at the measured cost (SERVE_SLICE_ROWS
+        while unmeasured); while serving moved state, SERVE_SLICE_TARGET_S and at most
+        SERVE_SLICE_ROWS (each round trip of a new owner's fetch waits for one slice)."""
+        cost = self.row_cost_s
+        serving = self._serving()
+        target = SERVE_SLICE_TARGET_S if serving else SLICE_TARGET_S
+        rows = SERVE_SLICE_ROWS if cost <= 0 else max(SLICE_MIN_ROWS, int(target / cost))
+        return min(rows, SERVE_SLICE_ROWS) if serving else rows
+
+    def _learn_cost(self, elapsed_s: float, rows: int) -> None:
+        if rows > 0:
+            cost = elapsed_s / rows
+            self.row_cost_s = cost if self.row_cost_s <= 0 else 0.8 * self.row_cost_s + 0.2 * cost
 
     def _serving(self) -> bool:
         """Sub-groups of this instance are still to be handed out in a running migration."""
         engine = self.engine
         return engine is not None and engine.task is not None and bool(engine.task.outgoing)
+
+    async def _on_overtaking(self, channel: ChannelId, item: OvertakingBarrier) -> None:
+        """A rescale barrier that overtook ``item.pre_barrier`` (batches sent before it on
+        ``channel``, not read yet). The old owner of the step being rescaled holds back their
+        records of outgoing sub-groups (handed out with their state, so those can be sealed
+        without processing the backlog first); the rest goes back in front of the queue and is
+        processed in order, after the switch."""
+        barrier = item.barrier
+        engine = self.engine
+        pre = item.pre_barrier
+        if (
+            pre
+            and isinstance(self.processor, KeyedProcessor)
+            and engine is not None
+            and engine.task is not None
+            and engine.task.epoch == barrier.epoch
+            and barrier.payload["step"] == self.step.name
+            and engine.task.outgoing
+        ):
+            kw = {"input": self._input_of.get(channel[0], 0)}
+            stay = []
+            for batch in pre:
+                rows = batch.num_rows
+                rest = self.processor.hold_back(batch, **kw)
+                kept = 0 if rest is None else rest.num_rows
+                self.metrics.record_in(rows - kept)  # taken in here, applied by the new owner
+                if rest is not None:
+                    stay.append(rest)
+            pre = stay
+        self.inbox.put_back(channel, pre)
+        await self._on_barrier(channel, barrier)
 
     async def _on_barrier(self, channel: ChannelId, barrier: Barrier) -> None:
         """Count a barrier per input channel. Checkpoint barriers (and rescale barriers of a
@@ -813,6 +914,10 @@ class OperatorInstance:
         table from now on, and close channels to instances the new table retires."""
         await self._apply_rescale(barrier)
         await self._forward_barrier(barrier)
+        self._switched_epoch = max(self._switched_epoch, barrier.epoch)
+        for _, channels in self.outputs:
+            for c in channels:
+                c.overtake(False)
         table: RoutingTable = barrier.payload["table"]
         if barrier.payload.get("final"):
             for part, channels in self.outputs:
@@ -860,7 +965,7 @@ class OperatorInstance:
         (a rescale) wait here, the instance keeps its watermark and applies the newest one once
         they ran (else they would count as late, and their windows fire without them)."""
         engine = self.engine
-        if watermark is not None and engine is not None and engine.pending_rows:
+        if watermark is not None and engine is not None and engine.holds_watermark:
             self._wm_deferred = max(self._wm_deferred or watermark, watermark)
             return
         await self._on_watermark(watermark)

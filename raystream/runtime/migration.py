@@ -12,12 +12,17 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
   or all at once, as the strategy's :class:`FetchPolicy` says. A sub-group comes in chunks of at
   most ``chunk_bytes`` (one ``serve`` call each, resumed where the last stopped), with at most
   ``inflight_chunks`` calls outstanding per (new owner, old owner) pair.
-* The old owner serves one chunk at a time, on-demand requests before background pulls; the
+* The old owner serves one chunk at a time, on-demand requests before background pulls (the
+  requests queued meanwhile back to back, for up to ``SERVE_BURST_S``); the
   sub-groups it hands out are evicted from its write-back cache once, at the seal, and the
   rest of its cache stays.
 * A sub-group is released (its buffered records processed, then new ones directly) when it
   arrived, or with ``hold="all_moved"`` when every incoming sub-group arrived.
 * Heat (what hot-first orders by) is a decaying rate per sub-group (:class:`DecayingHeat`).
+* Queued work moves with the state: a rescale barrier overtakes the old owner's queued batches,
+  and the records of outgoing sub-groups in them (sent before the barrier, not applied) are held
+  back (``hold_back``) and handed out with the chunk that completes their sub-group; the new owner
+  applies the state, then those records (per channel, in order), then the records it buffered.
 """
 
 from __future__ import annotations
@@ -37,7 +42,12 @@ import pyarrow as pa
 from raystream.errors import StateError
 from raystream.rescale import FetchPolicy
 
-__all__ = ["DecayingHeat", "MigrationEngine", "MigrationTask", "PrioritySlots"]
+__all__ = ["HANDOVER_META", "DecayingHeat", "MigrationEngine", "MigrationTask", "PrioritySlots"]
+
+# the old owner serves queued requests back to back for up to this long before records run again
+SERVE_BURST_S = 0.02
+# schema metadata of a batch of records handed over with a sub-group's state: its sub-group
+HANDOVER_META = b"raystream.handover"
 
 # fetch(owner_index, epoch, sub_groups, max_bytes, urgent) -> (completed sub-groups, chunks)
 Fetcher = Callable[
@@ -165,6 +175,13 @@ class MigrationTask:
     serve_wait_ms: list[float] = field(default_factory=list)
     # new owner: most serve calls outstanding to one old owner at once
     max_inflight_chunks: int = 0
+    # queued records handed over with their sub-group (old owner: out; new owner: in)
+    handover_rows_out: int = 0
+    handover_rows_in: int = 0
+    # wall-clock seconds (time.time) of the switch here, the seal, the first on-demand chunk out
+    activated_wall: float | None = None
+    sealed_wall: float | None = None
+    first_urgent_served_wall: float | None = None
 
 
 class MigrationEngine:
@@ -203,6 +220,9 @@ class MigrationEngine:
         self.poke: Callable[[], None] = lambda: None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._released = asyncio.Event()
+        # old owner: pre-barrier records of outgoing sub-groups, not applied, to hand out
+        self.handover: dict[int, list[pa.RecordBatch]] = {}
+        self.handover_rows = 0
 
     # ---- record path -----------------------------------------------------------------------
     @property
@@ -261,6 +281,55 @@ class MigrationEngine:
         """More bytes of records wait for their state than ``max_pending_bytes``."""
         return self.pending_bytes > self.max_pending_bytes
 
+    @property
+    def holds_watermark(self) -> bool:
+        """The instance must not advance its watermark: records wait here for their state, or
+        records of outgoing sub-groups wait to be handed out (their windows must not fire here
+        without them), or incoming sub-groups may still bring records sent before the barrier."""
+        task = self.task
+        return bool(
+            self.pending_rows
+            or self.handover_rows
+            or (
+                task is not None
+                and self.migrating
+                and not task.policy.full_restore
+                and len(task.arrived) < len(task.incoming)
+            )
+        )
+
+    def hold_back(self, batch: Any, sub_group: np.ndarray) -> Any:
+        """Old owner, a batch read before the rescale barrier but not applied: the records of
+        outgoing sub-groups are held back (handed out with their state, in this order); returns
+        the rows that stay here (None: none)."""
+        task = self.task
+        if task is None or not task.outgoing or batch.num_rows == 0:
+            return batch
+        if task.sealed.is_set():
+            msg = (
+                f"records sent before the barrier of epoch {task.epoch} reached the old owner "
+                "after it sealed its outgoing sub-groups"
+            )
+            raise StateError(msg)
+        moving = np.zeros(len(self.held), dtype=bool)
+        moving[np.fromiter(task.outgoing, dtype=np.int64, count=len(task.outgoing))] = True
+        out = moving[sub_group]
+        if not out.any():
+            return batch
+        gone = sub_group[out]
+        rest = batch.filter(pa.array(out)) if not out.all() else batch
+        order = np.argsort(gone, kind="stable")
+        sorted_g = gone[order]
+        rest = rest.take(pa.array(order))
+        starts = np.flatnonzero(np.r_[True, sorted_g[1:] != sorted_g[:-1]])
+        bounds = np.append(starts, len(sorted_g))
+        for i, s in enumerate(starts.tolist()):
+            piece = rest.slice(s, int(bounds[i + 1]) - s)
+            self.handover.setdefault(int(sorted_g[s]), []).append(piece)
+            self.handover_rows += piece.num_rows
+        task.handover_rows_out += int(out.sum())
+        return None if out.all() else batch.filter(pa.array(~out))
+
     def take_released(self) -> list[pa.RecordBatch]:
         """Buffered records of sub-groups that may now be processed, in arrival order per
         sub-group; the sub-groups are held from now on."""
@@ -307,6 +376,7 @@ class MigrationEngine:
             return
         task.active = True
         task.activated_at = time.monotonic()
+        task.activated_wall = time.time()
         if task.policy.full_restore:
             return  # stop-and-restart: the controller drives snapshot and restore
         self._spawn(self._background(task))
@@ -328,6 +398,7 @@ class MigrationEngine:
         task = self.task
         if task is not None and task.epoch == epoch and not task.sealed.is_set():
             task.sealed_at = time.monotonic()
+            task.sealed_wall = time.time()
             task.sealed.set()
             self._check_done()
 
@@ -390,7 +461,12 @@ class MigrationEngine:
                 done, chunks = await self.fetcher(
                     owner, task.epoch, remaining, task.policy.chunk_bytes, urgent
                 )
+                handed: dict[int, list[pa.RecordBatch]] = {}
                 for chunk in chunks:
+                    meta = chunk.schema.metadata or {}
+                    if HANDOVER_META in meta:  # records sent before the barrier, not applied
+                        handed.setdefault(int(meta[HANDOVER_META]), []).append(_untag(chunk))
+                        continue
                     task.rows_in += self.backend.import_chunk(chunk)
                     task.bytes_in += chunk.nbytes
             finally:
@@ -399,10 +475,25 @@ class MigrationEngine:
                 msg = f"instance {owner} served nothing of sub-groups {remaining[:5]}..."
                 raise StateError(msg)
             task.arrived.update(done)
+            for g, pieces in handed.items():
+                self._hand_in(task, g, pieces)
             self._releasable.extend(done)
             finished = set(done)
             remaining = [g for g in remaining if g not in finished]
             self.poke()
+
+    def _hand_in(self, task: MigrationTask, g: int, pieces: list[pa.RecordBatch]) -> None:
+        """Records of ``g`` its old owner had not applied: they go before the ones buffered
+        here (sent after the barrier), and run right after ``g``'s state is in."""
+        if g not in task.incoming:
+            msg = f"records of sub-group {g} were handed over, but it is not incoming here"
+            raise StateError(msg)
+        self.pending[g] = pieces + self.pending.get(g, [])
+        self.pending_since.setdefault(g, time.monotonic())
+        rows = sum(p.num_rows for p in pieces)
+        self.pending_rows += rows
+        self.pending_bytes += sum(p.nbytes for p in pieces)
+        task.handover_rows_in += rows
 
     async def _background(self, task: MigrationTask) -> None:
         policy = task.policy
@@ -483,26 +574,34 @@ class MigrationEngine:
         if not task.evicted:  # once: the moving sub-groups leave the cache, the rest stays
             self.backend.evict_sub_groups(divmod(g, self.sub_groups) for g in task.outgoing)
             task.evicted = True
+        burst_from = time.monotonic()
         while self.task is task:
             if not self._serve_queue:
                 self._serve_wake.clear()
                 await self._serve_wake.wait()
+                burst_from = time.monotonic()
                 continue
             _, _, req = heapq.heappop(self._serve_queue)
             if req.urgent:
                 start = max(req.arrived_at, task.sealed_at)
                 task.serve_wait_ms.append((time.monotonic() - start) * 1000)
+                if task.first_urgent_served_wall is None:
+                    task.first_urgent_served_wall = time.time()
             try:
                 req.future.set_result(self._serve_chunk(task, req.groups, req.max_bytes))
             except Exception as e:  # noqa: BLE001 - the requester's call fails with it
                 req.future.set_exception(e)
-            await asyncio.sleep(0)  # records, and new (urgent) requests, between chunks
+            if self._serve_queue and time.monotonic() - burst_from < SERVE_BURST_S:
+                continue  # requests queued while records ran: serve them together
+            await asyncio.sleep(0)  # records, and new (urgent) requests, between bursts
+            burst_from = time.monotonic()
 
     def _serve_chunk(
         self, task: MigrationTask, groups: list[int], max_bytes: int
     ) -> tuple[list[int], list[pa.RecordBatch]]:
         done: list[int] = []
         pieces: list[pa.RecordBatch] = []
+        records: list[pa.RecordBatch] = []
         room = max_bytes
         for g in groups:
             if g not in task.outgoing:
@@ -523,6 +622,9 @@ class MigrationEngine:
             self.held[g] = False
             task.outgoing.discard(g)
             done.append(g)
+            for rec in self.handover.pop(g, ()):  # with the chunk that completes the sub-group
+                self.handover_rows -= rec.num_rows
+                records.append(_tag(rec, g))
             if room <= 0:
                 break
         chunk = _concat(pieces)
@@ -530,7 +632,7 @@ class MigrationEngine:
         task.bytes_out += chunk.nbytes
         task.max_chunk_bytes = max(task.max_chunk_bytes, chunk.nbytes)
         self._check_done()
-        return done, [chunk] if chunk.num_rows else []
+        return done, ([chunk] if chunk.num_rows else []) + records
 
     # ---- waiting ----------------------------------------------------------------------------
     async def wait_released(self) -> None:
@@ -562,6 +664,11 @@ class MigrationEngine:
             "chunks_out": t.chunks_out,
             "max_chunk_bytes": t.max_chunk_bytes,
             "max_inflight_chunks": t.max_inflight_chunks,
+            "handover_rows_out": t.handover_rows_out,
+            "handover_rows_in": t.handover_rows_in,
+            "activated_wall": t.activated_wall,
+            "sealed_wall": t.sealed_wall,
+            "first_urgent_served_wall": t.first_urgent_served_wall,
             "duration_s": (t.finished_at - t.activated_at)
             if t.finished_at and t.activated_at
             else None,
@@ -579,6 +686,17 @@ class MigrationEngine:
             self.poke()
 
     error: BaseException | None = None
+
+
+def _tag(batch: pa.RecordBatch, g: int) -> pa.RecordBatch:
+    meta = dict(batch.schema.metadata or {})
+    meta[HANDOVER_META] = str(g).encode()
+    return batch.replace_schema_metadata(meta)
+
+
+def _untag(batch: pa.RecordBatch) -> pa.RecordBatch:
+    meta = {k: v for k, v in (batch.schema.metadata or {}).items() if k != HANDOVER_META}
+    return batch.replace_schema_metadata(meta or None)
 
 
 def _concat(pieces: list[pa.RecordBatch]) -> pa.RecordBatch:

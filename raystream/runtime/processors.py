@@ -356,6 +356,20 @@ class KeyedProcessor:
         kb = group_by_key(ready, keys, self.key_space, self.key_column)
         return self._run_user(kb, input)
 
+    def hold_back(self, batch: pa.RecordBatch, *, input: int = 0) -> pa.RecordBatch | None:
+        """Old owner at a rescale switch, a batch sent before the barrier and not processed: the
+        records of sub-groups this instance hands out are held back by the engine (they go with
+        their state); returns the rows that stay here (None: none)."""
+        if len(self.key_specs) > 1:  # handed-over pieces must remember their input
+            meta = dict(batch.schema.metadata or {})
+            meta[INPUT_META] = str(input).encode()
+            batch = batch.replace_schema_metadata(meta)
+        batch, keys = materialise_key(batch, self.key_specs[input])
+        h = stable_hash(keys)
+        ks = self.key_space
+        sub_group = ks.key_group(h).astype(np.int64) * ks.sub_groups + ks.sub_group(h)
+        return self.engine.hold_back(batch, sub_group)  # type: ignore[no-any-return]
+
     def _run_user(self, kb: KeyedBatch, input: int = 0) -> list[pa.RecordBatch]:
         # the instance holds its watermark while records of moving sub-groups wait, so released
         # records are never behind it (OperatorInstance._advance_watermark)
