@@ -4,12 +4,13 @@
     raystream submit examples/keycount_job.py -p count=2 --address http://127.0.0.1:8265
     raystream status keycount
     raystream rescale keycount count 4 --strategy meces
+    raystream update keycount count mypackage.ops:count_v2
     raystream stop keycount
     raystream demo
 
-``status``, ``rescale`` and ``stop`` connect to the Ray cluster in ``RAY_ADDRESS`` (its GCS address
-HOST:PORT), else to the one already running on this machine (``address="auto"``), and find the
-job's controller by name. ``submit`` talks to the cluster's job server (dashboard, HTTP).
+``status``, ``rescale``, ``update`` and ``stop`` connect to the Ray cluster in ``RAY_ADDRESS``
+(its GCS address HOST:PORT), else to the one already running on this machine
+(``address="auto"``), and find the job's controller by name. ``submit`` talks to the cluster's job server (dashboard, HTTP).
 """
 
 from __future__ import annotations
@@ -235,6 +236,21 @@ def status(job: str, as_json: bool) -> None:
             f"{last.get('checkpoint_id')} took {last.get('duration_s', 0):.2f} s "
             f"({last.get('uploaded_bytes', 0):,} bytes uploaded)"
         )
+    if st.get("graph_version") is not None:
+        graph = ", ".join(
+            f"{g['step']} ({g['kind']} {g['function']})"
+            for g in st.get("graph") or []
+            if g["kind"] not in ("source", "sink")
+        )
+        console.print(f"graph version {st['graph_version']}: {graph}")
+    for c in st.get("reconfigurations") or []:
+        peak = c.get("peak_latency_ms")
+        moved = ", ".join(f"{k} {v:,}" for k, v in (c.get("moved") or {}).items())
+        console.print(
+            f"{c['kind']} {c['step']!r} at epoch {c['epoch']}: t={c['start_s']:.1f}-"
+            f"{c['end_s']:.1f}s, {c['change']}; moved: {moved or 'nothing'}"
+            + ("" if peak is None else f"; peak latency {peak:g} ms")
+        )
     for r in st.get("recoveries") or []:
         console.print(
             f"recovery {r['attempt']}: t={r['at_s']:.1f}s {r['instance']} failed; restarted from "
@@ -268,6 +284,32 @@ def rescale(job: str, step: str, parallelism: int, strategy: str | None) -> None
         f"rescaled {step!r} {stats['from']} -> {stats['to']} with {stats['strategy']} in "
         f"{stats['duration_s']:.2f} s: moved {stats['moved_key_groups']} key groups, "
         f"{stats['moved_bytes']:,} bytes, {stats['on_demand_fetches']} on-demand fetches"
+    )
+
+
+@main.command()
+@click.argument("job")
+@click.argument("step")
+@click.argument("operator")
+@click.option(
+    "--migrate-state",
+    default=None,
+    help="module:attr of a function old state value -> new value (a changed state form)",
+)
+def update(job: str, step: str, operator: str, migrate_state: str | None) -> None:
+    """Replace the function of STEP of the running JOB by OPERATOR (module:attr of an operator
+    made with @rs.map, @rs.keyed, ...). It takes over at a barrier; keyed state is kept."""
+    import raystream as rs
+    from raystream.reconfigure import load_object
+
+    op = load_object(operator)  # refused here, before connecting, when it does not import
+    migrate = load_object(migrate_state, "state migration function") if migrate_state else None
+    _connect()
+    rec = rs.attach(job).replace(step, op, migrate_state=migrate)
+    click.echo(
+        f"replaced the function of {step!r} at epoch {rec['epoch']} in {rec['duration_s']:.2f} s: "
+        f"{rec['change']} (graph version {rec['graph_version']}, "
+        f"{rec['moved'].get('migrated_state_rows', 0):,} state rows migrated)"
     )
 
 

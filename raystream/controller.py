@@ -29,13 +29,14 @@ from raystream.plugins import MIGRATION_STRATEGIES
 from raystream.plugins import load as load_plugin
 from raystream.rescale import FetchPolicy, RescaleContext
 from raystream.runtime.instance import RuntimeConfig
+from raystream.reconfigurations import Reconfigurations
 from raystream.recovery import Recovery
 from raystream.runtime.messages import Barrier, ChannelId
 
 __all__ = ["Controller"]
 
 
-class Controller(Recovery):
+class Controller(Recovery, Reconfigurations):
     """Owns one running job."""
 
     def __init__(
@@ -102,6 +103,8 @@ class Controller(Recovery):
         self._heartbeats: dict[ChannelId, float] = {}
         self._hung: dict[ChannelId, str] = {}
         self._source_emitted: dict[ChannelId, int] = {}
+        self.reconfigurations: list[dict[str, Any]] = []  # one record per change (every kind)
+        self.graph_version = 1  # +1 per completed change of the running graph
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, self_handle: Any) -> dict[str, Any]:
@@ -287,8 +290,11 @@ class Controller(Recovery):
         self._epoch += 1
         return self._epoch
 
-    async def inject(self, barrier: Barrier, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """Inject ``barrier`` at every source; wait until every instance has acknowledged it."""
+    async def inject(
+        self, barrier: Barrier, timeout_s: float = 60.0, taken: list[bool] | None = None
+    ) -> list[dict[str, Any]]:
+        """Inject ``barrier`` at every source; wait until every instance has acknowledged it.
+        ``taken`` gets each source's answer (False: its input had ended, it emits no barrier)."""
         if self.state != "running":
             from raystream.errors import ConfigError
 
@@ -299,9 +305,11 @@ class Controller(Recovery):
         self._barrier_expected[barrier.epoch] = {
             i for i in self.handles if i not in self.outcomes and i not in self.retired
         }
-        await asyncio.gather(
+        answers = await asyncio.gather(
             *(self.handles[s].inject_barrier.remote(barrier) for s in self.plan.sources)
         )
+        if taken is not None:
+            taken.extend(bool(a) for a in answers)
         done = self._barrier_done[barrier.epoch]
         deadline = time.monotonic() + timeout_s
         try:
@@ -459,6 +467,7 @@ class Controller(Recovery):
         current = old
         stats: list[dict[str, Any]] = []
         moved: set[int] = set()
+        epochs: list[int] = []
         policy = plan.policy
         for k, table in enumerate(plan.steps):
             if self._sources_done() and not switched:
@@ -467,6 +476,7 @@ class Controller(Recovery):
                 msg = f"the sources finished; {k} of {len(plan.steps)} migration steps were done"
                 raise RuntimeError(msg)
             epoch = self._next_epoch()
+            epochs.append(epoch)
             table = RoutingTable(epoch=epoch, owners=table.owners, parallelism=table.parallelism)
             final = k == len(plan.steps) - 1
             tasks = _migration_tasks(current, table, width, s, heat, policy, epoch)
@@ -544,6 +554,19 @@ class Controller(Recovery):
             ),
         }
         self.rescales.append(record)
+        self._record_reconfiguration(
+            "rescale",
+            step,
+            t0,
+            t1,
+            epochs=epochs,
+            moved={
+                "key_groups": record["moved_key_groups"],
+                "bytes": record["moved_bytes"],
+                "rows": record["moved_rows"],
+            },
+            change=f"parallelism {old.parallelism} -> {parallelism} ({plan.strategy})",
+        )
         return record
 
     async def _await_migration(
@@ -764,6 +787,8 @@ class Controller(Recovery):
             "routing_epochs": {n: t.epoch for n, t in self.routing.items()},
             "rescaling": self._rescale_lock.locked(),
             "queued_rescales": self._queued,
+            "graph_version": self.graph_version,
+            "graph": self.graph(),
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
             "checkpoints": self.checkpoint_summary(),
             "recoveries": list(self.recoveries),
@@ -780,7 +805,8 @@ class Controller(Recovery):
         snaps = [s for s in snaps if isinstance(s, dict)]
         snaps += [o.get("metrics", {}) for o in self.outcomes.values()]
         lat = [s["latency"] for s in snaps if s.get("latency")]
-        summary = LatencyRecorder.merge_snapshots(lat).summary() if lat else None
+        merged = LatencyRecorder.merge_snapshots(lat) if lat else None
+        summary = merged.summary() if merged is not None else None
         return {
             "job": self.flow.name,
             "state": self.state,
@@ -788,6 +814,7 @@ class Controller(Recovery):
             "latency": summary,
             "recoveries": list(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
+            "reconfigurations": self.reconfiguration_records(merged),
         }
 
     async def status(self) -> dict[str, Any]:

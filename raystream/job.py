@@ -139,6 +139,26 @@ class Job:
             )
             raise RescaleError(msg) from e
 
+    def replace(
+        self,
+        step: str,
+        operator: Any,
+        *,
+        migrate_state: Any = None,
+        key: str | None = None,
+    ) -> dict[str, Any]:
+        """Replace the function of operator step ``step`` by ``operator`` (made with the step's
+        decorator kind; a keyed step takes @rs.keyed or @rs.keyed_batches) while the job runs.
+        The new function takes over at a barrier: every record before it went through the old
+        function, every record after it goes through the new one, on every instance; keyed state
+        is kept. ``migrate_state``: a function old value -> new value (or a dict of them per
+        state name) for a state whose stored form changes. ``key``: if given, must be the step's
+        key column. A function that does not fit is refused (ReconfigurationError) before
+        anything changes. Returns the change's record (see ``metrics()["reconfigurations"]``)."""
+        return ray.get(  # type: ignore[no-any-return]
+            self.controller.replace_function.remote(step, operator, migrate_state, key)
+        )
+
     def stop(self, *, checkpoint: bool = True) -> JobResult | None:
         """Stop the job: first a final checkpoint (sinks publish what came before it; the job can
         resume from it with ``from_checkpoint="latest"``), then every instance ends.

@@ -10,7 +10,7 @@ import asyncio
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -795,6 +795,11 @@ class OperatorInstance:
                 if upload is not None:
                     self.checkpoints.finish_later(upload, info, self._report)
                     continue
+            elif barrier.kind == "replace":  # aligned: every input delivered it
+                if barrier.payload["step"] == self.step.name:
+                    info["migrated_rows"] = await self._apply_replace(barrier)
+                await self._forward_barrier(barrier)
+                self.inbox.unblock_all()
             elif barrier.payload.get("aligned"):
                 await self._switch(barrier)
                 if mine and engine is not None:
@@ -803,6 +808,21 @@ class OperatorInstance:
             if mine and engine is not None:
                 engine.seal(epoch)
             self._report("barrier", info)
+
+    async def _apply_replace(self, barrier: Barrier) -> int:
+        """Replace barrier aligned here: every record before it went through the old function;
+        the new one (and its state form) takes every record after it."""
+        step = barrier.payload["new_step"]
+        migrations = barrier.payload.get("migrations") or {}
+        rows = 0
+        if isinstance(self.processor, KeyedProcessor):
+            with self.metrics.busy():
+                rows = await asyncio.to_thread(self.processor.replace_step, step, migrations)
+        elif self.processor is not None:
+            self.processor.step = step
+        self.step = step
+        self.spec = replace(self.spec, step=step)
+        return rows
 
     async def _switch(self, barrier: Barrier) -> None:
         """Send what was routed by the old table, forward the barrier everywhere, route by the new
