@@ -5,12 +5,14 @@
     raystream status keycount
     raystream rescale keycount count 4 --strategy meces
     raystream update keycount count mypackage.ops:count_v2
+    raystream move keycount count 0 <node id>
     raystream stop keycount
     raystream demo
 
-``status``, ``rescale``, ``update`` and ``stop`` connect to the Ray cluster in ``RAY_ADDRESS``
-(its GCS address HOST:PORT), else to the one already running on this machine
-(``address="auto"``), and find the job's controller by name. ``submit`` talks to the cluster's job server (dashboard, HTTP).
+``status``, ``rescale``, ``update``, ``move`` and ``stop`` connect to the Ray cluster in
+``RAY_ADDRESS`` (its GCS address HOST:PORT), else to the one already running on this machine
+(``address="auto"``), and find the job's controller by name. ``submit`` talks to the cluster's
+job server (dashboard, HTTP).
 """
 
 from __future__ import annotations
@@ -310,6 +312,26 @@ def update(job: str, step: str, operator: str, migrate_state: str | None) -> Non
         f"replaced the function of {step!r} at epoch {rec['epoch']} in {rec['duration_s']:.2f} s: "
         f"{rec['change']} (graph version {rec['graph_version']}, "
         f"{rec['moved'].get('migrated_state_rows', 0):,} state rows migrated)"
+    )
+
+
+@main.command()
+@click.argument("job")
+@click.argument("step")
+@click.argument("index", type=int)
+@click.argument("node_id")
+def move(job: str, step: str, index: int, node_id: str) -> None:
+    """Move instance INDEX of keyed STEP of the running JOB to the node NODE_ID (Ray node id, as
+    `raystream status` shows): a new actor there takes over its key groups, the old one retires."""
+    import raystream as rs
+
+    _connect()
+    rec = rs.attach(job).move(step, index, node_id)
+    moved = rec["moved"]
+    click.echo(
+        f"moved {step!r}/{index} at epoch {rec['epoch']} in {rec['duration_s']:.2f} s: "
+        f"{rec['change']}; {moved['key_groups']} key groups, {moved['bytes']:,} bytes, "
+        f"{moved['on_demand_fetches']} on-demand fetches"
     )
 
 

@@ -105,6 +105,7 @@ class Controller(Recovery, Reconfigurations):
         self._source_emitted: dict[ChannelId, int] = {}
         self.reconfigurations: list[dict[str, Any]] = []  # one record per change (every kind)
         self.graph_version = 1  # +1 per completed change of the running graph
+        self.slots: dict[tuple[str, int], ChannelId] = {}  # routing index -> instance, if moved
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, self_handle: Any) -> dict[str, Any]:
@@ -454,7 +455,9 @@ class Controller(Recovery, Reconfigurations):
         s = self.flow.key_space.sub_groups
         live = [i for i in range(old.parallelism)]
         heat = np.sum(
-            await asyncio.gather(*(self.handles[(step, i)].sub_group_load.remote() for i in live)),
+            await asyncio.gather(
+                *(self.handles[self._at(step, i)].sub_group_load.remote() for i in live)
+            ),
             axis=0,
         )
         kg_load = heat.reshape(-1, s).sum(axis=1)
@@ -463,7 +466,7 @@ class Controller(Recovery, Reconfigurations):
         if parallelism > old.parallelism:
             await self._spawn(step, range(old.parallelism, parallelism))
         width = max(parallelism, old.parallelism)
-        peers = {i: self.handles[(step, i)] for i in range(width)}
+        peers = {i: self.handles[self._at(step, i)] for i in range(width)}
         current = old
         stats: list[dict[str, Any]] = []
         moved: set[int] = set()
@@ -515,7 +518,7 @@ class Controller(Recovery, Reconfigurations):
         self.parallelism[step] = parallelism
         asyncio.get_running_loop().create_task(self._fill_standby())
         for i in range(parallelism, old.parallelism):
-            self.retired.add((step, i))
+            self.retired.add(self._at(step, i))
         t1 = time.time()
         waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
         # per old owner and migration step: the wait of its first on-demand request, from the

@@ -159,6 +159,17 @@ class Job:
             self.controller.replace_function.remote(step, operator, migrate_state, key)
         )
 
+    def move(self, step: str, index: int, node_id: str, **fetch: Any) -> dict[str, Any]:
+        """Move instance ``index`` of keyed step ``step`` to the node ``node_id`` (a Ray node id;
+        ``raystream status`` shows where each instance runs): a new actor there takes over the
+        instance's key groups, fetching on demand first and the rest hottest first as in a
+        rescale, then the old actor retires. ``fetch``: FetchPolicy options (chunk_bytes, ...).
+        An unknown step, index or node is refused (ReconfigurationError) before anything
+        changes. Returns the change's record (see ``metrics()["reconfigurations"]``)."""
+        return ray.get(  # type: ignore[no-any-return]
+            self.controller.move.remote(step, index, node_id, fetch)
+        )
+
     def stop(self, *, checkpoint: bool = True) -> JobResult | None:
         """Stop the job: first a final checkpoint (sinks publish what came before it; the job can
         resume from it with ``from_checkpoint="latest"``), then every instance ends.

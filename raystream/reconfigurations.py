@@ -16,6 +16,7 @@ stays where it is: per key and channel, order is kept and nothing is applied twi
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -63,10 +64,12 @@ class Reconfigurations:
             steps[step], op, key=key, migrate_state=migrate_state
         )
         attempt = self._attempt
+        asked = time.monotonic()
         self._queued += 1
         try:
             async with self._rescale_lock:
                 self._queued -= 1
+                queued_s = time.monotonic() - asked
                 if self._attempt != attempt:
                     msg = (
                         f"job {self.flow.name!r} recovered from a failure while the replacement "
@@ -81,7 +84,9 @@ class Reconfigurations:
                         "sources still read"
                     )
                     raise ReconfigurationError(msg)
-                return await self._replace(step, new_step, migrations, attempt, timeout_s)
+                record = await self._replace(step, new_step, migrations, attempt, timeout_s)
+                record["queued_s"] = queued_s
+                return record
         finally:
             self._queued = max(0, self._queued)
 
@@ -131,6 +136,12 @@ class Reconfigurations:
             moved={"migrated_state_rows": int(sum(a.get("migrated_rows", 0) for a in mine))},
             change=f"{_fn_name(old_fn)} -> {_fn_name(new_step.fn)}",
             instances=len(mine),
+            # where each source emitted the barrier: the records before it went to the old fn
+            source_offsets={
+                f"{a['instance'][0]}/{a['instance'][1]}": int(a["source_offset"])
+                for a in acks
+                if "source_offset" in a
+            },
         )
         if self.config.checkpoint_interval_s > 0 or self.config.checkpoint_dir:
             # a recovery restarts with the new function: give it a checkpoint taken after it
@@ -153,6 +164,180 @@ class Reconfigurations:
         for iid, spec in list(self.plan.instances.items()):
             if iid[0] == name:
                 self.plan.instances[iid] = replace(spec, step=replace(spec.step, **fields))
+
+    # ---- move an instance ---------------------------------------------------------------------
+    def _at(self: Any, step: str, index: int) -> Any:
+        """The instance id at routing index ``index`` of ``step`` (another id after a move)."""
+        iid = self.slots.get((step, index))
+        return iid if iid is not None and iid in self.specs else (step, index)
+
+    async def move(
+        self: Any, step: str, index: int, node_id: str, strategy_args: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Move instance ``index`` of keyed step ``step`` to node ``node_id``: a new actor there
+        takes over its key groups (on-demand fetches first, the rest hottest first, as in a
+        rescale) and the old actor retires. Queued like a rescale. An unknown step, index or
+        node is refused (ReconfigurationError) before anything changes."""
+        from raystream.placement import cluster_nodes
+
+        steps = self.plan.steps
+        if step not in steps or not steps[step].is_keyed:
+            keyed = [n for n, s in steps.items() if s.is_keyed]
+            what = "no such step" if step not in steps else f"it is a {steps[step].kind} step"
+            msg = f"cannot move an instance of {step!r}: {what}; keyed steps can be moved: {keyed}"
+            raise ReconfigurationError(msg)
+        if not self.config.migration_support:
+            msg = "this job runs with migration_support=False; restart it with it on to move"
+            raise ReconfigurationError(msg)
+        nodes = await asyncio.to_thread(cluster_nodes)
+        if node_id not in {n.node_id for n in nodes}:
+            known = ", ".join(f"{n.node_id} ({n.address})" for n in nodes)
+            msg = (
+                f"cannot move {step!r}/{index} to node {node_id!r}: no alive node has that id; "
+                f"the nodes are: {known}"
+            )
+            raise ReconfigurationError(msg)
+        attempt = self._attempt
+        self._queued += 1
+        try:
+            async with self._rescale_lock:
+                self._queued -= 1
+                p = self.parallelism[step]
+                if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < p:
+                    msg = (
+                        f"cannot move {step!r}/{index}: the step has instances 0..{p - 1} "
+                        "(routing indexes)"
+                    )
+                    raise ReconfigurationError(msg)
+                if self._attempt != attempt or self.state != "running" or self._sources_done():
+                    msg = (
+                        f"job {self.flow.name!r} is {self.state}"
+                        f"{' and its sources finished' if self._sources_done() else ''}"
+                        f"{' (it recovered meanwhile)' if self._attempt != attempt else ''}: "
+                        f"{step!r}/{index} was not moved"
+                    )
+                    raise ReconfigurationError(msg)
+                return await self._move(step, index, node_id, dict(strategy_args or {}))
+        finally:
+            self._queued = max(0, self._queued)
+
+    async def _move(
+        self: Any, step: str, index: int, node_id: str, fetch: dict[str, Any]
+    ) -> dict[str, Any]:
+        from pathlib import Path
+
+        import numpy as np
+
+        from raystream.keys import RoutingTable
+        from raystream.rescale import FetchPolicy
+        from raystream.runtime.actors import InstanceActor
+
+        t0 = time.time()
+        p = self.parallelism[step]
+        current = self.routing[step]
+        old_iid = self._at(step, index)
+        old = self.handles[old_iid]
+        s = self.flow.key_space.sub_groups
+        heat = np.asarray(await old.sub_group_load.remote())
+        # a fresh channel id: past any routing index a rescale can use (<= num_key_groups)
+        self._moves = getattr(self, "_moves", 0) + 1
+        new_iid = (step, self.flow.key_space.num_key_groups + self._moves)
+        epoch = self._next_epoch()
+        template = self.specs[old_iid]
+        upstream = [
+            iid
+            for iid in self.specs
+            if iid[0] in template.step.upstream and iid not in self.retired
+        ]
+        outputs = tuple(
+            replace(o, routing=self.routing.get(o.step), parallelism=self.parallelism[o.step])
+            for o in template.outputs
+        )
+        spec = replace(
+            template,
+            index=new_iid[1],
+            inputs=tuple(upstream),
+            outputs=outputs,
+            owned_key_groups=(),
+            state_path=str(Path(self.plan_dir) / step / f"{new_iid[1]}-e{epoch}"),
+            restore=None,
+        )
+        options = self.plan.steps[step].actor
+        handle = InstanceActor.options(
+            max_concurrency=10_000, **options.ray_options(node_id)
+        ).remote(spec)
+        self.specs[new_iid] = spec
+        self.handles[new_iid] = handle
+        self.nodes[new_iid] = await handle.ping.remote()
+        downstream = {(o.step, j) for o in outputs for j in range(o.parallelism)}
+        await handle.connect.remote(self._receivers_of(new_iid), self._self)
+        await asyncio.gather(*(self.handles[d].add_inputs.remote([new_iid]) for d in downstream))
+        await asyncio.gather(
+            *(self.handles[u].add_receivers.remote({new_iid: handle}) for u in upstream)
+        )
+        self._run(new_iid)
+        # the plan: a migration whose target gives the old instance's key groups to the new one
+        moving = current.key_groups_of(index).tolist()
+        groups = [g for kg in moving for g in range(kg * s, (kg + 1) * s)]
+        policy = FetchPolicy(**fetch)
+        table = RoutingTable(epoch=epoch, owners=current.owners, parallelism=p)
+        peers = {i: self.handles[self._at(step, i)] for i in range(p)}
+        base = {"epoch": epoch, "policy": policy, "incoming": {}, "outgoing": [], "heat": {}}
+        tasks = {i: dict(base) for i in range(p)}
+        tasks[index] = {**base, "outgoing": groups}
+        arriving = {**base, "incoming": dict.fromkeys(groups, index)}
+        arriving["heat"] = {g: float(heat[g]) for g in groups}
+        await asyncio.gather(
+            *(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(p)),
+            handle.prepare_migration.remote(arriving, peers),
+        )
+        payload = {
+            "step": step,
+            "table": table,
+            "final": True,
+            "aligned": False,
+            "move": {"index": index, "to": new_iid},
+        }
+        taken = await asyncio.gather(
+            *(
+                self.handles[i].inject_barrier.remote(Barrier(epoch, "rescale", payload))
+                for i in self.plan.sources
+            )
+        )
+        if not any(taken):
+            msg = (
+                f"job {self.flow.name!r} reached the end of its input before the move of "
+                f"{step!r}/{index} started: nothing moved (the new actor ends empty)"
+            )
+            raise ReconfigurationError(msg)
+        waiting = {i: peers[i] for i in range(p)}
+        waiting[p] = handle
+        stats = await self._await_migration(step, p, epoch, waiting, p + 1)
+        self.routing[step] = table
+        self.slots[(step, index)] = new_iid
+        self.retired.add(old_iid)
+        t1 = time.time()
+        waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
+        return self._record_reconfiguration(
+            "move",
+            step,
+            t0,
+            t1,
+            epochs=[epoch],
+            moved={
+                "key_groups": len(moving),
+                "bytes": int(sum(st.get("bytes_in", 0) for st in stats)),
+                "rows": int(sum(st.get("rows_in", 0) for st in stats)),
+                "on_demand_fetches": int(sum(st.get("on_demand_fetches", 0) for st in stats)),
+            },
+            change=(
+                f"routing index {index}: {list(old_iid)} on {self.nodes.get(old_iid)} -> "
+                f"{list(new_iid)} on {self.nodes[new_iid]}"
+            ),
+            instance=list(new_iid),
+            node_id=self.nodes[new_iid],
+            fetch_wait_ms_p99=float(np.percentile(waits, 99)) if waits else 0.0,
+        )
 
     # ---- records, graph ------------------------------------------------------------------------
     def _record_reconfiguration(

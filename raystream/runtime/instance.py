@@ -391,8 +391,11 @@ class OperatorInstance:
         """Switch: route the rescaled step's records by the barrier's table from now on."""
         step = barrier.payload["step"]
         table: RoutingTable = barrier.payload["table"]
+        move = barrier.payload.get("move")  # {"index": i, "to": channel id of the new actor}
         for part, channels in self.outputs:
             if isinstance(part, ByKeyGroup) and channels[0].receiver[0] == step:
+                if move is not None:  # what went to index i goes to the new actor from now on
+                    await self._redirect(channels, move["index"], tuple(move["to"]), barrier)
                 # rows already buffered per channel were split by the old table and go first
                 part.table = table
                 while len(channels) < table.parallelism:
@@ -401,6 +404,22 @@ class OperatorInstance:
                     channels.append(self._channel_to(receiver))
                     if self._wm_sent > WATERMARK_MIN:  # a new receiver catches up
                         await channels[-1].push(Watermark(self._wm_sent))
+
+    async def _redirect(
+        self, channels: list[OutputChannel], index: int, to: ChannelId, barrier: Barrier
+    ) -> None:
+        """A move: the channel at routing index ``index`` ends (what was sent before ``barrier``,
+        the barrier, EndOfStream: its old instance hands its state over and retires); a channel
+        to ``to`` takes its place (the barrier goes to it first, with the other channels)."""
+        old = channels[index]
+        await old.flush()
+        await old.push(barrier)
+        await old.push(EndOfStream())
+        await old.drain()
+        self._unconnected.discard(to)
+        channels[index] = self._channel_to(to)
+        if self._wm_sent > WATERMARK_MIN:  # the new instance catches up
+            await channels[index].push(Watermark(self._wm_sent))
 
     # ---- called by senders and the controller --------------------------------------------
     async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
