@@ -263,9 +263,14 @@ class Reconfigurations:
             restore=None,
         )
         options = self.plan.steps[step].actor
-        handle = InstanceActor.options(
-            max_concurrency=10_000, **options.ray_options(node_id)
-        ).remote(spec)
+        handle = await self._take_standby(node_id) if options.is_default else None
+        if handle is not None:  # a warm standby on that node: no process to start
+            await handle.configure.remote(spec)
+            asyncio.get_running_loop().create_task(self._fill_standby())
+        else:
+            handle = InstanceActor.options(
+                max_concurrency=10_000, **options.ray_options(node_id)
+            ).remote(spec)
         self.specs[new_iid] = spec
         self.handles[new_iid] = handle
         self.nodes[new_iid] = await handle.ping.remote()

@@ -241,3 +241,44 @@ def test_cli_update_refuses_a_bad_import_before_connecting() -> None:
     result = CliRunner().invoke(main, ["update", "somejob", "count", "no_such_mod_x:count_v2"])
     assert result.exit_code == 2, result.output
     assert "cannot load the operator 'no_such_mod_x:count_v2'" in result.output
+
+
+def test_cli_status_shows_the_graph_version_and_every_change(monkeypatch: Any) -> None:
+    import raystream.cli as cli
+
+    change = {
+        "kind": "replace",
+        "step": "count",
+        "epoch": 7,
+        "start_s": 3.0,
+        "end_s": 3.25,
+        "change": "ops:count -> ops:count_v2",
+        "moved": {"migrated_state_rows": 1200},
+        "peak_latency_ms": 41.5,
+    }
+    status = {
+        "job": "kc",
+        "state": "running",
+        "parallelism": {"source": 1, "count": 2, "out": 1},
+        "instances": [],
+        "graph_version": 2,
+        "graph": [
+            {"step": "source", "kind": "source", "function": "gen"},
+            {"step": "count", "kind": "keyed_batches", "function": "ops:count_v2"},
+            {"step": "out", "kind": "sink", "function": "collect"},
+        ],
+        "reconfigurations": [change],
+    }
+
+    class _Job:
+        def status(self) -> dict[str, Any]:
+            return status
+
+    monkeypatch.setattr(cli, "_connect", lambda: None)
+    monkeypatch.setattr(rs, "attach", lambda name: _Job())
+    result = CliRunner().invoke(cli.main, ["status", "kc"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "graph version 2: count (keyed_batches ops:count_v2)" in out
+    assert "replace 'count' at epoch 7: t=3.0-3.2s, ops:count -> ops:count_v2" in out
+    assert "migrated_state_rows 1,200; peak latency 41.5 ms" in out
