@@ -123,7 +123,14 @@ class Reconfigurations:
                     "checkpoint with the function it had; request the replacement again"
                 )
                 raise ReconfigurationError(msg) from e
-            raise
+            # the barrier went out and the job runs: every instance switches as it arrives
+            self._adopt_step(step, new_step)
+            msg = (
+                f"the replace barrier of {step!r} (epoch {epoch}) went out, but not every "
+                f"instance acknowledged it in time: {type(e).__name__}: {e}. The instances switch "
+                "to the new function as the barrier reaches them"
+            )
+            raise ReconfigurationError(msg) from e
         self._adopt_step(step, new_step)
         t1 = time.time()
         mine = [a for a in acks if tuple(a["instance"])[0] == step]
