@@ -84,10 +84,11 @@ class _Job:
         channel, seq, item = payload
         return asyncio.ensure_future(self.instances[receiver].push(channel, seq, item))
 
-    async def run(self, new_step: Step) -> None:
+    async def run(self, new_step: Step, migrations: dict[str, Any] | None = None) -> None:
         runs = [asyncio.ensure_future(i.run()) for i in self.instances.values()]
         await asyncio.sleep(0.2)
-        barrier = Barrier(1, "replace", {"step": "count", "new_step": new_step, "aligned": True})
+        payload = {"step": "count", "new_step": new_step, "aligned": True}
+        barrier = Barrier(1, "replace", {**payload, "migrations": migrations or {}})
         for iid in self.plan.sources:  # b emits it ~0.1 s after a: inputs are skewed
             assert self.instances[iid].inject_barrier(barrier), f"{iid} ended before the barrier"
             await asyncio.sleep(0.1)
@@ -133,6 +134,36 @@ def test_replaced_count_function_counts_once_and_tags_only_after_the_barrier(
 
 
 # ---- state migration ---------------------------------------------------------------------
+
+SHIFT = 1_000_000
+
+
+def test_state_migrated_at_the_barrier_is_what_the_new_function_continues_from(
+    tmp_path: Path,
+) -> None:
+    job = _Job(tmp_path)
+    new_step, migrations = check_replacement(
+        job.plan.steps["count"], count_tagged, migrate_state=lambda v: v + SHIFT
+    )
+    asyncio.run(job.run(new_step, migrations))
+    offsets = {a["instance"]: a["source_offset"] for a in job.acks if "source_offset" in a}
+    keys_a, keys_b = _keys(1), _keys(2)
+    total = collections.Counter(keys_a + keys_b)
+    before = collections.Counter(keys_a[: offsets[("a", 0)]] + keys_b[: offsets[("b", 0)]])
+    migrated = sum(a.get("migrated_rows", 0) for a in job.acks)
+    assert migrated == len(before), "one state row per key seen before the barrier"
+    out = job.instances[("out", 0)].result
+    assert isinstance(out, pa.Table)
+    last: dict[int, int] = {}
+    for r in out.to_pylist():
+        k, c = r["key"], r["count"]
+        if r["tag"] == "v2":  # the new function: the migrated value plus what came after
+            c -= SHIFT if before[k] else 0
+            assert c > before[k], f"key {k}: {c} after the barrier, {before[k]} before"
+        else:
+            assert c <= before[k]
+        last[k] = c
+    assert last == dict(total)
 
 
 def test_state_migration_rewrites_every_value_of_the_state(tmp_path: Path) -> None:
