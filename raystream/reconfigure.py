@@ -58,8 +58,10 @@ def load_object(spec: str, what: str = "operator") -> Any:
             f"'package.module:attr' importable here (sys.path starts with {sys.path[:3]})"
         )
         raise ReconfigurationError(msg) from e
-    if not module.startswith("raystream"):
-        import cloudpickle
+    file = getattr(sys.modules[module], "__file__", None)
+    installed = (sys.prefix, sys.base_prefix, sys.exec_prefix)
+    if file and not module.startswith("raystream") and not file.startswith(installed):
+        from ray import cloudpickle  # the user's own code: workers need not import it
 
         cloudpickle.register_pickle_by_value(sys.modules[module])
     return obj

@@ -145,3 +145,37 @@ def test_a_moved_instance_hands_all_its_state_to_the_new_actor_and_counts_stay_e
     index0 = RoutingTable.uniform(NUM_KEY_GROUPS, 2).key_groups_of(0)
     assert np.array_equal(np.flatnonzero(held.any(axis=1)), index0)
     assert held[index0].all()
+
+
+def test_cli_move_and_update_call_the_job_and_print_the_change(monkeypatch: Any) -> None:
+    from click.testing import CliRunner
+
+    import raystream.cli as cli
+
+    calls: list[tuple[Any, ...]] = []
+    record = {"epoch": 9, "duration_s": 1.5, "graph_version": 3, "change": "index 1 -> node n2"}
+
+    class _Job:
+        def move(self, step: str, index: int, node_id: str) -> dict[str, Any]:
+            calls.append(("move", step, index, node_id))
+            moved = {"key_groups": 4, "bytes": 12_345, "on_demand_fetches": 2}
+            return {**record, "moved": moved}
+
+        def replace(self, step: str, op: Any, migrate_state: Any = None) -> dict[str, Any]:
+            calls.append(("replace", step, op, migrate_state))
+            return {**record, "change": "a -> b", "moved": {"migrated_state_rows": 7}}
+
+    monkeypatch.setattr(cli, "_connect", lambda: None)
+    monkeypatch.setattr(rs, "attach", lambda name: _Job())
+    runner = CliRunner()
+    moved = runner.invoke(cli.main, ["move", "kc", "count", "1", "n2"])
+    assert moved.exit_code == 0, moved.output
+    shown = " ".join(moved.output.split())
+    assert "moved 'count'/1 at epoch 9 in 1.50 s: index 1 -> node n2; 4 key groups" in shown
+    spec = "tests.unit.test_move_instance:count"
+    args = ["update", "kc", "count", spec, "--migrate-state", "builtins:abs"]
+    updated = runner.invoke(cli.main, args)
+    assert updated.exit_code == 0, updated.output
+    assert "7 state rows migrated" in updated.output
+    assert calls[0] == ("move", "count", 1, "n2")
+    assert calls[1][0] == "replace" and calls[1][2].fn.__name__ == "count" and calls[1][3] is abs
