@@ -243,19 +243,43 @@ class OperatorInstance:
 
         self._report = acknowledging
         self._sender = sender
-        self.outputs = []
-        for out in self.spec.outputs:
-            if out.partitioning == "key_group":
-                assert out.key is not None and out.routing is not None
-                part: Any = ByKeyGroup(out.key, self.spec.key_space, out.routing)
-            elif out.partitioning == "forward":
-                part = Forward(self.spec.index)
-            else:
-                part = Rebalance(out.parallelism, start=self.spec.index)
-            channels = [self._channel_to((out.step, i)) for i in range(out.parallelism)]
-            self.outputs.append((part, channels))
+        self.outputs = [self._output(out) for out in self.spec.outputs]
         if isinstance(self.processor, KeyedProcessor):
             self.processor.engine.poke = self.inbox.poke
+
+    def _output(self, out: OutputSpec) -> tuple[Any, list[OutputChannel]]:
+        """The partitioner and the channels of one output."""
+        if out.partitioning == "key_group":
+            assert out.key is not None and out.routing is not None
+            part: Any = ByKeyGroup(out.key, self.spec.key_space, out.routing)
+        elif out.partitioning == "forward":
+            part = Forward(self.spec.index)
+        else:
+            part = Rebalance(out.parallelism, start=self.spec.index)
+        return part, [self._channel_to((out.step, i)) for i in range(out.parallelism)]
+
+    async def _rewire(self, barrier: Barrier) -> None:
+        """Insert or remove a step: this instance's output to step ``payload["replaces"]`` ends
+        here (each channel: what was sent before the barrier, the barrier, EndOfStream), and the
+        output ``payload["output"]`` takes its place (the barrier goes to it next)."""
+        old_step = barrier.payload["replaces"]
+        new: OutputSpec = barrier.payload["output"]
+        outputs = list(self.spec.outputs)
+        for k, out in enumerate(outputs):
+            if out.step != old_step:
+                continue
+            for c in self.outputs[k][1]:
+                await c.flush()
+                await c.push(barrier)
+                await c.push(EndOfStream())
+                await c.drain()
+            outputs[k] = replace(new, port=out.port)
+            self.outputs[k] = self._output(outputs[k])
+            self._unconnected.difference_update(c.receiver for c in self.outputs[k][1])
+            if self._wm_sent > WATERMARK_MIN:
+                for c in self.outputs[k][1]:
+                    await c.push(Watermark(self._wm_sent))
+        self.spec = replace(self.spec, outputs=tuple(outputs))
 
     def _channel_to(self, receiver: ChannelId) -> OutputChannel:
         assert self._sender is not None
@@ -635,6 +659,8 @@ class OperatorInstance:
             if barrier.kind == "rescale":
                 await self._switch(barrier)
             else:
+                if barrier.kind == "rewire" and barrier.payload["step"] == self.step.name:
+                    await self._rewire(barrier)
                 await self._forward_barrier(barrier)
             info = {
                 "instance": self.spec.id,
@@ -817,6 +843,11 @@ class OperatorInstance:
             elif barrier.kind == "replace":  # aligned: every input delivered it
                 if barrier.payload["step"] == self.step.name:
                     info["migrated_rows"] = await self._apply_replace(barrier)
+                await self._forward_barrier(barrier)
+                self.inbox.unblock_all()
+            elif barrier.kind == "rewire":  # aligned: every input delivered it
+                if barrier.payload["step"] == self.step.name:
+                    await self._rewire(barrier)
                 await self._forward_barrier(barrier)
                 self.inbox.unblock_all()
             elif barrier.payload.get("aligned"):
