@@ -177,11 +177,7 @@ class Controller(Recovery, Reconfigurations):
 
     def _receivers_of(self, iid: ChannelId) -> dict[ChannelId, Any]:
         spec = self.specs[iid]
-        return {
-            (out.step, i): self.handles[(out.step, i)]
-            for out in spec.outputs
-            for i in range(out.parallelism)
-        }
+        return {r: self.handles[r] for out in spec.outputs for r in out.receiver_ids}
 
     async def _watch(self) -> None:
         """Collect outcomes as instances end (new ones join on rescale). A failure (an error, an
@@ -695,10 +691,7 @@ class Controller(Recovery, Reconfigurations):
                 self.retired.discard(iid)
                 self._run_futures.pop(iid, None)
         template = self.specs[(step, 0)]
-        outputs = tuple(
-            replace(o, routing=self.routing.get(o.step), parallelism=self.parallelism[o.step])
-            for o in template.outputs
-        )
+        outputs = tuple(self._current_output(o) for o in template.outputs)
         upstream = [
             iid
             for iid in self.specs
@@ -729,7 +722,7 @@ class Controller(Recovery, Reconfigurations):
             new[(step, i)] = handle
         where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
         self.nodes.update(zip(new, where, strict=True))
-        downstream = {(o.step, j) for o in outputs for j in range(o.parallelism)}
+        downstream = {r for o in outputs for r in o.receiver_ids}
         try:
             await asyncio.gather(
                 *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)

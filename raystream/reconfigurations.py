@@ -178,6 +178,17 @@ class Reconfigurations:
         iid = self.slots.get((step, index))
         return iid if iid is not None and iid in self.specs else (step, index)
 
+    def _current_output(self: Any, out: Any) -> Any:
+        """``out`` as it is now: the step's routing table, parallelism and instances."""
+        p = self.parallelism[out.step]
+        ids = tuple(self._at(out.step, i) for i in range(p))
+        return replace(
+            out,
+            routing=self.routing.get(out.step),
+            parallelism=p,
+            receivers=() if ids == tuple((out.step, i) for i in range(p)) else ids,
+        )
+
     async def move(
         self: Any, step: str, index: int, node_id: str, strategy_args: dict[str, Any] | None = None
     ) -> dict[str, Any]:
@@ -256,10 +267,7 @@ class Reconfigurations:
             for iid in self.specs
             if iid[0] in template.step.upstream and iid not in self.retired
         ]
-        outputs = tuple(
-            replace(o, routing=self.routing.get(o.step), parallelism=self.parallelism[o.step])
-            for o in template.outputs
-        )
+        outputs = tuple(self._current_output(o) for o in template.outputs)
         spec = replace(
             template,
             index=new_iid[1],
@@ -281,7 +289,7 @@ class Reconfigurations:
         self.specs[new_iid] = spec
         self.handles[new_iid] = handle
         self.nodes[new_iid] = await handle.ping.remote()
-        downstream = {(o.step, j) for o in outputs for j in range(o.parallelism)}
+        downstream = {r for o in outputs for r in o.receiver_ids}
         await handle.connect.remote(self._receivers_of(new_iid), self._self)
         await asyncio.gather(*(self.handles[d].add_inputs.remote([new_iid]) for d in downstream))
         await asyncio.gather(

@@ -147,6 +147,12 @@ class OutputSpec:
     key: KeySpec | None = None
     routing: RoutingTable | None = None
     port: str = ""  # which output of the step goes on this edge: '' main, else a side output
+    # the receiving instance per routing index when one was moved (empty: (step, i))
+    receivers: tuple[ChannelId, ...] = ()
+
+    @property
+    def receiver_ids(self) -> tuple[ChannelId, ...]:
+        return self.receivers or tuple((self.step, i) for i in range(self.parallelism))
 
 
 @dataclass(frozen=True)
@@ -256,7 +262,7 @@ class OperatorInstance:
             part = Forward(self.spec.index)
         else:
             part = Rebalance(out.parallelism, start=self.spec.index)
-        return part, [self._channel_to((out.step, i)) for i in range(out.parallelism)]
+        return part, [self._channel_to(r) for r in out.receiver_ids]
 
     async def _rewire(self, barrier: Barrier) -> None:
         """Insert or remove a step: this instance's output to step ``payload["replaces"]`` ends
