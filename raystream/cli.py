@@ -6,6 +6,8 @@
     raystream rescale keycount count 4 --strategy meces
     raystream update keycount count mypackage.ops:count_v2
     raystream move keycount count 0 <node id>
+    raystream insert keycount source mypackage.ops:drop_test_keys --name drop_test
+    raystream remove keycount drop_test
     raystream stop keycount
     raystream demo
 
@@ -332,6 +334,45 @@ def move(job: str, step: str, index: int, node_id: str) -> None:
         f"moved {step!r}/{index} at epoch {rec['epoch']} in {rec['duration_s']:.2f} s: "
         f"{rec['change']}; {moved['key_groups']} key groups, {moved['bytes']:,} bytes, "
         f"{moved['on_demand_fetches']} on-demand fetches"
+    )
+
+
+@main.command()
+@click.argument("job")
+@click.argument("after")
+@click.argument("operator")
+@click.option("--name", default=None, help="name of the new step (default: the operator's)")
+@click.option("--parallelism", default=1, show_default=True, type=int)
+@click.option("--before", default=None, help="the downstream step, if AFTER feeds several")
+def insert(
+    job: str, after: str, operator: str, name: str | None, parallelism: int, before: str | None
+) -> None:
+    """Put the stateless OPERATOR (module:attr) as a new step after step AFTER of the running
+    JOB; records after the barrier go through it."""
+    import raystream as rs
+    from raystream.reconfigure import load_object
+
+    op = load_object(operator)
+    _connect()
+    rec = rs.attach(job).insert(after, op, name=name, parallelism=parallelism, before=before)
+    click.echo(
+        f"inserted at epoch {rec['epoch']}: {rec['change']} (graph version "
+        f"{rec['graph_version']})"
+    )
+
+
+@main.command()
+@click.argument("job")
+@click.argument("step")
+def remove(job: str, step: str) -> None:
+    """Take stateless STEP out of the running JOB at a barrier."""
+    import raystream as rs
+
+    _connect()
+    rec = rs.attach(job).remove(step)
+    click.echo(
+        f"removed at epoch {rec['epoch']}: {rec['change']} (graph version "
+        f"{rec['graph_version']})"
     )
 
 

@@ -31,12 +31,13 @@ from raystream.rescale import FetchPolicy, RescaleContext
 from raystream.runtime.instance import RuntimeConfig
 from raystream.reconfigurations import Reconfigurations
 from raystream.recovery import Recovery
+from raystream.rewiring import Rewiring
 from raystream.runtime.messages import Barrier, ChannelId
 
 __all__ = ["Controller"]
 
 
-class Controller(Recovery, Reconfigurations):
+class Controller(Recovery, Reconfigurations, Rewiring):
     """Owns one running job."""
 
     def __init__(

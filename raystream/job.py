@@ -170,6 +170,29 @@ class Job:
             self.controller.move.remote(step, index, node_id, fetch)
         )
 
+    def insert(
+        self,
+        after: str,
+        operator: Any,
+        *,
+        name: str | None = None,
+        parallelism: int = 1,
+        before: str | None = None,
+    ) -> dict[str, Any]:
+        """Put stateless ``operator`` (@rs.map, @rs.filter, @rs.flat_map, @rs.map_batches) as a
+        new step between step ``after`` and its downstream step ``before`` (its only one if
+        None) while the job runs: records before the barrier go the old way, records after it
+        through the new step. Returns the change's record (``source_offsets``: where each
+        source emitted the barrier)."""
+        return ray.get(  # type: ignore[no-any-return]
+            self.controller.insert.remote(after, operator, name, parallelism, before)
+        )
+
+    def remove(self, step: str) -> dict[str, Any]:
+        """Take stateless step ``step`` out while the job runs: its upstream step sends to its
+        downstream step again from a barrier on. Returns the change's record."""
+        return ray.get(self.controller.remove.remote(step))  # type: ignore[no-any-return]
+
     def stop(self, *, checkpoint: bool = True) -> JobResult | None:
         """Stop the job: first a final checkpoint (sinks publish what came before it; the job can
         resume from it with ``from_checkpoint="latest"``), then every instance ends.

@@ -125,3 +125,46 @@ def test_inserted_filter_drops_exactly_the_events_between_its_two_barriers(
         assert c > last.get(k, 0), f"key {k}: count {c} after {last.get(k)}"
         last[k] = c
     assert last == dict(expected)
+
+
+# ---- refusals before anything changes (the controller's checks, on a plain graph) ------------
+
+
+def _controller_like() -> Any:
+    from types import SimpleNamespace
+
+    flow = rs.Dataflow("graph")
+    a = flow.source(_generator(), name="a")
+    b = flow.source(_generator(), name="b")
+    keyed = a.union(b).key_by("key").apply(count)
+    keyed.apply(rs.map(lambda r: r, name="tidy")).sink(rs.sinks.collect(), name="out")
+    keyed.sink(rs.sinks.collect(), name="raw")
+    return SimpleNamespace(plan=SimpleNamespace(steps=flow.with_parallelism(None)))
+
+
+@rs.filter
+def keep_all(record: dict[str, Any]) -> bool:
+    return True
+
+
+def test_insert_and_remove_refuse_what_they_cannot_do() -> None:
+    import pytest
+
+    from raystream.rewiring import Rewiring
+
+    ctl = _controller_like()
+
+    def refused(call: Any, match: str) -> None:
+        with pytest.raises(rs.ReconfigurationError, match=match):
+            asyncio.run(call)
+
+    refused(Rewiring.insert(ctl, "out", keep_all), "after 'out': it is a sink")
+    refused(Rewiring.insert(ctl, "nope", keep_all), "after 'nope': no such step")
+    refused(Rewiring.insert(ctl, "count", keep_all), r"feeds \['tidy', 'raw'\]; pass before=")
+    refused(Rewiring.insert(ctl, "a", keep_all), r"'count' reads \['a', 'b'\]")
+    refused(Rewiring.insert(ctl, "count", count, before="raw"), "got @rs.keyed_batches")
+    refused(Rewiring.insert(ctl, "count", keep_all, name="out", before="raw"), "new name")
+    refused(Rewiring.insert(ctl, "count", keep_all, parallelism=0, before="raw"), "int >= 1")
+    refused(Rewiring.remove(ctl, "count"), "it is a keyed_batches step")
+    refused(Rewiring.remove(ctl, "a"), "it is a source step")
+    refused(Rewiring.remove(ctl, "nope"), "no such step")
