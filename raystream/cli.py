@@ -5,10 +5,15 @@
     raystream list --address 127.0.0.1:6379
     raystream status keycount --watch
     raystream rescale keycount count 4 --strategy meces
+    raystream update keycount count mypackage.ops:count_v2
+    raystream move keycount count 0 <node id>
+    raystream insert keycount source mypackage.ops:drop_test_keys --name drop_test
+    raystream remove keycount drop_test
     raystream stop keycount
     raystream --version
 
-``list``, ``status``, ``rescale``, ``stop``, ``cancel`` and ``savepoint`` connect to the Ray
+``list``, ``status``, ``rescale``, ``update``, ``move``, ``insert``, ``remove``, ``stop``,
+``cancel`` and ``savepoint`` connect to the Ray
 cluster at ``--address`` (its GCS address HOST:PORT), else ``RAY_ADDRESS``, else the one already
 running on this machine (``"auto"``), and find a job's controller by name. ``submit`` talks to the
 cluster's job server (dashboard, HTTP). ``run`` starts a local Ray unless given ``--address``.
@@ -457,6 +462,21 @@ def status_view(
             f"{last.get('checkpoint_id')} took {last.get('duration_s', 0):.2f} s "
             f"({last.get('uploaded_bytes', 0):,} bytes uploaded)"
         )
+    if st.get("graph_version") is not None:
+        graph = ", ".join(
+            f"{g['step']} ({g['kind']} {g['function']})"
+            for g in st.get("graph") or []
+            if g["kind"] not in ("source", "sink")
+        )
+        notes.append(f"graph version {st['graph_version']}: {graph}")
+    for c in st.get("reconfigurations") or []:
+        peak = c.get("peak_latency_ms")
+        moved = ", ".join(f"{k} {v:,}" for k, v in (c.get("moved") or {}).items())
+        notes.append(
+            f"{c['kind']} {c['step']!r} at epoch {c['epoch']}: t={c['start_s']:.1f}-"
+            f"{c['end_s']:.1f}s, {c['change']}; moved: {moved or 'nothing'}"
+            + ("" if peak is None else f"; peak latency {peak:g} ms")
+        )
     for r in st.get("recoveries") or []:
         notes.append(
             f"recovery {r['attempt']}: t={r['at_s']:.1f}s {r['instance']} failed; restarted from "
@@ -536,6 +556,103 @@ def rescale(
         f"rescaled {step!r} {stats['from']} -> {stats['to']} with {stats['strategy']} in "
         f"{stats['duration_s']:.2f} s: moved {stats['moved_key_groups']} key groups, "
         f"{stats['moved_bytes']:,} bytes, {stats['on_demand_fetches']} on-demand fetches"
+    )
+
+
+@main.command()
+@click.argument("job")
+@click.argument("step")
+@click.argument("operator")
+@click.option(
+    "--migrate-state",
+    default=None,
+    help="module:attr of a function old state value -> new value (a changed state form)",
+)
+@address_option
+def update(
+    job: str, step: str, operator: str, migrate_state: str | None, address: str | None
+) -> None:
+    """Replace the function of STEP of the running JOB by OPERATOR (module:attr of an operator
+    made with @rs.map, @rs.keyed, ...). It takes over at a barrier; keyed state is kept."""
+    import raystream as rs
+    from raystream.reconfigure import load_object
+
+    op = load_object(operator)  # refused here, before connecting, when it does not import
+    migrate = load_object(migrate_state, "state migration function") if migrate_state else None
+    _connect(address)
+    rec = rs.attach(job).replace(step, op, migrate_state=migrate)
+    click.echo(
+        f"replaced the function of {step!r} at epoch {rec['epoch']} in {rec['duration_s']:.2f} s: "
+        f"{rec['change']} (graph version {rec['graph_version']}, "
+        f"{rec['moved'].get('migrated_state_rows', 0):,} state rows migrated)"
+    )
+
+
+@main.command()
+@click.argument("job")
+@click.argument("step")
+@click.argument("index", type=int)
+@click.argument("node_id")
+@address_option
+def move(job: str, step: str, index: int, node_id: str, address: str | None) -> None:
+    """Move instance INDEX of keyed STEP of the running JOB to the node NODE_ID (Ray node id, as
+    `raystream status` shows): a new actor there takes over its key groups, the old one retires."""
+    import raystream as rs
+
+    _connect(address)
+    rec = rs.attach(job).move(step, index, node_id)
+    moved = rec["moved"]
+    click.echo(
+        f"moved {step!r}/{index} at epoch {rec['epoch']} in {rec['duration_s']:.2f} s: "
+        f"{rec['change']}; {moved['key_groups']} key groups, {moved['bytes']:,} bytes, "
+        f"{moved['on_demand_fetches']} on-demand fetches"
+    )
+
+
+@main.command()
+@click.argument("job")
+@click.argument("after")
+@click.argument("operator")
+@click.option("--name", default=None, help="name of the new step (default: the operator's)")
+@click.option("--parallelism", default=1, show_default=True, type=int)
+@click.option("--before", default=None, help="the downstream step, if AFTER feeds several")
+@address_option
+def insert(
+    job: str,
+    after: str,
+    operator: str,
+    name: str | None,
+    parallelism: int,
+    before: str | None,
+    address: str | None,
+) -> None:
+    """Put the stateless OPERATOR (module:attr) as a new step after step AFTER of the running
+    JOB; records after the barrier go through it."""
+    import raystream as rs
+    from raystream.reconfigure import load_object
+
+    op = load_object(operator)
+    _connect(address)
+    rec = rs.attach(job).insert(after, op, name=name, parallelism=parallelism, before=before)
+    click.echo(
+        f"inserted at epoch {rec['epoch']}: {rec['change']} (graph version "
+        f"{rec['graph_version']})"
+    )
+
+
+@main.command()
+@click.argument("job")
+@click.argument("step")
+@address_option
+def remove(job: str, step: str, address: str | None) -> None:
+    """Take stateless STEP out of the running JOB at a barrier."""
+    import raystream as rs
+
+    _connect(address)
+    rec = rs.attach(job).remove(step)
+    click.echo(
+        f"removed at epoch {rec['epoch']}: {rec['change']} (graph version "
+        f"{rec['graph_version']})"
     )
 
 

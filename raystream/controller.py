@@ -29,13 +29,15 @@ from raystream.plugins import MIGRATION_STRATEGIES
 from raystream.plugins import load as load_plugin
 from raystream.rescale import FetchPolicy, RescaleContext
 from raystream.runtime.instance import RuntimeConfig
+from raystream.reconfigurations import Reconfigurations
 from raystream.recovery import Recovery
+from raystream.rewiring import Rewiring
 from raystream.runtime.messages import Barrier, ChannelId
 
 __all__ = ["Controller"]
 
 
-class Controller(Recovery):
+class Controller(Recovery, Reconfigurations, Rewiring):
     """Owns one running job."""
 
     def __init__(
@@ -102,6 +104,9 @@ class Controller(Recovery):
         self._heartbeats: dict[ChannelId, float] = {}
         self._hung: dict[ChannelId, str] = {}
         self._source_emitted: dict[ChannelId, int] = {}
+        self.reconfigurations: list[dict[str, Any]] = []  # one record per change (every kind)
+        self.graph_version = 1  # +1 per completed change of the running graph
+        self.slots: dict[tuple[str, int], ChannelId] = {}  # routing index -> instance, if moved
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, self_handle: Any) -> dict[str, Any]:
@@ -173,11 +178,7 @@ class Controller(Recovery):
 
     def _receivers_of(self, iid: ChannelId) -> dict[ChannelId, Any]:
         spec = self.specs[iid]
-        return {
-            (out.step, i): self.handles[(out.step, i)]
-            for out in spec.outputs
-            for i in range(out.parallelism)
-        }
+        return {r: self.handles[r] for out in spec.outputs for r in out.receiver_ids}
 
     async def _watch(self) -> None:
         """Collect outcomes as instances end (new ones join on rescale). A failure (an error, an
@@ -288,8 +289,11 @@ class Controller(Recovery):
         self._epoch += 1
         return self._epoch
 
-    async def inject(self, barrier: Barrier, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """Inject ``barrier`` at every source; wait until every instance has acknowledged it."""
+    async def inject(
+        self, barrier: Barrier, timeout_s: float = 60.0, taken: list[bool] | None = None
+    ) -> list[dict[str, Any]]:
+        """Inject ``barrier`` at every source; wait until every instance has acknowledged it.
+        ``taken`` gets each source's answer (False: its input had ended, it emits no barrier)."""
         if self.state != "running":
             from raystream.errors import ConfigError
 
@@ -300,9 +304,11 @@ class Controller(Recovery):
         self._barrier_expected[barrier.epoch] = {
             i for i in self.handles if i not in self.outcomes and i not in self.retired
         }
-        await asyncio.gather(
+        answers = await asyncio.gather(
             *(self.handles[s].inject_barrier.remote(barrier) for s in self.plan.sources)
         )
+        if taken is not None:
+            taken.extend(bool(a) for a in answers)
         done = self._barrier_done[barrier.epoch]
         deadline = time.monotonic() + timeout_s
         try:
@@ -447,7 +453,7 @@ class Controller(Recovery):
         s = self.flow.key_space.sub_groups
         live = [i for i in range(old.parallelism)]
         loads, backlog = await asyncio.gather(
-            asyncio.gather(*(self.handles[(step, i)].sub_group_load.remote() for i in live)),
+            asyncio.gather(*(self.handles[self._at(step, i)].sub_group_load.remote() for i in live)),
             self._backlog(step, live),
         )
         heat = np.sum(loads, axis=0)
@@ -457,10 +463,11 @@ class Controller(Recovery):
         if parallelism > old.parallelism:
             await self._spawn(step, range(old.parallelism, parallelism))
         width = max(parallelism, old.parallelism)
-        peers = {i: self.handles[(step, i)] for i in range(width)}
+        peers = {i: self.handles[self._at(step, i)] for i in range(width)}
         current = old
         stats: list[dict[str, Any]] = []
         moved: set[int] = set()
+        epochs: list[int] = []
         policy = plan.policy
         for k, table in enumerate(plan.steps):
             if self._sources_done() and not switched:
@@ -469,6 +476,7 @@ class Controller(Recovery):
                 msg = f"the sources finished; {k} of {len(plan.steps)} migration steps were done"
                 raise RescaleError(msg)
             epoch = self._next_epoch()
+            epochs.append(epoch)
             table = RoutingTable(epoch=epoch, owners=table.owners, parallelism=table.parallelism)
             final = k == len(plan.steps) - 1
             tasks = _migration_tasks(current, table, width, s, heat, policy, epoch)
@@ -507,7 +515,7 @@ class Controller(Recovery):
         self.parallelism[step] = parallelism
         asyncio.get_running_loop().create_task(self._fill_standby())
         for i in range(parallelism, old.parallelism):
-            self.retired.add((step, i))
+            self.retired.add(self._at(step, i))
         t1 = time.time()
         waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
         # per old owner and migration step: the wait of its first on-demand request, from the
@@ -559,6 +567,19 @@ class Controller(Recovery):
         }
         self.rescales.append(record)
         self._export("rescale", record["duration_s"])
+        self._record_reconfiguration(
+            "rescale",
+            step,
+            t0,
+            t1,
+            epochs=epochs,
+            moved={
+                "key_groups": record["moved_key_groups"],
+                "bytes": record["moved_bytes"],
+                "rows": record["moved_rows"],
+            },
+            change=f"parallelism {old.parallelism} -> {parallelism} ({plan.strategy})",
+        )
         return record
 
     async def _backlog(self, step: str, live: list[int]) -> dict[str, Any]:
@@ -566,7 +587,7 @@ class Controller(Recovery):
         sources are behind their schedule, and both in seconds of the step's work (records x
         measured cost per record / instances)."""
         snaps = await asyncio.gather(
-            *(self.handles[(step, i)].metrics.remote() for i in live),
+            *(self.handles[self._at(step, i)].metrics.remote() for i in live),
             *(self.handles[s].metrics.remote() for s in self.plan.sources),
             return_exceptions=True,  # a figure for the report: never fails the rescale
         )
@@ -712,10 +733,7 @@ class Controller(Recovery):
                 self.retired.discard(iid)
                 self._run_futures.pop(iid, None)
         template = self.specs[(step, 0)]
-        outputs = tuple(
-            replace(o, routing=self.routing.get(o.step), parallelism=self.parallelism[o.step])
-            for o in template.outputs
-        )
+        outputs = tuple(self._current_output(o) for o in template.outputs)
         upstream = [
             iid
             for iid in self.specs
@@ -746,7 +764,7 @@ class Controller(Recovery):
             new[(step, i)] = handle
         where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
         self.nodes.update(zip(new, where, strict=True))
-        downstream = {(o.step, j) for o in outputs for j in range(o.parallelism)}
+        downstream = {r for o in outputs for r in o.receiver_ids}
         try:
             await asyncio.gather(
                 *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
@@ -807,6 +825,8 @@ class Controller(Recovery):
             "routing_epochs": {n: t.epoch for n, t in self.routing.items()},
             "rescaling": self._rescale_lock.locked(),
             "queued_rescales": self._queued,
+            "graph_version": self.graph_version,
+            "graph": self.graph(),
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
             "checkpoints": self.checkpoint_summary(),
             "recoveries": list(self.recoveries),
@@ -823,7 +843,8 @@ class Controller(Recovery):
         snaps = [s for s in snaps if isinstance(s, dict)]
         snaps += [o.get("metrics", {}) for o in self.outcomes.values()]
         lat = [s["latency"] for s in snaps if s.get("latency")]
-        summary = LatencyRecorder.merge_snapshots(lat).summary() if lat else None
+        merged = LatencyRecorder.merge_snapshots(lat) if lat else None
+        summary = merged.summary() if merged is not None else None
         return {
             "job": self.flow.name,
             "state": self.state,
@@ -831,6 +852,7 @@ class Controller(Recovery):
             "latency": summary,
             "recoveries": list(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
+            "reconfigurations": self.reconfiguration_records(merged),
         }
 
     async def status(self) -> dict[str, Any]:

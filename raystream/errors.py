@@ -4,7 +4,8 @@
 
     RaystreamError
     ├── ConfigError (ValueError)          bad option or parameter value
-    │   └── RescaleError                  a rescale that cannot be carried out
+    │   ├── RescaleError                  a rescale that cannot be carried out
+    │   └── ReconfigurationError          a replace / move of a running job refused or failed
     ├── DataflowDefinitionError (TypeError) misuse of the dataflow API, caught at definition time
     ├── SchemaError (ValueError)          input data of the wrong shape
     │   └── NullKeyError                  a key column holding nulls
@@ -36,6 +37,7 @@ __all__ = [
     "NullKeyError",
     "PluginNotFoundError",
     "RaystreamError",
+    "ReconfigurationError",
     "RescaleError",
     "SchemaError",
     "PlacementError",
@@ -54,6 +56,11 @@ class ConfigError(RaystreamError, ValueError):
 
 class RescaleError(ConfigError):
     """A rescale request that cannot be carried out; the job keeps running."""
+
+
+class ReconfigurationError(ConfigError):
+    """A change to a running job (replace a function, move an instance) that cannot be carried
+    out; refused before anything changed unless the message says otherwise."""
 
 
 class PlacementError(ConfigError):

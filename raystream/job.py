@@ -139,6 +139,60 @@ class Job:
             )
             raise RescaleError(msg) from e
 
+    def replace(
+        self,
+        step: str,
+        operator: Any,
+        *,
+        migrate_state: Any = None,
+        key: str | None = None,
+    ) -> dict[str, Any]:
+        """Replace the function of operator step ``step`` by ``operator`` (made with the step's
+        decorator kind; a keyed step takes @rs.keyed or @rs.keyed_batches) while the job runs.
+        The new function takes over at a barrier: every record before it went through the old
+        function, every record after it goes through the new one, on every instance; keyed state
+        is kept. ``migrate_state``: a function old value -> new value (or a dict of them per
+        state name) for a state whose stored form changes. ``key``: if given, must be the step's
+        key column. A function that does not fit is refused (ReconfigurationError) before
+        anything changes. Returns the change's record (see ``metrics()["reconfigurations"]``)."""
+        return ray.get(  # type: ignore[no-any-return]
+            self.controller.replace_function.remote(step, operator, migrate_state, key)
+        )
+
+    def move(self, step: str, index: int, node_id: str, **fetch: Any) -> dict[str, Any]:
+        """Move instance ``index`` of keyed step ``step`` to the node ``node_id`` (a Ray node id;
+        ``raystream status`` shows where each instance runs): a new actor there takes over the
+        instance's key groups, fetching on demand first and the rest hottest first as in a
+        rescale, then the old actor retires. ``fetch``: FetchPolicy options (chunk_bytes, ...).
+        An unknown step, index or node is refused (ReconfigurationError) before anything
+        changes. Returns the change's record (see ``metrics()["reconfigurations"]``)."""
+        return ray.get(  # type: ignore[no-any-return]
+            self.controller.move.remote(step, index, node_id, fetch)
+        )
+
+    def insert(
+        self,
+        after: str,
+        operator: Any,
+        *,
+        name: str | None = None,
+        parallelism: int = 1,
+        before: str | None = None,
+    ) -> dict[str, Any]:
+        """Put stateless ``operator`` (@rs.map, @rs.filter, @rs.flat_map, @rs.map_batches) as a
+        new step between step ``after`` and its downstream step ``before`` (its only one if
+        None) while the job runs: records before the barrier go the old way, records after it
+        through the new step. Returns the change's record (``source_offsets``: where each
+        source emitted the barrier)."""
+        return ray.get(  # type: ignore[no-any-return]
+            self.controller.insert.remote(after, operator, name, parallelism, before)
+        )
+
+    def remove(self, step: str) -> dict[str, Any]:
+        """Take stateless step ``step`` out while the job runs: its upstream step sends to its
+        downstream step again from a barrier on. Returns the change's record."""
+        return ray.get(self.controller.remove.remote(step))  # type: ignore[no-any-return]
+
     def stop(self, *, checkpoint: bool = True) -> JobResult | None:
         """Stop the job: first a final checkpoint (sinks publish what came before it; the job can
         resume from it with ``from_checkpoint="latest"``), then every instance ends.

@@ -10,7 +10,7 @@ import asyncio
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +159,12 @@ class OutputSpec:
     key: KeySpec | None = None
     routing: RoutingTable | None = None
     port: str = ""  # which output of the step goes on this edge: '' main, else a side output
+    # the receiving instance per routing index when one was moved (empty: (step, i))
+    receivers: tuple[ChannelId, ...] = ()
+
+    @property
+    def receiver_ids(self) -> tuple[ChannelId, ...]:
+        return self.receivers or tuple((self.step, i) for i in range(self.parallelism))
 
 
 @dataclass(frozen=True)
@@ -259,17 +265,7 @@ class OperatorInstance:
 
         self._report = acknowledging
         self._sender = sender
-        self.outputs = []
-        for out in self.spec.outputs:
-            if out.partitioning == "key_group":
-                assert out.key is not None and out.routing is not None
-                part: Any = ByKeyGroup(out.key, self.spec.key_space, out.routing)
-            elif out.partitioning == "forward":
-                part = Forward(self.spec.index)
-            else:
-                part = Rebalance(out.parallelism, start=self.spec.index)
-            channels = [self._channel_to((out.step, i)) for i in range(out.parallelism)]
-            self.outputs.append((part, channels))
+        self.outputs = [self._output(out) for out in self.spec.outputs]
         if isinstance(self.processor, KeyedProcessor):
             self.processor.engine.poke = self.inbox.poke
 
@@ -281,6 +277,40 @@ class OperatorInstance:
             for _, channels in self.outputs:
                 for c in channels:
                     c.overtake(True)
+
+    def _output(self, out: OutputSpec) -> tuple[Any, list[OutputChannel]]:
+        """The partitioner and the channels of one output."""
+        if out.partitioning == "key_group":
+            assert out.key is not None and out.routing is not None
+            part: Any = ByKeyGroup(out.key, self.spec.key_space, out.routing)
+        elif out.partitioning == "forward":
+            part = Forward(self.spec.index)
+        else:
+            part = Rebalance(out.parallelism, start=self.spec.index)
+        return part, [self._channel_to(r) for r in out.receiver_ids]
+
+    async def _rewire(self, barrier: Barrier) -> None:
+        """Insert or remove a step: this instance's output to step ``payload["replaces"]`` ends
+        here (each channel: what was sent before the barrier, the barrier, EndOfStream), and the
+        output ``payload["output"]`` takes its place (the barrier goes to it next)."""
+        old_step = barrier.payload["replaces"]
+        new: OutputSpec = barrier.payload["output"]
+        outputs = list(self.spec.outputs)
+        for k, out in enumerate(outputs):
+            if out.step != old_step:
+                continue
+            for c in self.outputs[k][1]:
+                await c.flush()
+                await c.push(barrier)
+                await c.push(EndOfStream())
+                await c.drain()
+            outputs[k] = replace(new, port=out.port)
+            self.outputs[k] = self._output(outputs[k])
+            self._unconnected.difference_update(c.receiver for c in self.outputs[k][1])
+            if self._wm_sent > WATERMARK_MIN:
+                for c in self.outputs[k][1]:
+                    await c.push(Watermark(self._wm_sent))
+        self.spec = replace(self.spec, outputs=tuple(outputs))
 
     def _channel_to(self, receiver: ChannelId) -> OutputChannel:
         assert self._sender is not None
@@ -416,8 +446,11 @@ class OperatorInstance:
         """Switch: route the rescaled step's records by the barrier's table from now on."""
         step = barrier.payload["step"]
         table: RoutingTable = barrier.payload["table"]
+        move = barrier.payload.get("move")  # {"index": i, "to": channel id of the new actor}
         for part, channels in self.outputs:
             if isinstance(part, ByKeyGroup) and channels[0].receiver[0] == step:
+                if move is not None:  # what went to index i goes to the new actor from now on
+                    await self._redirect(channels, move["index"], tuple(move["to"]), barrier)
                 # rows already buffered per channel were split by the old table and go first
                 part.table = table
                 while len(channels) < table.parallelism:
@@ -426,6 +459,22 @@ class OperatorInstance:
                     channels.append(self._channel_to(receiver))
                     if self._wm_sent > WATERMARK_MIN:  # a new receiver catches up
                         await channels[-1].push(Watermark(self._wm_sent))
+
+    async def _redirect(
+        self, channels: list[OutputChannel], index: int, to: ChannelId, barrier: Barrier
+    ) -> None:
+        """A move: the channel at routing index ``index`` ends (what was sent before ``barrier``,
+        the barrier, EndOfStream: its old instance hands its state over and retires); a channel
+        to ``to`` takes its place (the barrier goes to it first, with the other channels)."""
+        old = channels[index]
+        await old.flush()
+        await old.push(barrier)
+        await old.push(EndOfStream())
+        await old.drain()
+        self._unconnected.discard(to)
+        channels[index] = self._channel_to(to)
+        if self._wm_sent > WATERMARK_MIN:  # the new instance catches up
+            await channels[index].push(Watermark(self._wm_sent))
 
     # ---- called by senders and the controller --------------------------------------------
     async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
@@ -648,6 +697,8 @@ class OperatorInstance:
             if barrier.kind == "rescale":
                 await self._switch(barrier)
             else:
+                if barrier.kind == "rewire" and barrier.payload["step"] == self.step.name:
+                    await self._rewire(barrier)
                 await self._forward_barrier(barrier)
             info = {
                 "instance": self.spec.id,
@@ -900,6 +951,16 @@ class OperatorInstance:
                 if upload is not None:
                     self.checkpoints.finish_later(upload, info, self._report)
                     continue
+            elif barrier.kind == "replace":  # aligned: every input delivered it
+                if barrier.payload["step"] == self.step.name:
+                    info["migrated_rows"] = await self._apply_replace(barrier)
+                await self._forward_barrier(barrier)
+                self.inbox.unblock_all()
+            elif barrier.kind == "rewire":  # aligned: every input delivered it
+                if barrier.payload["step"] == self.step.name:
+                    await self._rewire(barrier)
+                await self._forward_barrier(barrier)
+                self.inbox.unblock_all()
             elif barrier.payload.get("aligned"):
                 await self._switch(barrier)
                 if mine and engine is not None:
@@ -908,6 +969,21 @@ class OperatorInstance:
             if mine and engine is not None:
                 engine.seal(epoch)
             self._report("barrier", info)
+
+    async def _apply_replace(self, barrier: Barrier) -> int:
+        """Replace barrier aligned here: every record before it went through the old function;
+        the new one (and its state form) takes every record after it."""
+        step = barrier.payload["new_step"]
+        migrations = barrier.payload.get("migrations") or {}
+        rows = 0
+        if isinstance(self.processor, KeyedProcessor):
+            with self.metrics.busy():
+                rows = await asyncio.to_thread(self.processor.replace_step, step, migrations)
+        elif self.processor is not None:
+            self.processor.step = step
+        self.step = step
+        self.spec = replace(self.spec, step=step)
+        return rows
 
     async def _switch(self, barrier: Barrier) -> None:
         """Send what was routed by the old table, forward the barrier everywhere, route by the new

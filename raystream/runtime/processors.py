@@ -391,6 +391,17 @@ class KeyedProcessor:
             return _to_batches(out, self.step.name)
         return self._per_key(kb)
 
+    def replace_step(self, step: Step, migrations: dict[str, Any]) -> int:
+        """From now on run ``step``'s function (same key, states kept; see
+        raystream.reconfigure). Stored values of the states in ``migrations`` are rewritten first
+        (old value -> new value); returns the rows rewritten."""
+        from raystream.reconfigure import migrate_state_rows
+
+        rows = migrate_state_rows(self.backend, self.step.state, step.state, migrations)
+        self.step = step
+        self.states = KeyedStates(self.backend, step.state, self.key_space)
+        return rows
+
     @property
     def owned_key_groups(self) -> list[int]:
         held = self.engine.held.reshape(-1, self.key_space.sub_groups)

@@ -1,0 +1,426 @@
+"""The controller's changes to a running job besides rescaling: replace a step's function, and
+one record per change (rescales too), with the job's graph and its version.
+
+A mixin of :class:`raystream.controller.Controller` (as :mod:`raystream.recovery` is). Every change
+goes through the rescale queue (``_rescale_lock``): one at a time, in order, never during a
+checkpoint; every change has its epoch from the one epoch counter.
+
+Replace: validate (raystream.reconfigure; nothing changes when the function does not fit), then a
+``replace`` barrier from every source. Every instance aligns it like a checkpoint barrier (a
+channel that delivered it waits until every input has), so on a step with several inputs too,
+every record sent before the barrier went through the old function and every record after it
+goes through the new one. The replaced step's instances swap the function (and rewrite state,
+if a state migration function was given) while aligned, then forward the barrier. Keyed state
+stays where it is: per key and channel, order is kept and nothing is applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from raystream.errors import ReconfigurationError
+from raystream.metrics import LatencyRecorder
+from raystream.reconfigure import check_replacement
+from raystream.runtime.messages import Barrier
+
+__all__ = ["Reconfigurations"]
+
+PEAK_AFTER_S = 2.0  # latency is looked at until this long after a change ended
+
+
+def _fn_name(fn: Any) -> str:
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{module}:{name}" if module else str(name)
+
+
+class Reconfigurations:
+    """Replace a step's function; records of every change; the graph and its version."""
+
+    # ---- replace a function ------------------------------------------------------------------
+    async def replace_function(
+        self: Any,
+        step: str,
+        op: Any,
+        migrate_state: Callable[[Any], Any] | dict[str, Callable[[Any], Any]] | None = None,
+        key: str | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Replace the function of operator step ``step`` by operator ``op`` at a barrier; returns
+        the change's record once every instance switched. Queued behind a running rescale or
+        change. Refused (ReconfigurationError, nothing changed) when ``op`` does not fit."""
+        steps = self.plan.steps
+        if step not in steps:
+            msg = (
+                f"cannot replace the function of {step!r}: no such step; the steps are "
+                f"{list(steps)}"
+            )
+            raise ReconfigurationError(msg)
+        new_step, migrations = check_replacement(
+            steps[step], op, key=key, migrate_state=migrate_state
+        )
+        attempt = self._attempt
+        asked = time.monotonic()
+        self._queued += 1
+        try:
+            async with self._rescale_lock:
+                self._queued -= 1
+                queued_s = time.monotonic() - asked
+                if self._attempt != attempt:
+                    msg = (
+                        f"job {self.flow.name!r} recovered from a failure while the replacement "
+                        f"of {step!r} waited; nothing changed, request it again"
+                    )
+                    raise ReconfigurationError(msg)
+                if self.state != "running" or self._sources_done():
+                    msg = (
+                        f"job {self.flow.name!r} is {self.state}"
+                        f"{' and its sources finished' if self._sources_done() else ''}: the "
+                        f"function of {step!r} was not replaced; replace functions while the "
+                        "sources still read"
+                    )
+                    raise ReconfigurationError(msg)
+                record = await self._replace(step, new_step, migrations, attempt, timeout_s)
+                record["queued_s"] = queued_s
+                return record
+        finally:
+            self._queued = max(0, self._queued)
+
+    async def _replace(
+        self: Any,
+        step: str,
+        new_step: Any,
+        migrations: dict[str, Any],
+        attempt: int,
+        timeout_s: float | None,
+    ) -> dict[str, Any]:
+        old_fn = self.plan.steps[step].fn
+        t0 = time.time()
+        epoch = self._next_epoch()
+        payload = {"step": step, "new_step": new_step, "migrations": migrations, "aligned": True}
+        taken: list[bool] = []
+        try:
+            acks = await self.inject(
+                Barrier(epoch, "replace", payload),
+                float(timeout_s or self.config.rescale_timeout_s),
+                taken=taken,
+            )
+        except Exception as e:
+            if taken and not any(taken):
+                msg = (
+                    f"job {self.flow.name!r} reached the end of its input before the replace "
+                    f"barrier of {step!r} went out: nothing changed"
+                )
+                raise ReconfigurationError(msg) from e
+            if self._attempt != attempt or self.state != "running":
+                msg = (
+                    f"job {self.flow.name!r} failed or recovered while replacing the function of "
+                    f"{step!r} (epoch {epoch}); the job recovers (or recovered) from its latest "
+                    "checkpoint with the function it had; request the replacement again"
+                )
+                raise ReconfigurationError(msg) from e
+            # the barrier went out and the job runs: every instance switches as it arrives
+            self._adopt_step(step, new_step)
+            msg = (
+                f"the replace barrier of {step!r} (epoch {epoch}) went out, but not every "
+                f"instance acknowledged it in time: {type(e).__name__}: {e}. The instances switch "
+                "to the new function as the barrier reaches them"
+            )
+            raise ReconfigurationError(msg) from e
+        self._adopt_step(step, new_step)
+        t1 = time.time()
+        mine = [a for a in acks if tuple(a["instance"])[0] == step]
+        record = self._record_reconfiguration(
+            "replace",
+            step,
+            t0,
+            t1,
+            epochs=[epoch],
+            moved={"migrated_state_rows": int(sum(a.get("migrated_rows", 0) for a in mine))},
+            change=f"{_fn_name(old_fn)} -> {_fn_name(new_step.fn)}",
+            instances=len(mine),
+            # where each source emitted the barrier: the records before it went to the old fn
+            source_offsets={
+                f"{a['instance'][0]}/{a['instance'][1]}": int(a["source_offset"])
+                for a in acks
+                if "source_offset" in a
+            },
+        )
+        if self.config.checkpoint_interval_s > 0 or self.config.checkpoint_dir:
+            # a recovery restarts with the new function: give it a checkpoint taken after it
+            try:
+                ck = await self._take_checkpoint(120.0)
+                record["checkpoint_after"] = ck["checkpoint_id"]
+            except Exception as e:  # noqa: BLE001 - the change is done; the next one comes
+                record["checkpoint_after"] = f"failed: {type(e).__name__}: {e}"
+        return record
+
+    def _adopt_step(self: Any, name: str, new_step: Any) -> None:
+        """The step runs ``new_step``'s function: new instances (scale-outs) and recoveries
+        start with it."""
+        fields = {"fn": new_step.fn, "state": new_step.state, "on_timer": new_step.on_timer}
+        self.flow.steps[name] = replace(self.flow.steps[name], **fields)
+        self.plan.steps[name] = replace(self.plan.steps[name], **fields)
+        for iid, spec in list(self.specs.items()):
+            if iid[0] == name:
+                self.specs[iid] = replace(spec, step=replace(spec.step, **fields))
+        for iid, spec in list(self.plan.instances.items()):
+            if iid[0] == name:
+                self.plan.instances[iid] = replace(spec, step=replace(spec.step, **fields))
+
+    # ---- move an instance ---------------------------------------------------------------------
+    def _at(self: Any, step: str, index: int) -> Any:
+        """The instance id at routing index ``index`` of ``step`` (another id after a move)."""
+        iid = self.slots.get((step, index))
+        return iid if iid is not None and iid in self.specs else (step, index)
+
+    def _current_output(self: Any, out: Any) -> Any:
+        """``out`` as it is now: the step's routing table, parallelism and instances."""
+        p = self.parallelism[out.step]
+        ids = tuple(self._at(out.step, i) for i in range(p))
+        return replace(
+            out,
+            routing=self.routing.get(out.step),
+            parallelism=p,
+            receivers=() if ids == tuple((out.step, i) for i in range(p)) else ids,
+        )
+
+    async def move(
+        self: Any, step: str, index: int, node_id: str, strategy_args: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Move instance ``index`` of keyed step ``step`` to node ``node_id``: a new actor there
+        takes over its key groups (on-demand fetches first, the rest hottest first, as in a
+        rescale) and the old actor retires. Queued like a rescale. An unknown step, index or
+        node is refused (ReconfigurationError) before anything changes."""
+        from raystream.placement import cluster_nodes
+
+        steps = self.plan.steps
+        if step not in steps or not steps[step].is_keyed:
+            keyed = [n for n, s in steps.items() if s.is_keyed]
+            what = "no such step" if step not in steps else f"it is a {steps[step].kind} step"
+            msg = f"cannot move an instance of {step!r}: {what}; keyed steps can be moved: {keyed}"
+            raise ReconfigurationError(msg)
+        if not self.config.migration_support:
+            msg = "this job runs with migration_support=False; restart it with it on to move"
+            raise ReconfigurationError(msg)
+        nodes = await asyncio.to_thread(cluster_nodes)
+        if node_id not in {n.node_id for n in nodes}:
+            known = ", ".join(f"{n.node_id} ({n.address})" for n in nodes)
+            msg = (
+                f"cannot move {step!r}/{index} to node {node_id!r}: no alive node has that id; "
+                f"the nodes are: {known}"
+            )
+            raise ReconfigurationError(msg)
+        attempt = self._attempt
+        self._queued += 1
+        try:
+            async with self._rescale_lock:
+                self._queued -= 1
+                p = self.parallelism[step]
+                if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < p:
+                    msg = (
+                        f"cannot move {step!r}/{index}: the step has instances 0..{p - 1} "
+                        "(routing indexes)"
+                    )
+                    raise ReconfigurationError(msg)
+                if self._attempt != attempt or self.state != "running" or self._sources_done():
+                    msg = (
+                        f"job {self.flow.name!r} is {self.state}"
+                        f"{' and its sources finished' if self._sources_done() else ''}"
+                        f"{' (it recovered meanwhile)' if self._attempt != attempt else ''}: "
+                        f"{step!r}/{index} was not moved"
+                    )
+                    raise ReconfigurationError(msg)
+                return await self._move(step, index, node_id, dict(strategy_args or {}))
+        finally:
+            self._queued = max(0, self._queued)
+
+    async def _move(
+        self: Any, step: str, index: int, node_id: str, fetch: dict[str, Any]
+    ) -> dict[str, Any]:
+        from pathlib import Path
+
+        import numpy as np
+
+        from raystream.keys import RoutingTable
+        from raystream.rescale import FetchPolicy
+        from raystream.runtime.actors import InstanceActor
+
+        t0 = time.time()
+        p = self.parallelism[step]
+        current = self.routing[step]
+        old_iid = self._at(step, index)
+        old = self.handles[old_iid]
+        s = self.flow.key_space.sub_groups
+        heat = np.asarray(await old.sub_group_load.remote())
+        # a fresh channel id: past any routing index a rescale can use (<= num_key_groups)
+        self._moves = getattr(self, "_moves", 0) + 1
+        new_iid = (step, self.flow.key_space.num_key_groups + self._moves)
+        epoch = self._next_epoch()
+        template = self.specs[old_iid]
+        upstream = [
+            iid
+            for iid in self.specs
+            if iid[0] in template.step.upstream and iid not in self.retired
+        ]
+        outputs = tuple(self._current_output(o) for o in template.outputs)
+        spec = replace(
+            template,
+            index=new_iid[1],
+            inputs=tuple(upstream),
+            outputs=outputs,
+            owned_key_groups=(),
+            state_path=str(Path(self.plan_dir) / step / f"{new_iid[1]}-e{epoch}"),
+            restore=None,
+        )
+        options = self.plan.steps[step].actor
+        handle = await self._take_standby(node_id) if options.is_default else None
+        if handle is not None:  # a warm standby on that node: no process to start
+            await handle.configure.remote(spec)
+            asyncio.get_running_loop().create_task(self._fill_standby())
+        else:
+            handle = InstanceActor.options(
+                max_concurrency=10_000, **options.ray_options(node_id)
+            ).remote(spec)
+        self.specs[new_iid] = spec
+        self.handles[new_iid] = handle
+        self.nodes[new_iid] = await handle.ping.remote()
+        downstream = {r for o in outputs for r in o.receiver_ids}
+        await handle.connect.remote(self._receivers_of(new_iid), self._self)
+        await asyncio.gather(*(self.handles[d].add_inputs.remote([new_iid]) for d in downstream))
+        await asyncio.gather(
+            *(self.handles[u].add_receivers.remote({new_iid: handle}) for u in upstream)
+        )
+        self._run(new_iid)
+        # the plan: a migration whose target gives the old instance's key groups to the new one
+        moving = current.key_groups_of(index).tolist()
+        groups = [g for kg in moving for g in range(kg * s, (kg + 1) * s)]
+        policy = FetchPolicy(**fetch)
+        table = RoutingTable(epoch=epoch, owners=current.owners, parallelism=p)
+        peers = {i: self.handles[self._at(step, i)] for i in range(p)}
+        base = {"epoch": epoch, "policy": policy, "incoming": {}, "outgoing": [], "heat": {}}
+        tasks = {i: dict(base) for i in range(p)}
+        tasks[index] = {**base, "outgoing": groups}
+        arriving = {**base, "incoming": dict.fromkeys(groups, index)}
+        arriving["heat"] = {g: float(heat[g]) for g in groups}
+        await asyncio.gather(
+            *(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(p)),
+            handle.prepare_migration.remote(arriving, peers),
+        )
+        payload = {
+            "step": step,
+            "table": table,
+            "final": True,
+            "aligned": False,
+            "move": {"index": index, "to": new_iid},
+        }
+        taken = await asyncio.gather(
+            *(
+                self.handles[i].inject_barrier.remote(Barrier(epoch, "rescale", payload))
+                for i in self.plan.sources
+            )
+        )
+        if not any(taken):
+            msg = (
+                f"job {self.flow.name!r} reached the end of its input before the move of "
+                f"{step!r}/{index} started: nothing moved (the new actor ends empty)"
+            )
+            raise ReconfigurationError(msg)
+        waiting = {i: peers[i] for i in range(p)}
+        waiting[p] = handle
+        stats = await self._await_migration(step, p, epoch, waiting, p + 1)
+        self.routing[step] = table
+        self.slots[(step, index)] = new_iid
+        self.retired.add(old_iid)
+        t1 = time.time()
+        waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
+        return self._record_reconfiguration(
+            "move",
+            step,
+            t0,
+            t1,
+            epochs=[epoch],
+            moved={
+                "key_groups": len(moving),
+                "bytes": int(sum(st.get("bytes_in", 0) for st in stats)),
+                "rows": int(sum(st.get("rows_in", 0) for st in stats)),
+                "on_demand_fetches": int(sum(st.get("on_demand_fetches", 0) for st in stats)),
+            },
+            change=(
+                f"routing index {index}: {list(old_iid)} on {self.nodes.get(old_iid)} -> "
+                f"{list(new_iid)} on {self.nodes[new_iid]}"
+            ),
+            instance=list(new_iid),
+            node_id=self.nodes[new_iid],
+            fetch_wait_ms_p99=float(np.percentile(waits, 99)) if waits else 0.0,
+        )
+
+    # ---- records, graph ------------------------------------------------------------------------
+    def _record_reconfiguration(
+        self: Any,
+        kind: str,
+        step: str,
+        t0: float,
+        t1: float,
+        *,
+        epochs: list[int],
+        moved: dict[str, Any],
+        change: str,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        self.graph_version += 1
+        origin = self.origin_ns / 1e9
+        record = {
+            "kind": kind,
+            "step": step,
+            "epoch": epochs[-1] if epochs else None,
+            "epochs": list(epochs),
+            "start_s": t0 - origin,
+            "end_s": t1 - origin,
+            "duration_s": t1 - t0,
+            "change": change,
+            "moved": dict(moved),
+            "graph_version": self.graph_version,
+            **extra,
+        }
+        self.reconfigurations.append(record)
+        return record
+
+    def reconfiguration_records(self: Any, latency: LatencyRecorder | None) -> list[dict[str, Any]]:
+        """Every change so far; with sink latency, the peak (max) and p99 of the records that
+        reached a sink from the change's start until ``PEAK_AFTER_S`` after its end."""
+        out = []
+        for r in self.reconfigurations:
+            r = dict(r)
+            if latency:
+                s = latency.summary_between(r["start_s"], r["end_s"] + PEAK_AFTER_S)
+                r["peak_latency_ms"] = s["max_ms"]
+                r["p99_latency_ms"] = s["p99_ms"]
+            out.append(r)
+        return out
+
+    def graph(self: Any) -> list[dict[str, Any]]:
+        """The running graph: each step's kind, function, parallelism and upstream steps."""
+        rows = []
+        for name, st in self.plan.steps.items():
+            fn = st.fn
+            what = (
+                _fn_name(fn)
+                if st.kind not in ("source", "sink")
+                else (fn.describe() if hasattr(fn, "describe") else type(fn).__name__)
+            )
+            rows.append(
+                {
+                    "step": name,
+                    "kind": st.kind,
+                    "function": what,
+                    "parallelism": self.parallelism.get(name),
+                    "upstream": list(st.upstream),
+                }
+            )
+        return rows
+

@@ -1,0 +1,311 @@
+"""Insert a stateless step between two running ones, or take one out, at one barrier.
+
+A mixin of :class:`raystream.controller.Controller`, queued with rescales, replacements, moves
+and checkpoints (one at a time, one epoch counter, one record per change).
+
+Insert: the new step's instances start, wired to the downstream step (which takes them as new
+inputs); then a ``rewire`` barrier from every source, aligned at every instance like a checkpoint
+barrier. Each instance of the upstream step, once aligned, ends its output to the downstream step
+(what it sent before the barrier, the barrier, EndOfStream) and sends to the new step from then
+on. So every record before the barrier goes the old way, every record after it through the new
+step. Remove is the same with the roles swapped: the upstream step sends to the downstream step
+again (its old inputs there reopen), the removed step's instances get the barrier and
+EndOfStream and end.
+
+Only stateless steps (map, filter, flat_map, map_batches) go in or out, between a step and a
+downstream step that reads only its main output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from raystream.errors import ReconfigurationError
+from raystream.reconfigurations import _fn_name
+from raystream.runtime.messages import Barrier
+
+__all__ = ["Rewiring"]
+
+_STATELESS = ("map", "filter", "flat_map", "map_batches")
+
+
+class Rewiring:
+    """Insert and remove stateless steps of a running job."""
+
+    @contextlib.asynccontextmanager
+    async def _queue_turn(self: Any, what: str) -> AsyncIterator[None]:
+        """Wait for this change's turn in the queue of changes; refuse it if the job is no
+        longer running (or recovered meanwhile), with nothing changed."""
+        attempt = self._attempt
+        self._queued += 1
+        try:
+            async with self._rescale_lock:
+                self._queued -= 1
+                if self._attempt != attempt or self.state != "running" or self._sources_done():
+                    msg = (
+                        f"job {self.flow.name!r} is {self.state}"
+                        f"{' and its sources finished' if self._sources_done() else ''}"
+                        f"{' (it recovered meanwhile)' if self._attempt != attempt else ''}: "
+                        f"{what} was not carried out"
+                    )
+                    raise ReconfigurationError(msg)
+                yield
+        finally:
+            self._queued = max(0, self._queued)
+
+    # ---- insert / remove a stateless step -------------------------------------------------------
+    def _live_ids(self: Any, step: str) -> list[Any]:
+        """The instance ids of ``step`` by routing index (or index, for a step without routing)."""
+        if step in self.routing:
+            return [self._at(step, i) for i in range(self.parallelism[step])]
+        return sorted(
+            iid
+            for iid in self.specs
+            if iid[0] == step and iid not in self.retired and iid[1] < self.parallelism[step]
+        )
+
+    def _edge_to(self: Any, down: str, key: Any) -> Any:
+        """An output to step ``down`` as it runs now (by key group if it is keyed)."""
+        from raystream.runtime.instance import OutputSpec
+
+        keyed = self.plan.steps[down].is_keyed
+        out = OutputSpec(
+            down,
+            self.parallelism[down],
+            "key_group" if keyed else "rebalance",
+            key=key if keyed else None,
+        )
+        return self._current_output(out)
+
+    async def insert(
+        self: Any,
+        after: str,
+        op: Any,
+        name: str | None = None,
+        parallelism: int = 1,
+        before: str | None = None,
+    ) -> dict[str, Any]:
+        """Put stateless operator ``op`` as a new step between ``after`` and its downstream step
+        ``before`` (the only one if None) at one barrier. Refused (nothing changes) for a sink,
+        an unknown step, a keyed operator, a name in use, or a downstream step with several inputs
+        or reading a side output."""
+        from raystream.dataflow import _NAME, Operator
+
+        steps = self.plan.steps
+        if after not in steps or steps[after].kind == "sink":
+            what = "no such step" if after not in steps else "it is a sink"
+            msg = f"cannot insert a step after {after!r}: {what}; the steps are {list(steps)}"
+            raise ReconfigurationError(msg)
+        down = [n for n, s in steps.items() if after in s.upstream]
+        if before is None and len(down) == 1:
+            before = down[0]
+        if before not in down:
+            msg = (
+                f"cannot insert a step after {after!r} before {before!r}: {after!r} feeds "
+                f"{down}; pass before= one of them"
+            )
+            raise ReconfigurationError(msg)
+        d = steps[before]
+        if len(d.upstream) != 1 or d.port_for(after):
+            msg = (
+                f"cannot insert a step between {after!r} and {before!r}: {before!r} reads "
+                f"{list(d.upstream)}{' (a side output)' if d.port_for(after) else ''}; only a "
+                "step that reads the main output of one step can get a step put before it"
+            )
+            raise ReconfigurationError(msg)
+        if not isinstance(op, Operator) or op.kind not in _STATELESS:
+            got = f"@rs.{op.kind}" if isinstance(op, Operator) else type(op).__name__
+            msg = (
+                f"insert takes a stateless operator (@rs.map, @rs.filter, @rs.flat_map, "
+                f"@rs.map_batches), got {got}; keyed steps cannot be inserted yet"
+            )
+            raise ReconfigurationError(msg)
+        name = name or op.name
+        if not _NAME.match(name) or name in steps:
+            msg = (
+                f"the inserted step needs a new name matching {_NAME.pattern}, got {name!r} "
+                f"(steps: {list(steps)}); pass name="
+            )
+            raise ReconfigurationError(msg)
+        if isinstance(parallelism, bool) or not isinstance(parallelism, int) or parallelism < 1:
+            msg = f"parallelism of the inserted step must be an int >= 1, got {parallelism!r}"
+            raise ReconfigurationError(msg)
+        async with self._queue_turn(f"insert {name!r} after {after!r}"):
+            return await self._insert(after, before, op, name, parallelism)
+
+    async def _insert(
+        self: Any, after: str, before: str, op: Any, name: str, parallelism: int
+    ) -> dict[str, Any]:
+        from raystream.dataflow import Step
+        from raystream.runtime.actors import InstanceActor
+        from raystream.runtime.instance import OutputSpec
+
+        t0 = time.time()
+        d = self.plan.steps[before]
+        new = Step(name, op.kind, op.fn, (after,), parallelism=parallelism)
+        ups = self._live_ids(after)
+        to_d = self._edge_to(before, d.key_for(after))
+        to_new = OutputSpec(name, parallelism, "rebalance")
+        template = self.specs[ups[0]]
+        specs = {
+            (name, j): replace(
+                template,
+                step=new,
+                index=j,
+                inputs=tuple(ups),
+                outputs=(to_d,),
+                state_path=None,
+                owned_key_groups=(),
+                restore=None,
+                source_parallelism=1,
+            )
+            for j in range(parallelism)
+        }
+        handles = {
+            iid: InstanceActor.options(max_concurrency=10_000).remote(spec)
+            for iid, spec in specs.items()
+        }
+        self.specs.update(specs)
+        self.handles.update(handles)
+        where = await asyncio.gather(*(h.ping.remote() for h in handles.values()))
+        self.nodes.update(zip(handles, where, strict=True))
+        await asyncio.gather(
+            *(h.connect.remote(self._receivers_of(i), self._self) for i, h in handles.items())
+        )
+        await asyncio.gather(
+            *(self.handles[r].add_inputs.remote(list(specs)) for r in to_d.receiver_ids)
+        )
+        await asyncio.gather(*(self.handles[u].add_receivers.remote(handles) for u in ups))
+        for iid in specs:
+            self._run(iid)
+        self.parallelism[name] = parallelism
+        epoch, offsets = await self._rewire(after, before, to_new, f"insert {name!r}")
+        # the graph as it runs now: recoveries and scale-outs build on it
+        self.plan.steps[name] = new
+        self.plan.steps[before] = replace(d, upstream=(name,))
+        self._set_outputs(ups, before, to_new)
+        for iid, spec in list(self.specs.items()):
+            if iid[0] == before:
+                self.specs[iid] = replace(spec, step=replace(spec.step, upstream=(name,)))
+        flow_steps = {}
+        for n, s in self.flow.steps.items():
+            if n == before:
+                flow_steps[name] = replace(new, parallelism=parallelism)
+                s = replace(s, upstream=(name,))
+            flow_steps[n] = s
+        self.flow.steps.clear()
+        self.flow.steps.update(flow_steps)
+        return self._record_reconfiguration(
+            "insert",
+            name,
+            t0,
+            time.time(),
+            epochs=[epoch],
+            moved={},
+            change=f"{after} -> {name} ({op.kind} {_fn_name(op.fn)}) -> {before}",
+            instances=parallelism,
+            source_offsets=offsets,
+        )
+
+    async def remove(self: Any, step: str) -> dict[str, Any]:
+        """Take stateless step ``step`` out at one barrier: its upstream step sends to its
+        downstream step again, its instances end. Refused (nothing changes) for a source, a sink,
+        a keyed step, or a step with several inputs or downstream steps."""
+        steps = self.plan.steps
+        s = steps.get(step)
+        down = [n for n, t in steps.items() if step in t.upstream]
+        problem = None
+        if s is None:
+            problem = f"no such step; the steps are {list(steps)}"
+        elif s.kind not in _STATELESS:
+            problem = (
+                f"it is a {s.kind} step; only stateless steps (map, filter, flat_map, "
+                "map_batches) can be removed (a keyed step's state would have to be drained)"
+            )
+        elif len(s.upstream) != 1 or s.ports or len(down) != 1:
+            problem = (
+                f"it reads {list(s.upstream)} and feeds {down}; only a step with one upstream "
+                "step (its main output) and one downstream step can be removed"
+            )
+        elif len(steps[down[0]].upstream) != 1:
+            problem = f"its downstream step {down[0]!r} has several inputs"
+        if problem is not None:
+            msg = f"cannot remove {step!r}: {problem}"
+            raise ReconfigurationError(msg)
+        async with self._queue_turn(f"remove {step!r}"):
+            return await self._remove(step, down[0])
+
+    async def _remove(self: Any, step: str, before: str) -> dict[str, Any]:
+        t0 = time.time()
+        s = self.plan.steps[step]
+        after = s.upstream[0]
+        d = self.plan.steps[before]
+        ups = self._live_ids(after)
+        mine = self._live_ids(step)
+        to_d = self._edge_to(before, d.key_for(step))
+        await asyncio.gather(*(self.handles[r].add_inputs.remote(ups) for r in to_d.receiver_ids))
+        epoch, offsets = await self._rewire(after, step, to_d, f"remove {step!r}")
+        self.retired.update(mine)
+        self.plan.steps.pop(step)
+        self.plan.steps[before] = replace(d, upstream=(after,))
+        self.parallelism.pop(step, None)
+        self._set_outputs(ups, step, to_d)
+        for iid, spec in list(self.specs.items()):
+            if iid[0] == before:
+                self.specs[iid] = replace(spec, step=replace(spec.step, upstream=(after,)))
+        flow_steps = {
+            n: (replace(t, upstream=(after,)) if n == before else t)
+            for n, t in self.flow.steps.items()
+            if n != step
+        }
+        self.flow.steps.clear()
+        self.flow.steps.update(flow_steps)
+        return self._record_reconfiguration(
+            "remove",
+            step,
+            t0,
+            time.time(),
+            epochs=[epoch],
+            moved={},
+            change=f"{after} -> {before} (without {step}: {_fn_name(s.fn)})",
+            instances=len(mine),
+            source_offsets=offsets,
+        )
+
+    async def _rewire(
+        self: Any, after: str, replaces: str, output: Any, what: str
+    ) -> tuple[int, dict[str, int]]:
+        """One aligned barrier: every instance of ``after`` replaces its output to
+        ``replaces`` by ``output``. Returns the epoch and where each source emitted it."""
+        epoch = self._next_epoch()
+        payload = {"step": after, "replaces": replaces, "output": output, "aligned": True}
+        taken: list[bool] = []
+        try:
+            acks = await self.inject(
+                Barrier(epoch, "rewire", payload), float(self.config.rescale_timeout_s), taken=taken
+            )
+        except Exception as e:
+            msg = (
+                f"the {what} barrier (epoch {epoch}) did not pass every instance: "
+                f"{type(e).__name__}: {e}"
+                + (" (no source emitted it: nothing changed)" if taken and not any(taken) else "")
+            )
+            raise ReconfigurationError(msg) from e
+        offsets = {
+            f"{a['instance'][0]}/{a['instance'][1]}": int(a["source_offset"])
+            for a in acks
+            if "source_offset" in a
+        }
+        return epoch, offsets
+
+    def _set_outputs(self: Any, ups: list[Any], old: str, new: Any) -> None:
+        for u in ups:
+            spec = self.specs[u]
+            outs = tuple(replace(new, port=o.port) if o.step == old else o for o in spec.outputs)
+            self.specs[u] = replace(spec, outputs=outs)
+
