@@ -81,6 +81,7 @@ class Controller(Recovery):
         self._standby: list[tuple[Any, str, ChannelId]] = []
         self.nodes: dict[ChannelId, str] = {}  # the node each instance runs on
         self._standby_filling = False  # outcomes of retired instances whose id came back
+        self._standby_refill = False  # a fill was asked for while one ran
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
         self._barrier_expected: dict[int, set[ChannelId]] = {}
@@ -209,6 +210,8 @@ class Controller(Recovery):
                     return
                 if iid in self.retired:
                     ray.kill(self._run_handles[iid], no_restart=True)
+                    if self.config.migration_support:  # its index may get a standby now
+                        asyncio.get_running_loop().create_task(self._fill_standby())
                 self._check_barriers()
             if self.state == "running" and all(i in self.outcomes for i in self._run_futures):
                 if await self._final_commit():
@@ -611,39 +614,61 @@ class Controller(Recovery):
         steps without actor options. Ray names an actor only when it is created, so each is
         created under the name of the instance it would become (``standby_slots``); a slot
         whose name is still held (a retiring instance) is left for a later fill."""
-        from raystream.placement import standby_slots
-        from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
-
         if self._standby_filling:
+            self._standby_refill = True  # the running fill goes round once more
             return
         self._standby_filling = True
         try:
-            steps = {
-                n: self.parallelism[n]
-                for n, st in self.plan.steps.items()
-                if st.is_keyed and st.actor.is_default
-            }
-            taken = {slot for *_, slot in self._standby} | set(self.handles)
-            want = self.config.standby_instances - len(self._standby)
-            for slot in standby_slots(steps, taken, want):
-                if self.state != "running":
-                    break
-                try:
-                    h = InstanceActor.options(
-                        name=instance_actor_name(self.flow.name, *slot),
-                        namespace=NAMESPACE,
-                        max_concurrency=10_000,
-                        scheduling_strategy="SPREAD",
-                    ).remote(None)
-                except ValueError:  # the name is still held: a later fill takes the slot
-                    continue
-                node = await h.ping.remote()
-                if self.state != "running":  # the job ended meanwhile: do not leak it
-                    ray.kill(h, no_restart=True)
-                    break
-                self._standby.append((h, node, slot))
+            self._standby_refill = True
+            while self._standby_refill and self.state == "running":
+                self._standby_refill = False
+                await self._fill_standby_once()
         finally:
             self._standby_filling = False
+
+    async def _fill_standby_once(self) -> None:
+        from raystream.placement import standby_slots
+        from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
+
+        steps = {
+            n: self.parallelism[n]
+            for n, st in self.plan.steps.items()
+            if st.is_keyed and st.actor.is_default
+        }
+        # names held by instances: live or retiring ones (a retired one that ended was
+        # stopped: its name is free, or soon)
+        held = {i for i in self.handles if not (i in self.retired and i in self.outcomes)}
+        wanted = standby_slots(steps, held, self.config.standby_instances)
+        pooled = {slot for *_, slot in self._standby}
+        for slot in wanted:
+            if self.state != "running":
+                break
+            if slot in pooled:
+                continue
+            if slot in self.handles:  # a retired instance's name: wait until it is free
+                try:
+                    await self._name_free(slot, timeout_s=5.0)
+                except RescaleError:
+                    continue
+            try:
+                h = InstanceActor.options(
+                    name=instance_actor_name(self.flow.name, *slot),
+                    namespace=NAMESPACE,
+                    max_concurrency=10_000,
+                    scheduling_strategy="SPREAD",
+                ).remote(None)
+            except ValueError:  # the name is still held: a later fill takes the slot
+                continue
+            node = await h.ping.remote()
+            if self.state != "running":  # the job ended meanwhile: do not leak it
+                ray.kill(h, no_restart=True)
+                break
+            self._standby.append((h, node, slot))
+        # standbys named for indexes beyond the next ones (a scale-in came) make room
+        extra = len(self._standby) - self.config.standby_instances
+        for entry in [e for e in self._standby if e[2] not in wanted][: max(0, extra)]:
+            self._standby.remove(entry)
+            ray.kill(entry[0], no_restart=True)
 
     async def _take_standby(self, iid: ChannelId, node: str | None) -> Any:
         """The warm standby actor named for instance ``iid`` if it runs on ``node`` (any node if
