@@ -57,9 +57,16 @@ def build_manifest(
     sub_groups: int,
     final: bool = False,
     savepoint: bool = False,
+    finished: Iterable[tuple[str, int]] = (),
 ) -> dict[str, Any]:
     """The JSON-able record of checkpoint ``checkpoint_id``. Raises CheckpointError when an
-    instance reported a failure or a keyed step's key groups are not all covered."""
+    instance reported a failure or a keyed step's key groups are not all covered.
+
+    ``finished``: instances that reached the end of their input before the barrier came (as
+    Flink's checkpoints after tasks finished, FLIP-147): their part of the checkpoint is
+    ``{"finished": True}``, and a finished keyed instance covers the key groups ``routing`` gives
+    it with no state (everything it held went out at its end; no input for them can come). On
+    recovery such an instance starts empty and ends as soon as its inputs (finished too) end."""
     instances: dict[str, dict[str, Any]] = {}
     for a in acks:
         step, index = a["instance"]
@@ -77,6 +84,14 @@ def build_manifest(
         instances[f"{step}/{index}"] = entry
     for step, index in finished_sources:
         instances.setdefault(f"{step}/{index}", {})["source"] = {"finished": True}
+    for step, index in finished:
+        key = f"{step}/{index}"
+        if key in instances and ("state" in instances[key] or "sink" in instances[key]):
+            continue  # it acknowledged this checkpoint before it ended: its part is that
+        entry = instances.setdefault(key, {})
+        entry["finished"] = True
+        if step in routing and steps.get(step) in ("keyed", "keyed_batches"):
+            entry["key_groups"] = [int(g) for g in routing[step].key_groups_of(index)]
     for step, kind in steps.items():
         if final or kind not in ("keyed", "keyed_batches"):
             continue  # a final checkpoint (every input ended) holds no state, only the sinks

@@ -79,9 +79,11 @@ class Controller(Recovery, Reconfigurations, Rewiring):
         self._run_futures: dict[ChannelId, asyncio.Future[Any]] = {}
         self._run_handles: dict[ChannelId, Any] = {}
         self._history: list[dict[str, Any]] = []
-        self._standby: list[tuple[Any, str]] = []  # (warm actor, its node id)
+        # warm actors, each named for the instance it would become: (actor, its node id, slot)
+        self._standby: list[tuple[Any, str, ChannelId]] = []
         self.nodes: dict[ChannelId, str] = {}  # the node each instance runs on
         self._standby_filling = False  # outcomes of retired instances whose id came back
+        self._standby_refill = False  # a fill was asked for while one ran
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
         self._barrier_expected: dict[int, set[ChannelId]] = {}
@@ -95,6 +97,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             config.restart_attempts, config.restart_delay_s, config.restart_failure_rate
         )
         self.recoveries: list[dict[str, Any]] = []
+        self.failed_attempts: list[dict[str, Any]] = []  # what each replaced attempt did
         self.checkpoint_stats: list[dict[str, Any]] = []
         self.failed_checkpoints: list[dict[str, Any]] = []
         self.restore_from = restore_from
@@ -209,6 +212,8 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                     return
                 if iid in self.retired:
                     ray.kill(self._run_handles[iid], no_restart=True)
+                    if self.config.migration_support:  # its index may get a standby now
+                        asyncio.get_running_loop().create_task(self._fill_standby())
                 self._check_barriers()
             if self.state == "running" and all(i in self.outcomes for i in self._run_futures):
                 if await self._final_commit():
@@ -246,6 +251,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             "checkpoints": self.checkpoint_summary(),
             "autoscaling": list(self.autoscaler.history) if self.autoscaler else [],
             "metrics": [o.get("metrics", {}) for o in [*self._history, *self.outcomes.values()]],
+            "failed_attempts": list(self.failed_attempts),
             "origin_ns": self.origin_ns,
         }
 
@@ -276,7 +282,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
 
     async def _release(self) -> None:
         standby, self._standby = self._standby, []
-        for h in [*self.handles.values(), *(h for h, _ in standby)]:
+        for h in [*self.handles.values(), *(h for h, *_ in standby)]:
             try:
                 ray.kill(h, no_restart=True)
             except Exception:  # noqa: BLE001, S110 - already gone
@@ -664,47 +670,111 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             await asyncio.sleep(0.02)
 
     async def _fill_standby(self, delay_s: float = 0.0) -> None:
-        """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs. The
-        first fill waits ``delay_s``: their processes would compete with the job's own start-up,
-        and a job that ends sooner (or rescales before: it starts what it needs) needs none."""
-        from raystream.runtime.actors import InstanceActor
-
+        """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs of keyed
+        steps without actor options. Ray names an actor only when it is created, so each is
+        created under the name of the instance it would become (``standby_slots``); a slot
+        whose name is still held (a retiring instance) is left for a later fill. The first fill
+        waits ``delay_s``: its processes would compete with the job's own start-up, and a job
+        that ends sooner (or rescales before: it starts what it needs) needs none."""
         if delay_s > 0:
             await asyncio.sleep(delay_s)
         if self._standby_filling:
+            self._standby_refill = True  # the running fill goes round once more
             return
         self._standby_filling = True
         try:
-            while len(self._standby) < self.config.standby_instances and self.state == "running":
-                h = InstanceActor.options(
-                    max_concurrency=10_000, scheduling_strategy="SPREAD"
-                ).remote(None)
-                node = await h.ping.remote()
-                if self.state != "running":  # the job ended meanwhile: do not leak it
-                    ray.kill(h, no_restart=True)
-                    break
-                self._standby.append((h, node))
+            self._standby_refill = True
+            while self._standby_refill and self.state == "running":
+                self._standby_refill = False
+                await self._fill_standby_once()
         finally:
             self._standby_filling = False
 
-    async def _take_standby(self, node: str | None) -> Any:
-        """A warm standby actor on ``node`` (any node if None), or None if there is none
-        there: then a new actor is started on the chosen node."""
+    async def _fill_standby_once(self) -> None:
+        from raystream.placement import standby_slots
+        from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
+
+        steps = {
+            n: self.parallelism[n]
+            for n, st in self.plan.steps.items()
+            if st.is_keyed and st.actor.is_default
+        }
+        # names held by instances: live or retiring ones (a retired one that ended was
+        # stopped: its name is free, or soon)
+        held = {i for i in self.handles if not (i in self.retired and i in self.outcomes)}
+        wanted = standby_slots(steps, held, self.config.standby_instances)
+        pooled = {slot for *_, slot in self._standby}
+        for slot in wanted:
+            if self.state != "running":
+                break
+            if slot in pooled:
+                continue
+            if slot in self.handles:  # a retired instance's name: wait until it is free
+                try:
+                    await self._name_free(slot, timeout_s=5.0)
+                except RescaleError:
+                    continue
+            try:
+                h = InstanceActor.options(
+                    name=instance_actor_name(self.flow.name, *slot),
+                    namespace=NAMESPACE,
+                    max_concurrency=10_000,
+                    scheduling_strategy="SPREAD",
+                ).remote(None)
+            except ValueError:  # the name is still held: a later fill takes the slot
+                continue
+            node = await h.ping.remote()
+            if self.state != "running":  # the job ended meanwhile: do not leak it
+                ray.kill(h, no_restart=True)
+                break
+            self._standby.append((h, node, slot))
+        # standbys named for indexes beyond the next ones (a scale-in came) make room
+        extra = len(self._standby) - self.config.standby_instances
+        for entry in [e for e in self._standby if e[2] not in wanted][: max(0, extra)]:
+            self._standby.remove(entry)
+            ray.kill(entry[0], no_restart=True)
+
+    async def _take_standby(self, iid: ChannelId, node: str | None) -> Any:
+        """The warm standby actor named for instance ``iid`` if it runs on ``node`` (any node if
+        None), or None: then a new actor is started on the chosen node under that name (a
+        standby there on another node is stopped first, to free the name)."""
         deadline = time.monotonic() + 15
-        while not self._standby and self._standby_filling and time.monotonic() < deadline:
+        while self._standby_filling and time.monotonic() < deadline:
+            if any(slot == iid for *_, slot in self._standby):
+                break
             await asyncio.sleep(0.02)  # one is starting: cheaper than starting another process
-        for k, (handle, where) in enumerate(self._standby):
+        for k, (handle, where, slot) in enumerate(self._standby):
+            if slot != iid:
+                continue
+            del self._standby[k]
             if node is None or where == node:
-                del self._standby[k]
                 return handle
+            ray.kill(handle, no_restart=True)
+            await self._name_free(iid)
         return None
+
+    async def _name_free(self, iid: ChannelId, timeout_s: float = 15.0) -> None:
+        """Wait until no actor holds the name of instance ``iid`` (one was killed)."""
+        from raystream.runtime.actors import NAMESPACE, instance_actor_name
+
+        name = instance_actor_name(self.flow.name, *iid)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.to_thread(ray.get_actor, name, namespace=NAMESPACE)
+            except ValueError:
+                return
+            await asyncio.sleep(0.02)
+        msg = f"actor {name} still holds its name {timeout_s} s after it was stopped"
+        raise RescaleError(msg)
 
     def _sources_done(self) -> bool:
         return all(i in self.outcomes for i in self.plan.sources)
 
     async def _spawn(self, step: str, indexes: range) -> None:
-        """Start new instances of ``step`` (empty state) and wire them to both neighbours."""
-        from raystream.runtime.actors import InstanceActor
+        """Start new instances of ``step`` (empty state, named like deployed ones) and wire them
+        to both neighbours."""
+        from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
 
         live = {
             iid: node
@@ -720,6 +790,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             step_placed=Counter(node for iid, node in live.items() if iid[0] == step),
             job_placed=Counter(live.values()),
         )
+        reused: set[ChannelId] = set()
         for i in indexes:  # an index retired by an earlier scale-in comes back: let the old go
             iid = (step, i)
             if iid in self.retired:
@@ -731,6 +802,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                     await asyncio.sleep(0.01)
                 self._history.append(self.outcomes.pop(iid))
                 self.retired.discard(iid)
+                reused.add(iid)
                 self._run_futures.pop(iid, None)
         template = self.specs[(step, 0)]
         outputs = tuple(self._current_output(o) for o in template.outputs)
@@ -753,12 +825,17 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                 restore=None,
             )
             self.specs[(step, i)] = spec
-            handle = await self._take_standby(node) if options.is_default else None
+            handle = await self._take_standby((step, i), node) if options.is_default else None
             if handle is not None:
                 await handle.configure.remote(spec)
             else:
+                if (step, i) in reused:  # the retired instance of this index was stopped
+                    await self._name_free((step, i))
                 handle = InstanceActor.options(
-                    max_concurrency=10_000, **options.ray_options(node)
+                    name=instance_actor_name(self.flow.name, step, i),
+                    namespace=NAMESPACE,
+                    max_concurrency=10_000,
+                    **options.ray_options(node),
                 ).remote(spec)
             self.handles[(step, i)] = handle
             new[(step, i)] = handle
@@ -842,6 +919,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
         )
         snaps = [s for s in snaps if isinstance(s, dict)]
         snaps += [o.get("metrics", {}) for o in self.outcomes.values()]
+        snaps = [{**s, "attempt": self._attempt} for s in snaps]
         lat = [s["latency"] for s in snaps if s.get("latency")]
         merged = LatencyRecorder.merge_snapshots(lat) if lat else None
         summary = merged.summary() if merged is not None else None
@@ -853,6 +931,8 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             "recoveries": list(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
             "reconfigurations": self.reconfiguration_records(merged),
+            # every attempt's totals per step (failed ones kept at their recovery) and their sum
+            **self.attempts_summary([*(o.get("metrics", {}) for o in self._history), *snaps]),
         }
 
     async def status(self) -> dict[str, Any]:

@@ -53,6 +53,8 @@ class JobResult:
     autoscaling: list[dict[str, Any]] = field(default_factory=list)  # the autoscaler's decisions
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # cause, checkpoint, downtime
     checkpoints: dict[str, Any] = field(default_factory=dict)  # completed, failed, last
+    # attempts a recovery replaced: cause, each instance's last metrics, totals per step
+    failed_attempts: list[dict[str, Any]] = field(default_factory=list)
 
     def table(self, sink: str | None = None) -> pa.Table:
         """The rows a collect sink received, as one table (all instances)."""
@@ -237,6 +239,7 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
             out.get("autoscaling", []),
             out.get("recoveries", []),
             out.get("checkpoints", {}),
+            out.get("failed_attempts", []),
         )
     finally:
         if out["state"] in ("finished", "failed", "stopped"):

@@ -42,6 +42,8 @@ __all__ = [
     "build_timeline",
     "recovery_point",
     "rescale_impact",
+    "step_totals",
+    "sum_totals",
 ]
 
 DEFAULT_WINDOW_MS = 250
@@ -544,3 +546,43 @@ def rescale_impact(
         "window_throughput_dip": dip,
         "steady_throughput_eps": base / step_s,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# attempts (a job that recovered ran more than once)
+
+
+def step_totals(snapshots: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per step, the sum over its instances' snapshots of ``records_in``, ``records_out`` and
+    ``busy_s`` (snapshots without a step, e.g. of an actor that died first, are left out).
+
+    Example::
+
+        >>> step_totals([{"step": "count", "records_in": 5, "records_out": 5, "busy_s": 0.5},
+        ...              {"step": "count", "records_in": 3, "records_out": 2, "busy_s": 0.25}])
+        {'count': {'records_in': 8, 'records_out': 7, 'busy_s': 0.75, 'instances': 2}}
+    """
+    out: dict[str, dict[str, float]] = {}
+    for snap in snapshots:
+        step = snap.get("step")
+        if step is None:
+            continue
+        t = out.setdefault(
+            str(step), {"records_in": 0, "records_out": 0, "busy_s": 0.0, "instances": 0}
+        )
+        t["records_in"] += int(snap.get("records_in", 0))
+        t["records_out"] += int(snap.get("records_out", 0))
+        t["busy_s"] += float(snap.get("busy_s", 0.0))
+        t["instances"] += 1
+    return out
+
+
+def sum_totals(parts: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Add :func:`step_totals` of several attempts (what the job did in all, replays included)."""
+    out: dict[str, dict[str, float]] = {}
+    for part in parts:
+        for step, t in part.items():
+            acc = out.setdefault(step, dict.fromkeys(t, 0))
+            for k, v in t.items():
+                acc[k] = acc.get(k, 0) + v
+    return out

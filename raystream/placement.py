@@ -21,6 +21,7 @@ from typing import Any
 from raystream.errors import ConfigError, PlacementError
 
 __all__ = [
+    "standby_slots",
     "ActorOptions",
     "Node",
     "PlacementError",
@@ -224,6 +225,31 @@ def choose_nodes(
         per_step[best.node_id] += 1
         per_job[best.node_id] += 1
         out.append(best.node_id)
+    return out
+
+
+def standby_slots(
+    parallelism: Mapping[str, int], taken: Iterable[tuple[str, int]], count: int
+) -> list[tuple[str, int]]:
+    """The ``(step, index)`` slots warm standby actors should be made for: Ray names an actor
+    only when it is created, so a standby is named for the instance a scale-out would make of it
+    (the next indexes of each step, taken in turn over the steps), skipping slots in ``taken``
+    (a standby or a live or retiring instance holds the name). At most ``count`` slots.
+
+    Example::
+
+        >>> standby_slots({"a": 2, "b": 3}, [("a", 2)], 3)
+        [('b', 3), ('a', 3), ('b', 4)]
+    """
+    held = set(taken)
+    out: list[tuple[str, int]] = []
+    if count <= 0 or not parallelism:
+        return out
+    for k in range(count + len(held)):
+        for step, p in parallelism.items():
+            slot = (step, p + k)
+            if slot not in held and len(out) < count:
+                out.append(slot)
     return out
 
 

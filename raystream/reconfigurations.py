@@ -248,7 +248,7 @@ class Reconfigurations:
 
         from raystream.keys import RoutingTable
         from raystream.rescale import FetchPolicy
-        from raystream.runtime.actors import InstanceActor
+        from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
 
         t0 = time.time()
         p = self.parallelism[step]
@@ -278,14 +278,14 @@ class Reconfigurations:
             restore=None,
         )
         options = self.plan.steps[step].actor
-        handle = await self._take_standby(node_id) if options.is_default else None
-        if handle is not None:  # a warm standby on that node: no process to start
-            await handle.configure.remote(spec)
-            asyncio.get_running_loop().create_task(self._fill_standby())
-        else:
-            handle = InstanceActor.options(
-                max_concurrency=10_000, **options.ray_options(node_id)
-            ).remote(spec)
+        # a new process (warm standbys are named for the indexes a scale-out would make); named
+        # after the instance it replaces: that name is still the old actor's until it retires
+        handle = InstanceActor.options(
+            name=f"{instance_actor_name(self.flow.name, step, index)}:moved-e{epoch}",
+            namespace=NAMESPACE,
+            max_concurrency=10_000,
+            **options.ray_options(node_id),
+        ).remote(spec)
         self.specs[new_iid] = spec
         self.handles[new_iid] = handle
         self.nodes[new_iid] = await handle.ping.remote()

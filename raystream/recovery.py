@@ -31,6 +31,7 @@ import ray
 
 from raystream.checkpointing import build_manifest, manifest_routing, restore_specs
 from raystream.errors import CheckpointError, RaystreamError
+from raystream.metrics import step_totals, sum_totals
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.snapshots import FINAL_CHECKPOINT
 
@@ -246,11 +247,19 @@ class Recovery:
             num_key_groups=self.flow.key_space.num_key_groups,
             sub_groups=self.flow.key_space.sub_groups,
             savepoint=savepoint,
+            finished=self._finished_before(cid),
         )
         await asyncio.to_thread(storage.complete, cid, manifest)
         live_sinks = [i for i in self.plan.sinks if i not in self.outcomes]
+        # a sink that reached its end before this checkpoint (its branch finished) publishes
+        # that end now: the checkpoint records it, so a recovery restores it as finished
+        ended = [a["instance"] for a in acks if a.get("final_sink_state")]
         await asyncio.gather(
-            *(_quietly(self.handles[i].checkpoint_complete.remote(cid)) for i in live_sinks)
+            *(_quietly(self.handles[i].checkpoint_complete.remote(cid)) for i in live_sinks),
+            *(
+                _quietly(self.handles[i].checkpoint_complete.remote(FINAL_CHECKPOINT))
+                for i in ended
+            ),
         )
         states = [a["state"] for a in acks if "state" in a]
         stats = {
@@ -301,11 +310,23 @@ class Recovery:
                 return {"ok": False, "state": "timeout", "attempt": self._attempt}
             await asyncio.sleep(0.02)
 
+    def _finished_before(self: Any, cid: int) -> list[tuple[str, int]]:
+        """Instances of the current plan that ended without error and without acknowledging
+        checkpoint ``cid`` (their inputs all ended before its barrier could reach them)."""
+        return [
+            iid
+            for iid, out in self.outcomes.items()
+            if iid in self.specs
+            and iid not in self.retired
+            and not out.get("error")
+            and cid not in out.get("acked", [])
+        ]
+
     def _finished_sink_states(self: Any) -> list[dict[str, Any]]:
         """Sinks that already reached their end (one branch of a dataflow ended) keep their
         pre-committed end in every later checkpoint."""
         return [
-            {"instance": iid, "sink_state": out["sink_state"]}
+            {"instance": iid, "sink_state": out["sink_state"], "final_sink_state": True}
             for iid, out in self.outcomes.items()
             if iid in self.plan.sinks and _durable(out.get("sink_state"))
         ]
@@ -327,7 +348,7 @@ class Recovery:
             "last": last,
             "recent": self.checkpoint_stats[-20:],
             "last_failure": self.failed_checkpoints[-1] if self.failed_checkpoints else None,
-            "storage": f"{self.storage_spec[0]}/{self.storage_spec[1]}",
+            "storage": _without_credentials(f"{self.storage_spec[0]}/{self.storage_spec[1]}"),
             "restored_from": self.restored_from,
         }
 
@@ -421,6 +442,7 @@ class Recovery:
         )
         emitted = dict(self._source_emitted)
         emitted.update(await self._source_positions())
+        await self._keep_attempt_metrics(cause, self._attempt - 1)
         old = dict(self.handles)
         futures = list(self._run_futures.values())
         for h in old.values():
@@ -482,6 +504,55 @@ class Recovery:
         self._export("recovery", record["downtime_s"])
         log.warning("job %s: recovered: %s", self.flow.name, record)
 
+    async def _keep_attempt_metrics(self: Any, cause: dict[str, Any], attempt: int) -> None:
+        """Before a recovery replaces every instance: keep what the failed ``attempt`` did
+        (each instance's last metrics: live ones are asked, ended ones gave theirs; one that
+        died without answering is listed in ``unreported``)."""
+        snaps = await self._attempt_snapshots(attempt, timeout_s=2.0)
+        self.failed_attempts.append(
+            {
+                "attempt": attempt,
+                "ended_s": self._now_s(),
+                "cause": cause["error"],
+                "instance": list(cause["instance"]),
+                "instances": snaps,
+                "unreported": sorted(
+                    f"{s}/{i}"
+                    for s, i in set(self.handles) - {(m.get("step"), m.get("index")) for m in snaps}
+                ),
+                "totals": step_totals(snaps),
+            }
+        )
+        self._history = []
+
+    async def _attempt_snapshots(self: Any, attempt: int, timeout_s: float) -> list[dict[str, Any]]:
+        """The metrics of every instance of ``attempt`` (live ones asked, at most
+        ``timeout_s``), each tagged with it."""
+        live = {iid: h for iid, h in self.handles.items() if iid not in self.outcomes}
+        asked = await asyncio.gather(
+            *(asyncio.wait_for(_result(h.metrics.remote()), timeout_s) for h in live.values()),
+            return_exceptions=True,
+        )
+        snaps = [s for s in asked if isinstance(s, dict)]
+        snaps += [o.get("metrics", {}) for o in [*self._history, *self.outcomes.values()]]
+        return [{**s, "attempt": attempt} for s in snaps if s]
+
+    def attempts_summary(self: Any, current: list[dict[str, Any]]) -> dict[str, Any]:
+        """What every attempt did: the failed ones (kept at their recovery) and the running one
+        (``current``: its instances' metrics; none while it is being deployed); ``totals``
+        adds them up per step (records a recovery replayed are counted again, as they were
+        processed again)."""
+        if self.state == "recovering":  # the instances at hand belong to the failed attempt
+            current = []
+        now = {"attempt": self._attempt, "instances": None, "totals": step_totals(current)}
+        attempts = [
+            {k: v for k, v in a.items() if k != "instances"} for a in self.failed_attempts
+        ] + [{k: v for k, v in now.items() if k != "instances"}]
+        return {
+            "attempts": attempts,
+            "totals": sum_totals([a["totals"] for a in attempts]),
+        }
+
     async def _source_positions(self: Any) -> dict[ChannelId, int]:
         """Rows each live source emitted, asked right before the restart (what is replayed)."""
         live = [i for i in self.plan.sources if i not in self.outcomes]
@@ -517,8 +588,20 @@ class Recovery:
         return await self.stop(checkpoint=False)  # type: ignore[no-any-return]
 
 
+def _without_credentials(uri: str) -> str:
+    """``s3://KEY:SECRET@bucket/...`` as ``s3://***@bucket/...`` (status and logs show it)."""
+    scheme, sep, rest = uri.partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return uri
+
+
 def _durable(state: Any) -> bool:
     return state is not None and not (isinstance(state, dict) and state.get("in_memory"))
+
+
+async def _result(ref: Any) -> Any:
+    return await ref
 
 
 async def _quietly(ref: Any) -> None:

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -44,6 +45,9 @@ log = logging.getLogger("raystream.checkpoint")
 MANIFEST = "_MANIFEST.json"
 INTENT = "_INTENT.json"
 VERSION = 1
+# completes (and their retention) run one at a time in a process: a checkpoint and the final
+# commit at the end of input may complete at once, and must not delete the same files twice
+_COMPLETING = threading.Lock()
 _STALE_TMP_S = 3600.0  # a temporary upload file older than this is debris of a crashed upload
 
 
@@ -349,9 +353,10 @@ class CheckpointStorage(CheckpointReader):
             )
             raise CheckpointError(msg) from exc
         tmp = self._abs(_join(chk, f"{MANIFEST}.{uuid.uuid4().hex}.tmp"))
-        self._write(tmp, data)
-        self.fs.move(tmp, self._abs(_join(chk, MANIFEST)))
-        self._apply_retention()
+        with _COMPLETING:
+            self._write(tmp, data)
+            self.fs.move(tmp, self._abs(_join(chk, MANIFEST)))
+            self._apply_retention()
 
     # ---- reading ----------------------------------------------------------------------------
     def _chk_ids(self) -> list[int]:
@@ -406,7 +411,7 @@ class CheckpointStorage(CheckpointReader):
             if cid > newest:  # still being written: keep the shared files it announced
                 referenced.update(self._intents(cid))
             elif cid not in keep:
-                self.fs.delete_dir(self._abs(f"chk-{cid}"))
+                _delete(self.fs.delete_dir, self._abs(f"chk-{cid}"))
         now = time.time()
         for info in self.fs.get_file_info(
             pafs.FileSelector(self._abs("shared"), allow_not_found=True, recursive=True)
@@ -422,7 +427,7 @@ class CheckpointStorage(CheckpointReader):
                 and (now - info.mtime.timestamp() < _STALE_TMP_S)
             ):
                 continue  # an upload in progress
-            self.fs.delete_file(info.path)
+            _delete(self.fs.delete_file, info.path)
 
     def _intents(self, cid: int) -> set[str]:
         out: set[str] = set()
@@ -525,6 +530,15 @@ def check_compatible(
             "num_key_groups and sub_groups), or start the job without restoring."
         )
         raise CheckpointError(msg)
+
+
+def _delete(delete: Any, path: str) -> None:
+    """Retention deletes ``path``; one that is gone already (another process's retention of
+    the same storage got there first) is as good as deleted."""
+    try:
+        delete(path)
+    except FileNotFoundError:
+        log.debug("checkpoint storage: %s was already deleted", path)
 
 
 def _probe_writable(fs: pafs.FileSystem, root: str, uri: str) -> None:

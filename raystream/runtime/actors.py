@@ -191,7 +191,9 @@ class InstanceActor:
         from raystream.runtime.snapshots import FINAL_CHECKPOINT
 
         if checkpoint_id == FINAL_CHECKPOINT and inst.writer is not None:
-            inst.result = inst.writer.close()
+            if not inst.finished_published:  # a finished branch may have published already
+                inst.result = inst.writer.close()
+                inst.finished_published = True
             return inst.result
         return None
 

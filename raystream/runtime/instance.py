@@ -231,6 +231,7 @@ class OperatorInstance:
         self.finished = False
         self.result: Any = None
         self.final_sink_state: Any = None  # a two-phase sink's pre-committed end of input
+        self.finished_published = False  # that end is published (checkpoint_complete)
         self.error: str | None = None
         self.error_traceback: str | None = None
         self.error_context: tuple[str, str] | None = None  # e.g. ("key", "'a'"): see errors.py

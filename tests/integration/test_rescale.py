@@ -26,6 +26,7 @@ import ray
 import raystream as rs
 from raystream.plugins import MIGRATION_STRATEGIES, known
 from raystream.rescale import FetchPolicy, MigrationPlan, RescaleContext, steps_moving
+from raystream.runtime.actors import NAMESPACE, instance_actor_name
 from tests.integration._rescale_helpers import (
     NUM_KEY_GROUPS,
     RUNTIME,
@@ -361,6 +362,14 @@ def test_scale_in_then_out_reusing_an_index_wires_the_new_instance_and_stays_exa
         down = live.rescale(2, "meces")
         up = live.rescale(3, "meces")
         status = job.status()
+        more = live.rescale(4, "meces")  # from a warm standby (named for index 3 when made)
+        named = {
+            i: ray.get(
+                ray.get_actor(instance_actor_name(job.name, STEP, i), namespace=NAMESPACE)
+                .metrics.remote()
+            )
+            for i in (2, 3)
+        }
         res, events = live.finish()
     except BaseException:
         job.stop()
@@ -368,11 +377,16 @@ def test_scale_in_then_out_reusing_an_index_wires_the_new_instance_and_stays_exa
     finally:
         shutil.rmtree(gate_dir, ignore_errors=True)
     assert (down["from"], down["to"], up["from"], up["to"]) == (3, 2, 2, 3)
+    assert (more["from"], more["to"]) == (3, 4)
+    # instances a scale-out started are found by name like deployed ones: the new index 2 (not
+    # the retired one) and index 3, each running when asked
+    for i, m in named.items():
+        assert (m["step"], m["index"], m["finished"]) == (STEP, i, False)
     assert status["parallelism"][STEP] == 3
     assert_exact(res.table("out"), prefix_counts(gen, events), events)
     counts = step_metrics(res.metrics)
     # instance 2 ran twice: the retired one and the new one, both finished
-    assert sorted(m["index"] for m in counts) == [0, 1, 2, 2]
+    assert sorted(m["index"] for m in counts) == [0, 1, 2, 2, 3]
     assert all(m["finished"] for m in counts)
     assert sum(m["records_in"] for m in counts) == events
     live = step_metrics(status["instances"])

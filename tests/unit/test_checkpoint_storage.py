@@ -384,3 +384,32 @@ def test_local_storage_links_sst_files_and_they_outlive_the_db(tmp_path: Path) -
             tmp_path / "chk" / "j" / f["path"]
         ).stat().st_ino
     assert restored_rows(storage, state, tmp_path / "again") == oracle
+
+
+def test_retention_takes_files_already_deleted_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint folder or shared file that another retention of the same storage deleted
+    first (an object store shows it in a listing a moment longer) does not fail the complete."""
+    storage = CheckpointStorage(tmp_path / "chk", "j", retain=1)
+    db, oracle = small_db(tmp_path / "db", seed=9)
+    checkpoint(storage, 1, db, tmp_path)
+    class GoneFirst:  # the filesystem, but each folder it deletes was deleted just before
+        def __init__(self, fs: object) -> None:
+            self._fs = fs
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._fs, name)
+
+        def delete_dir(self, path: str) -> None:
+            self._fs.delete_dir(path)
+            raise FileNotFoundError(path)  # as the second of two deletes would
+
+    monkeypatch.setattr(storage, "fs", GoneFirst(storage.fs))
+    write_keys(db, oracle, np.arange(500, 700, dtype=np.int64), np.random.default_rng(2))
+    db.flush()
+    checkpoint(storage, 2, db, tmp_path)
+    assert storage.checkpoints() == [2]
+    manifest = storage.load(2)
+    assert restored_rows(storage, manifest["instances"]["count/0"], tmp_path / "r") == oracle
+    db.close()

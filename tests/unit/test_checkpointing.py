@@ -168,3 +168,49 @@ def test_a_push_sources_dedupe_table_goes_through_the_manifest_to_its_restore() 
 
     assert spec["source"]["offset"] == 7
     assert asyncio.run(after()) == [7, 8, 9]
+
+
+def test_a_checkpoint_after_a_branch_finished_records_it_as_finished() -> None:
+    """Two branches: ``short -> count_a -> out_a`` ended before the barrier (none of its
+    instances acknowledged it), ``long -> count -> out`` is live. The checkpoint completes: the
+    finished keyed instances cover their key groups with no state, the finished source and sink
+    are recorded as finished (the sink with its pre-committed end); on restore the finished part
+    starts empty (at another parallelism too) and the live part loads its state as before."""
+    table = RoutingTable.uniform(KG, 2)
+    steps = {**STEPS, "short": "source", "count_a": "keyed_batches", "out_a": "sink"}
+    finished_sink = {"instance": ("out_a", 0), "sink_state": {"pending": [{"file": ".f"}]}}
+    manifest = build_manifest(
+        job="j",
+        checkpoint_id=9,
+        acks=[*_acks(table), finished_sink],
+        finished_sources=[("short", 0)],
+        steps=steps,
+        parallelism={"source": 1, "count": 2, "out": 1, "short": 1, "count_a": 2, "out_a": 1},
+        routing={"count": table, "count_a": table},
+        num_key_groups=KG,
+        sub_groups=4,
+        finished=[("short", 0), ("count_a", 0), ("count_a", 1), ("out_a", 0)],
+    )
+    m = json.loads(json.dumps(manifest))
+    got = m["instances"]
+    assert got["short/0"] == {"source": {"finished": True}, "finished": True}
+    assert got["out_a/0"] == {"sink": finished_sink["sink_state"]}  # its end, to publish
+    covered = sorted(g for i in (0, 1) for g in got[f"count_a/{i}"]["key_groups"])
+    assert covered == list(range(KG))
+    assert all("state" not in got[f"count_a/{i}"] for i in (0, 1))
+    # a finished step that is missing an instance is still refused
+    with pytest.raises(CheckpointError, match="count_a"):
+        build_manifest(
+            job="j", checkpoint_id=9, acks=_acks(table), finished_sources=[("short", 0)],
+            steps=steps, parallelism={}, routing={"count": table, "count_a": table},
+            num_key_groups=KG, sub_groups=4, finished=[("count_a", 0)],
+        )
+    new = RoutingTable.uniform(KG, 3)
+    iids = [("short", 0), ("out_a", 0), ("count", 0)] + [("count_a", i) for i in range(3)]
+    specs = restore_specs(m, iids, {"count": table, "count_a": new}, ("file:///x", "j"))
+    assert specs[("short", 0)]["source"] == {"finished": True}
+    assert specs[("out_a", 0)]["sink"] == finished_sink["sink_state"]
+    assert all(specs[("count_a", i)]["keyed"] == [] for i in range(3))
+    assert [p["key_groups"] for p in specs[("count", 0)]["keyed"]] == [
+        table.key_groups_of(0).tolist()
+    ]

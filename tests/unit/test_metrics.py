@@ -232,3 +232,28 @@ def test_build_timeline_from_recorders() -> None:
     assert [r[0] for r in rows] == [w * 0.25 for w in range(8)]
     assert all(r[1] == 4000.0 for r in rows)
     assert [r[2] for r in rows] == [None, 2.0] * 4
+
+
+def test_attempt_totals_add_up_over_attempts() -> None:
+    """Per-step totals of each attempt, and their sum, against sums computed here."""
+    from raystream.metrics import step_totals, sum_totals
+
+    rng = np.random.default_rng(4)
+    attempts = [
+        [
+            {"step": s, "index": i, "records_in": int(rng.integers(0, 1000)),
+             "records_out": int(rng.integers(0, 1000)), "busy_s": float(rng.random())}
+            for s in ("src", "count") for i in range(3)
+        ]
+        + [{}]  # an instance that died without reporting
+        for _ in range(3)
+    ]
+    per = [step_totals(a) for a in attempts]
+    total = sum_totals(per)
+    for step in ("src", "count"):
+        snaps = [m for a in attempts for m in a if m.get("step") == step]
+        assert total[step]["records_in"] == sum(m["records_in"] for m in snaps)
+        assert total[step]["records_out"] == sum(m["records_out"] for m in snaps)
+        assert total[step]["busy_s"] == pytest.approx(sum(m["busy_s"] for m in snaps))
+        assert total[step]["instances"] == 9
+        assert per[0][step]["instances"] == 3

@@ -120,3 +120,23 @@ def test_options_reach_the_step_from_a_stream_or_by_name() -> None:
     both = events.union(flow.source(rs.sources.generator(events=1, keys=1), name="b"))
     with pytest.raises(DataflowDefinitionError, match=r"not the output of one step"):
         both.options(num_cpus=1)
+
+
+def test_standby_slots_name_the_next_instances_of_each_step_in_turn() -> None:
+    """Against the slots enumerated here: indexes from each step's parallelism up, steps in
+    turn, skipping held names, at most ``count``."""
+    from raystream.placement import standby_slots
+
+    parallelism = {"a": 2, "b": 3}
+    held = {("a", 2), ("b", 0), ("b", 4)}  # a standby, a live instance, a retiring one
+    got = standby_slots(parallelism, held, 4)
+    expected = [
+        (s, p + k)
+        for k in range(10)
+        for s, p in parallelism.items()
+        if (s, p + k) not in held
+    ][:4]
+    assert got == expected == [("b", 3), ("a", 3), ("a", 4), ("b", 5)]
+    assert standby_slots(parallelism, held, 0) == []
+    assert standby_slots({}, held, 2) == []
+    assert len(set(standby_slots({"a": 1}, [], 5))) == 5
