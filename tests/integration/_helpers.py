@@ -32,6 +32,28 @@ def count_pk(key: Any, records: pa.RecordBatch, state: Any) -> Any:
 
 
 COUNT_OPS = {"vectorised": count_vec, "per-key": count_pk}
+
+
+def running_count_carrying(*carried: str) -> Any:
+    """A keyed step with one output row per record: its key, its seq, the ``carried`` columns and
+    the count of its key up to it (the recovery tests' oracle checks every row)."""
+
+    @rs.keyed_batches(state=rs.ValueState(int, default=0), name="running_count")
+    def running_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+        before = state.get(batch.keys)
+        counts = batch.counts
+        state.put(batch.keys, before + counts)
+        records = batch.records
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        rank = np.arange(records.num_rows) - starts
+        columns = {name: records.column(name) for name in ("key", "seq", *carried)}
+        columns["count"] = pa.array(np.repeat(before, counts) + rank + 1, pa.int64())
+        return pa.record_batch(columns)
+
+    return running_count
+
+
+running_count = running_count_carrying()
 COUNT_COLUMN = {"vectorised": "count", "per-key": "value"}
 
 

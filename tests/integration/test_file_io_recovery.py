@@ -7,38 +7,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import duckdb
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
+from tests.integration._helpers import running_count_carrying
 
 EVENTS = 120_000
 RATE = 30_000  # ~4 s of stream
 
 
-@rs.keyed_batches(state=rs.ValueState(int, default=0))
-def running_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
-    """One row per record: key, seq, its partition and the count of its key up to it."""
-    before = state.get(batch.keys)
-    counts = batch.counts
-    state.put(batch.keys, before + counts)
-    records = batch.records
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    rank = np.arange(records.num_rows) - starts
-    return pa.record_batch(
-        {
-            "key": records.column("key"),
-            "seq": records.column("seq"),
-            "day": records.column("day"),
-            "count": pa.array(np.repeat(before, counts) + rank + 1, pa.int64()),
-        }
-    )
+running_count = running_count_carrying("day")
 
 
 def _write_input(root: Path) -> None:

@@ -25,26 +25,12 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
+from tests.integration._helpers import running_count_carrying
 
 KEYS = 3_000
 
 
-@rs.keyed_batches(state=rs.ValueState(int, default=0))
-def running_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
-    """One output row per record: its key, its seq and the count of its key up to it."""
-    before = state.get(batch.keys)
-    counts = batch.counts
-    state.put(batch.keys, before + counts)
-    records = batch.records
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    rank = np.arange(records.num_rows) - starts
-    return pa.record_batch(
-        {
-            "key": records.column("key"),
-            "seq": records.column("seq"),
-            "count": pa.array(np.repeat(before, counts) + rank + 1, pa.int64()),
-        }
-    )
+running_count = running_count_carrying()
 
 
 def _flow(name: str, out: Path, events: int, rate_eps: float, sources: int = 1) -> rs.Dataflow:
