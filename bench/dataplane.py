@@ -221,10 +221,22 @@ def main(
                     f"p99 {f['p99_ms']} ms  steady p99 {f['steady_p99_ms']} ms  "
                     f"{f['cpu_s_per_m_events']} CPU-s/M"
                 )
+        _write(name, label, chosen, runs, t0, done=rep + 1)  # kept even if a later one fails
+    click.echo(f"wrote bench/results/{name}.json")
+
+
+def _write(
+    name: str,
+    label: str,
+    chosen: list[str],
+    runs: dict[str, dict[str, list[dict[str, Any]]]],
+    t0: float,
+    done: int,
+) -> None:
     out: dict[str, Any] = {
         "benchmark": "dataplane",
         "label": label,
-        "repeats": repeats,
+        "repeats": done,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
         "wall_s": round(time.time() - t0, 1),
         "cpus": os.cpu_count(),
@@ -232,8 +244,9 @@ def main(
         "throughput": "events into the count step per second of the job's run (all instances)",
         "steady_throughput": (
             f"mean events/s of the 250 ms windows after the first {STEADY_SKIP_S:g} s with "
-            "events, the last window left out (no start-up: with migration support a job "
-            "also starts its warm standby actors in its first seconds)"
+            f"events ({', '.join(f'{c}: {v:g} s' for c, v in STEADY_SKIP.items())}), the last "
+            "window left out (no start-up: with migration support a job also starts its warm "
+            "standby actors in its first seconds)"
         ),
         "cpu": "CPU seconds of the whole process tree (driver, Ray, actors) per million events",
         "cases": {
@@ -257,7 +270,6 @@ def main(
         out["results"][case] = res
     path = Path("bench/results") / f"{name}.json"
     write_json(path, out)
-    click.echo(f"wrote {path}")
 
 
 if __name__ == "__main__":
