@@ -20,6 +20,8 @@ from pathlib import Path
 import pyarrow as pa
 from rocksdict import (
     AccessType,
+    BlockBasedOptions,
+    Cache,
     Checkpoint,
     IngestExternalFileOptions,
     Options,
@@ -53,10 +55,22 @@ def chunk_payload_bytes(key: bytes, value: bytes) -> int:
 
 
 def _options() -> Options:
+    """Options for point reads and writes of whole batches of keys, many of them new: bloom
+    filters in SST files and in the memtable make a read of a key that is not there cheap (a
+    key-count reads every key of a batch, new ones included)."""
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
     opts.increase_parallelism(2)
+    table = BlockBasedOptions()
+    table.set_bloom_filter(10, False)  # 10 bits per key, full (not block-based) filters
+    table.set_block_cache(Cache(BLOCK_CACHE_BYTES))
+    opts.set_block_based_table_factory(table)
+    opts.set_memtable_whole_key_filtering(True)
+    opts.set_memtable_prefix_bloom_ratio(0.05)  # of the write buffer, for the memtable's filter
     return opts
+
+
+BLOCK_CACHE_BYTES = 64 << 20  # RocksDB's cache of SST blocks, per instance
 
 
 _MISS = object()
