@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import raystream as rs
+from bench._cpu import CpuSampler
 from bench._latest import LatestCountSink, latest_counts
 from bench._report import build_report, print_summary, write_atomically, write_json
 
@@ -553,6 +554,8 @@ def main(
     started_ray = _connect_ray()
     try:
         _pickle_by_value()
+        cpu = CpuSampler()
+        cpu.start()
         t0 = time.perf_counter()
         rescale_errors: list[str] = []
         killed_at_ns: list[int] = []
@@ -578,6 +581,7 @@ def main(
             click.echo(f"Error: the key-count job failed: {exc}", err=True)
             sys.exit(1)
         wall_s = time.perf_counter() - t0
+        cpu_used = cpu.stop()
         parts = [t for t in result.results.get(SINK, []) if t is not None]
         final = latest_counts(pa.concat_tables(parts)) if parts else None
         keys_out = final.num_rows if final is not None else 0
@@ -592,8 +596,13 @@ def main(
                 "recoveries": result.recoveries,
                 "kills": [],
                 "checkpoints": result.checkpoints,
+                "cpu_s": cpu_used,
             },
         )
+        if data["events_in"]:
+            data["cpu_s_per_m_events"] = round(
+                float(cpu_used["total_s"]) / data["events_in"] * 1e6, 3  # type: ignore[arg-type]
+            )
         data["kills"] = _processing_again(data, result, killed_at_ns)
         if warmup_s > 0:
             steady = (result.latency() or rs.metrics.LatencyRecorder(0)).summary_between(

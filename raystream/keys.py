@@ -115,15 +115,13 @@ def stable_hash(keys: Any) -> np.ndarray:
     # Strings / binaries: hash each distinct value once, then take.
     encoded = pc.dictionary_encode(arr)
     dictionary = encoded.dictionary
-    h = xxhash.xxh3_64_intdigest
-    if pa.types.is_string(dictionary.type):
-        distinct = np.fromiter(
-            (h(s.encode()) for s in dictionary.to_pylist()), dtype=np.uint64, count=len(dictionary)
-        )
-    else:
-        distinct = np.fromiter(
-            (h(s) for s in dictionary.to_pylist()), dtype=np.uint64, count=len(dictionary)
-        )
+    if pa.types.is_string(dictionary.type):  # the UTF-8 bytes, as they are (no copy)
+        dictionary = dictionary.cast(pa.binary())
+    distinct = np.fromiter(
+        map(xxhash.xxh3_64_intdigest, dictionary.to_pylist()),  # the loop runs in C
+        dtype=np.uint64,
+        count=len(dictionary),
+    )
     indices = encoded.indices.to_numpy(zero_copy_only=False)
     return distinct[indices]
 
@@ -159,11 +157,17 @@ class KeySpace:
 
     def key_group(self, hashes: np.ndarray) -> np.ndarray:
         """Key group of each hash, as uint16 (a key group id is < 32768)."""
-        return (hashes % np.uint64(self.num_key_groups)).astype(np.uint16)
+        n = self.num_key_groups
+        if n & (n - 1) == 0:  # a power of two: the low bits (same as %, without a division)
+            return (hashes & np.uint64(n - 1)).astype(np.uint16)
+        return (hashes % np.uint64(n)).astype(np.uint16)
 
     def sub_group(self, hashes: np.ndarray) -> np.ndarray:
         """Sub-group of each hash within its key group, as uint8."""
-        return ((hashes >> _S32) % np.uint64(self.sub_groups)).astype(np.uint8)
+        n = self.sub_groups
+        if n & (n - 1) == 0:
+            return ((hashes >> _S32) & np.uint64(n - 1)).astype(np.uint8)
+        return ((hashes >> _S32) % np.uint64(n)).astype(np.uint8)
 
     def locate(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         """(key_group, sub_group) arrays of the given keys."""

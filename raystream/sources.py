@@ -414,6 +414,15 @@ class _KeyDraw:
 
 def _cumcount(key_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(position of each row among the earlier rows of its key, distinct keys, their counts)."""
+    enc = pc.dictionary_encode(pa.array(key_ids))
+    if len(enc.dictionary) <= 1 << 16:  # rows by key with a radix sort of the key's index
+        idx = enc.indices.to_numpy(zero_copy_only=False)
+        order = np.argsort(idx.astype(np.uint16), kind="stable")
+        counts = np.bincount(idx, minlength=len(enc.dictionary))
+        starts = np.cumsum(counts) - counts
+        within = np.empty(len(key_ids), np.int64)
+        within[order] = np.arange(len(key_ids)) - starts[idx[order]]
+        return within, enc.dictionary.to_numpy(zero_copy_only=False), counts
     order = np.argsort(key_ids, kind="stable")
     sorted_ids = key_ids[order]
     starts = np.flatnonzero(np.diff(sorted_ids, prepend=sorted_ids[:1] - 1))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from typing import Any
 
 import ray
@@ -57,6 +58,7 @@ class InstanceActor:
         self._events: list[tuple[str, dict[str, Any]]] = []
         self._controller: Any = None
         self._metrics_task: asyncio.Task[None] | None = None
+        gc.freeze()  # what the imports made lives on: full collections need not walk it
 
     async def configure(self, spec: InstanceSpec) -> None:
         self._instance = OperatorInstance(spec)

@@ -37,6 +37,7 @@ __all__ = [
     "OutputChannel",
     "OvertakingBarrier",
     "Rebalance",
+    "concat_batches",
     "materialise_key",
     "overtakes",
 ]
@@ -239,6 +240,23 @@ class Inbox:
                 return ch, item
         return None
 
+    def take_batches(self, channel: ChannelId, max_rows: int) -> list[pa.RecordBatch]:
+        """Record batches queued next on ``channel``, in order, while they total at most
+        ``max_rows`` rows; stops at anything else (a barrier, a watermark) or a blocked channel.
+        Under load batches queue up, and the reader takes them as one larger batch."""
+        q = self._queues.get(channel)
+        out: list[pa.RecordBatch] = []
+        if not q or channel in self._blocked:
+            return out
+        rows = 0
+        while q and isinstance(q[0], pa.RecordBatch) and rows + q[0].num_rows <= max_rows:
+            batch = q.popleft()
+            rows += batch.num_rows
+            out.append(batch)
+        if out:
+            asyncio.get_running_loop().create_task(self._notify(channel))
+        return out
+
     async def _notify(self, channel: ChannelId) -> None:
         cond = self._space.get(channel)
         if cond is not None:
@@ -268,11 +286,22 @@ class Inbox:
                     return None
 
 
+ADAPTIVE_SMALL_FRACTION = 8  # adaptive channels send batches under batch_rows / 8 at once
+
+
 class OutputChannel:
     """Buffers rows for one receiver; sends when ``batch_rows`` are there or ``linger_ms`` passed.
 
     ``send((seq, item)) -> awaitable`` performs the remote push; at most ``max_inflight`` pushes are
     unacknowledged at once.
+
+    ``adaptive``: a small batch (under ``batch_rows / 8`` rows buffered) also goes at once while
+    no push is in flight (every earlier one was acknowledged). A producer at a low rate makes
+    small batches (a source emits ``rate x linger_ms`` rows at a time), so they leave as soon
+    as they are made: low latency without tuning ``linger_ms``. Under load batches are large or
+    pushes are in flight, and rows gather up to ``batch_rows`` for at most ``linger_ms`` (fewer,
+    larger calls); the receiver also takes batches that queued up as one
+    (:meth:`Inbox.take_batches`).
     """
 
     def __init__(
@@ -282,9 +311,12 @@ class OutputChannel:
         batch_rows: int,
         linger_ms: float,
         max_inflight: int,
+        adaptive: bool = False,
     ) -> None:
         self._send = send
+        self.adaptive = adaptive
         self.batch_rows = batch_rows
+        self._small_rows = max(1, batch_rows // ADAPTIVE_SMALL_FRACTION)
         self.linger_s = linger_ms / 1000.0
         self.max_inflight = max_inflight
         self._pending: list[pa.RecordBatch] = []
@@ -313,8 +345,14 @@ class OutputChannel:
             self._first_at = time.monotonic()
         self._pending.append(batch)
         self._pending_rows += batch.num_rows
-        if self._pending_rows >= self.batch_rows:
+        rows = self._pending_rows
+        if rows >= self.batch_rows or (self.adaptive and rows < self._small_rows and self.idle):
             await self.flush()
+
+    @property
+    def idle(self) -> bool:
+        """No push is in flight: every one sent was acknowledged."""
+        return all(_done(ack) for ack in self._inflight)
 
     async def flush(self) -> None:
         if not self._pending:
@@ -322,7 +360,7 @@ class OutputChannel:
         pending, self._pending = self._pending, []
         self._pending_rows = 0
         self._first_at = None
-        batch = pending[0] if len(pending) == 1 else _concat(pending)
+        batch = pending[0] if len(pending) == 1 else concat_batches(pending)
         await self.push(batch)
         self.rows_sent += batch.num_rows
 
@@ -374,7 +412,8 @@ def _done(ack: Any) -> bool:
     return bool(done()) if callable(done) else False
 
 
-def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+def concat_batches(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    """One record batch of ``batches`` (schemas unified if they differ, e.g. by a null column)."""
     try:
         return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
     except pa.ArrowInvalid:
@@ -444,14 +483,14 @@ class ByKeyGroup:
         if batch.num_rows == 0:
             return []
         batch, keys = materialise_key(batch, self.key)
-        kg = self.key_space.key_group(stable_hash(keys))
-        dest = self.table.owner_of(kg)
         if self.table.parallelism == 1:
             return [(0, batch)]
+        kg = self.key_space.key_group(stable_hash(keys))
+        dest = self.table.owner_of(kg)
         first = int(dest[0])
         if (dest == first).all():
             return [(first, batch)]
-        order = np.argsort(dest, kind="stable")
+        order = np.argsort(dest.astype(np.uint16), kind="stable")  # a radix sort (< 32768)
         counts = np.bincount(dest, minlength=self.table.parallelism)
         taken = batch.take(pa.array(order))
         out = []

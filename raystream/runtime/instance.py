@@ -29,6 +29,7 @@ from raystream.runtime.channels import (
     OutputChannel,
     OvertakingBarrier,
     Rebalance,
+    concat_batches,
     overtakes,
 )
 from raystream.runtime import snapshots
@@ -70,6 +71,7 @@ class RuntimeConfig:
 
     batch_rows: int = 100_000  # a sender ships a batch once it holds this many rows ...
     linger_ms: float = 5.0  # ... or once its oldest row waited this long
+    adaptive_batching: bool = True  # ... or at once while no push to that receiver is in flight
     max_inflight: int = 4  # unacknowledged pushes per channel (credits)
     inbox_capacity: int = 4  # queued batches per input channel
     source_batch_rows: int = 100_000  # rows a source reads at once when unthrottled
@@ -104,6 +106,9 @@ class RuntimeConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 msg = f"{name} must be a number >= 0, got {v!r}"
                 raise ConfigError(msg)
+        if not isinstance(self.adaptive_batching, bool):
+            msg = f"adaptive_batching must be True or False, got {self.adaptive_batching!r}"
+            raise ConfigError(msg)
         if not isinstance(self.heartbeat_timeout_s, (int, float)) or self.heartbeat_timeout_s <= 0:
             msg = f"heartbeat_timeout_s must be a number > 0, got {self.heartbeat_timeout_s!r}"
             raise ConfigError(msg)
@@ -321,6 +326,7 @@ class OperatorInstance:
             batch_rows=cfg.batch_rows,
             linger_ms=cfg.linger_ms,
             max_inflight=cfg.max_inflight,
+            adaptive=cfg.adaptive_batching,
         )
         ch.receiver = receiver
         return ch
@@ -728,6 +734,11 @@ class OperatorInstance:
                 channel, item = got
                 if isinstance(item, pa.RecordBatch):
                     self.watermarks.on_records(channel)
+                    if self.spec.config.adaptive_batching:  # batches queued up: one larger
+                        more = self.inbox.take_batches(
+                            channel, self.spec.config.batch_rows - item.num_rows
+                        )
+                        item = concat_batches([item, *more]) if more else item
                     await self._on_batch(item, channel)
                 elif isinstance(item, OvertakingBarrier):
                     await self._on_overtaking(channel, item)

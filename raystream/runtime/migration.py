@@ -76,10 +76,11 @@ class DecayingHeat:
             self.counts *= 0.5 ** (dt / self.half_life_s)
             self._at = now
 
-    def add(self, sub_group: np.ndarray) -> None:
-        """Count one record per entry of ``sub_group`` (global sub-group ids), now."""
+    def add(self, sub_group: np.ndarray, records: np.ndarray | None = None) -> None:
+        """Count one record per entry of ``sub_group`` (global sub-group ids), now; or
+        ``records[i]`` records for entry ``i`` (e.g. per distinct key of a batch)."""
         self._decay_to(self.clock())
-        self.counts += np.bincount(sub_group, minlength=len(self.counts))
+        self.counts += np.bincount(sub_group, weights=records, minlength=len(self.counts))
 
     def rate(self) -> np.ndarray:
         """Records per second per sub-group now (decayed count x ln 2 / half-life: a steady

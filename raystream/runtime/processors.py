@@ -187,7 +187,7 @@ class MapBatchesProcessor:
 class KeyedBatch:
     """One batch grouped by key: the records of ``keys[i]`` are ``records[offsets[i]:offsets[i+1]]``.
 
-    ``records`` is sorted by key (stably, so per-key order is kept); ``keys`` holds the distinct
+    ``records`` is grouped by key (stably, so per-key order is kept); ``keys`` holds the distinct
     keys with their key groups and sub-groups, ready for vectorised state access.
 
     Event time: ``watermark`` is this instance's current watermark (int ms,
@@ -254,24 +254,41 @@ class KeyedBatch:
 def group_by_key(
     batch: pa.RecordBatch, keys: pa.Array, key_space: KeySpace, key_column: str
 ) -> KeyedBatch:
-    """Sort a batch by key (stable) and find each distinct key's run of records."""
+    """Group a batch by key (stable: per-key arrival order kept) and find each distinct key's run
+    of records. Distinct keys come in the order of their state keys (key group, sub-group, then
+    the int key) so RocksDB reads and writes them sorted (a batch already grouped by key keeps
+    its order and is not copied); each key is hashed once.
+
+    One hash pass over the rows (Arrow's dictionary encoding) finds the distinct keys, and a
+    counting sort of the rows by their key's rank (numpy's radix sort while a batch has fewer
+    than 65,536 distinct keys) puts each key's records together."""
     n = batch.num_rows
-    if keys.type == pa.int64():
-        k = keys.to_numpy(zero_copy_only=False)
-        order = np.argsort(k, kind="stable")
-        sk = k[order]
-        starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]]) if n else np.empty(0, np.int64)
-        distinct: pa.Array = pa.array(sk[starts])
-    else:
-        enc = keys.dictionary_encode()
-        idx = enc.indices.to_numpy(zero_copy_only=False)
-        order = np.argsort(idx, kind="stable")
-        si = idx[order]
-        starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]]) if n else np.empty(0, np.int64)
-        distinct = enc.dictionary.take(pa.array(si[starts]))
-    offsets = np.append(starts, n).astype(np.int64)
-    records = batch if _is_identity(order) else batch.take(pa.array(order))
+    if n == 0:
+        kg, sg = key_space.locate(keys)
+        return KeyedBatch(batch, KeySet(keys, kg, sg), np.zeros(1, np.int64), key_column)
+    enc = pc.dictionary_encode(keys)
+    distinct = enc.dictionary
+    idx = enc.indices.to_numpy(zero_copy_only=False)
     kg, sg = key_space.locate(distinct)
+    gsg = kg.astype(np.int64) * key_space.sub_groups + sg
+    d = len(distinct)
+    if not (idx[1:] < idx[:-1]).any():  # already grouped: kept as it is (no copy)
+        offsets = np.append(np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]]), n).astype(np.int64)
+        return KeyedBatch(batch, KeySet(distinct, kg, sg), offsets, key_column)
+    if distinct.type == pa.int64():
+        perm = np.lexsort((distinct.to_numpy(zero_copy_only=False), gsg))
+    else:
+        perm = np.argsort(gsg, kind="stable")
+    rank = np.empty(d, np.uint16 if d <= 1 << 16 else np.int64)
+    rank[perm] = np.arange(d, dtype=rank.dtype)
+    row_rank = rank[idx]
+    order = np.argsort(row_rank, kind="stable")  # radix sort for uint16
+    offsets = np.zeros(d + 1, np.int64)
+    np.cumsum(np.bincount(row_rank, minlength=d), out=offsets[1:])
+    records = batch if _is_identity(order) else batch.take(pa.array(order))
+    if not _is_identity(perm):
+        distinct = distinct.take(pa.array(perm))
+        kg, sg = kg[perm], sg[perm]
     return KeyedBatch(records, KeySet(distinct, kg, sg), offsets, key_column)
 
 
@@ -339,21 +356,25 @@ class KeyedProcessor:
         spec = self.key_specs[input]
         batch, keys = materialise_key(batch, spec)
         self.key_kind = self.key_kind or key_kind(keys)
-        if not self.track:  # migration support off: only check ownership per distinct key
-            kb = group_by_key(batch, keys, self.key_space, self.key_column)
-            gsg = kb.keys.key_group.astype(np.int64) * self.key_space.sub_groups + kb.keys.sub_group
-            self.engine.split(kb.keys.keys, gsg, count=False)
-            return self._run_user(kb, input)
-        h = stable_hash(keys)
         ks = self.key_space
+        engine = self.engine
+        # outputs name the key after the first input's key, whichever input the batch is
+        kb = group_by_key(batch, keys, ks, self.key_column)
+        gsg = kb.keys.key_group.astype(np.int64) * ks.sub_groups + kb.keys.sub_group
+        if self.track and count:  # heat per distinct key, weighted by its records
+            engine.heat.add(gsg, kb.counts)
+        if engine.held[gsg].all():  # every key's state is here (always, unless a move runs)
+            return self._run_user(kb, input)
+        if not self.track:  # migration support off: nothing can be on its way; this raises
+            engine.split(kb.keys.keys, gsg, count=False)
+        # a migration runs: records of sub-groups not here yet wait, per record, in arrival order
+        h = stable_hash(keys)
         sub_group = ks.key_group(h).astype(np.int64) * ks.sub_groups + ks.sub_group(h)
-        ready = self.engine.split(batch, sub_group, count=count)
+        ready = engine.split(batch, sub_group, count=False)
         if ready is None:
             return []
-        if ready is not batch:
-            keys = materialise_key(ready, spec)[1]
-        # outputs name the key after the first input's key, whichever input the batch is
-        kb = group_by_key(ready, keys, self.key_space, self.key_column)
+        keys = materialise_key(ready, spec)[1]
+        kb = group_by_key(ready, keys, ks, self.key_column)
         return self._run_user(kb, input)
 
     def hold_back(self, batch: pa.RecordBatch, *, input: int = 0) -> pa.RecordBatch | None:

@@ -40,14 +40,39 @@ def encode_keys(
         rows["sid"] = state_id
         rows["k"] = keys.to_numpy(zero_copy_only=False).view(np.uint64) ^ _SIGN
         return rows.view("V12").tolist()
-    pack = _PREFIX.pack
-    values = keys.to_pylist()
-    if pa.types.is_string(keys.type):
-        values = [v.encode() for v in values]
-    return [
-        pack(int(g), int(s), state_id) + len(v).to_bytes(4, "big") + v
-        for g, s, v in zip(key_group.tolist(), sub_group.tolist(), values, strict=True)
-    ]
+    # strings and binaries: [prefix][length u32 BE][bytes], built in one flat buffer
+    raw = keys.cast(pa.binary()) if pa.types.is_string(keys.type) else keys
+    offsets = np.frombuffer(raw.buffers()[1], np.int32)[raw.offset : raw.offset + n + 1]
+    data = raw.buffers()[2]
+    payload = (
+        np.frombuffer(data, np.uint8)[offsets[0] : offsets[-1]]
+        if data is not None and n
+        else np.empty(0, np.uint8)
+    )
+    lengths = np.diff(offsets).astype(np.int64)
+    out_offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths + 8, out=out_offsets[1:])
+    out = np.empty(int(out_offsets[-1]), np.uint8)
+    head = np.empty((n, 8), np.uint8)
+    kg = np.asarray(key_group, dtype=np.uint16)
+    head[:, 0] = kg >> 8
+    head[:, 1] = kg & 0xFF
+    head[:, 2] = np.asarray(sub_group, dtype=np.uint8)
+    head[:, 3] = state_id
+    head[:, 4:] = lengths.astype(">u4").view(np.uint8).reshape(n, 4)
+    out[(out_offsets[:-1, None] + np.arange(8)).ravel()] = head.ravel()
+    start = out_offsets[:-1] + 8 - (offsets[:-1] - offsets[0])
+    out[np.repeat(start, lengths) + np.arange(len(payload))] = payload
+    if out_offsets[-1] >= 1 << 31:  # (a batch of keys over 2 GiB) the slow path
+        pack = _PREFIX.pack
+        return [
+            pack(int(g), int(s), state_id) + len(v).to_bytes(4, "big") + v
+            for g, s, v in zip(key_group.tolist(), sub_group.tolist(), raw.to_pylist(), strict=True)
+        ]
+    built = pa.Array.from_buffers(
+        pa.binary(), n, [None, pa.py_buffer(out_offsets.astype(np.int32)), pa.py_buffer(out)]
+    )
+    return built.to_pylist()  # type: ignore[no-any-return]
 
 
 def encode_one(key_group: int, sub_group: int, state_id: int, key: object) -> bytes:

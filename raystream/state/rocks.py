@@ -7,7 +7,9 @@ scan on the old owner, a ``WriteBatch`` on the new one and a ``delete_range`` to
 
 from __future__ import annotations
 
+import collections
 import itertools
+import operator
 import shutil
 import threading
 import uuid
@@ -18,6 +20,8 @@ from pathlib import Path
 import pyarrow as pa
 from rocksdict import (
     AccessType,
+    BlockBasedOptions,
+    Cache,
     Checkpoint,
     IngestExternalFileOptions,
     Options,
@@ -51,10 +55,22 @@ def chunk_payload_bytes(key: bytes, value: bytes) -> int:
 
 
 def _options() -> Options:
+    """Options for point reads and writes of whole batches of keys, many of them new: bloom
+    filters in SST files and in the memtable make a read of a key that is not there cheap (a
+    key-count reads every key of a batch, new ones included)."""
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
     opts.increase_parallelism(2)
+    table = BlockBasedOptions()
+    table.set_bloom_filter(10, False)  # 10 bits per key, full (not block-based) filters
+    table.set_block_cache(Cache(BLOCK_CACHE_BYTES))
+    opts.set_block_based_table_factory(table)
+    opts.set_memtable_whole_key_filtering(True)
+    opts.set_memtable_prefix_bloom_ratio(0.05)  # of the write buffer, for the memtable's filter
     return opts
+
+
+BLOCK_CACHE_BYTES = 64 << 20  # RocksDB's cache of SST blocks, per instance
 
 
 _MISS = object()
@@ -104,7 +120,7 @@ class RocksStateBackend:
         *,
         cache_entries: int = 500_000,
         cache_bytes: int = 64 << 20,
-        max_dirty: int = 8192,
+        max_dirty: int = 32768,  # dirty entries that coalesce before a write (hot keys: once)
         import_method: str = "write_batch",
     ) -> None:
         if import_method not in IMPORT_METHODS:
@@ -140,16 +156,16 @@ class RocksStateBackend:
             return []
         if not self.cache_entries:
             return self._db.get(keys)  # type: ignore[no-any-return]
-        cache = self._cache
-        values = [cache.get(k, _MISS) for k in keys]
-        missing = [i for i, v in enumerate(values) if v is _MISS]
-        if missing:
-            fetched = self._db.get(sorted(keys[i] for i in missing))
-            found = dict(zip(sorted(keys[i] for i in missing), fetched, strict=True))
-            for i in missing:
-                values[i] = found[keys[i]]
-            cache.update(found)  # misses are cached too (as None)
-            self._cache_added += sum(map(len, found)) + sum(map(len, filter(None, fetched)))
+        # whole-list operations in C (map, compress): no Python-level loop per key
+        get = self._cache.get
+        values = list(map(get, keys, itertools.repeat(_MISS, len(keys))))
+        if _MISS in values:
+            missing = map(operator.is_, values, itertools.repeat(_MISS))
+            wanted = sorted(itertools.compress(keys, missing))  # cheap if keys come sorted
+            fetched = self._db.get(wanted)
+            self._cache.update(zip(wanted, fetched, strict=True))  # misses cached too (None)
+            values = list(map(get, keys))
+            self._cache_added += sum(map(len, wanted)) + sum(map(len, filter(None, fetched)))
             self._bound()
         return values  # type: ignore[return-value]
 
@@ -186,11 +202,15 @@ class RocksStateBackend:
     ) -> None:
         self.wait_snapshot()
         wb = WriteBatch(raw_mode=True)
-        for k, v in zip(keys, values, strict=True):
-            if v is None:
-                wb.delete(k)
-            else:
-                wb.put(k, v)
+        keys, values = list(keys), list(values)
+        if None in values or len(keys) != len(values):
+            for k, v in zip(keys, values, strict=True):
+                if v is None:
+                    wb.delete(k)
+                else:
+                    wb.put(k, v)
+        else:  # puts only: the loop runs in C
+            collections.deque(map(wb.put, keys, values), maxlen=0)
         for k in deletes:
             wb.delete(k)
         if not wb.is_empty():
@@ -254,8 +274,7 @@ class RocksStateBackend:
     def _write_dirty(self) -> None:
         if self._dirty:
             keys = sorted(self._dirty)
-            cache = self._cache
-            self._write_through(keys, [cache[k] for k in keys])
+            self._write_through(keys, list(map(self._cache.__getitem__, keys)))
             self._dirty.clear()
 
     def flush_cache(self) -> None:

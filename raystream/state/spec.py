@@ -49,7 +49,9 @@ class Codec:
             fill = np.asarray(
                 default if default is not None else 0, dtype=self.numpy_dtype
             ).tobytes()
-            joined = bytearray(b"".join(r if r is not None else fill for r in raws))
+            if None in raws:
+                raws = [fill if r is None else r for r in raws]
+            joined = bytearray(b"".join(raws))
             return np.frombuffer(joined, self.numpy_dtype)  # writable: callers may update in place
         if default is None or isinstance(default, (bool, int, float, str, bytes)):
             return [pickle.loads(r) if r is not None else default for r in raws]  # immutable

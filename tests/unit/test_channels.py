@@ -348,3 +348,61 @@ def test_materialise_key_errors() -> None:
         materialise_key(b, KeySpec(fn=lambda bt: pa.array([1, 2])))
     with pytest.raises(SchemaError, match="type double"):
         materialise_key(pa.record_batch({"a": [1.5]}), KeySpec(column="a"))
+
+
+# ---- adaptive batching --------------------------------------------------------------------------
+def test_adaptive_sends_small_batches_at_once_while_nothing_is_in_flight() -> None:
+    async def main() -> None:
+        r = FakeReceiver()
+        out = OutputChannel(r.send, batch_rows=800, linger_ms=10_000, max_inflight=4, adaptive=True)
+        await out.add(batch(0, 5))  # small, nothing in flight: goes at once
+        assert [b.num_rows for _, b in r.sent] == [5] and out.deadline is None
+        await out.add(batch(5, 5))  # the first push is not acknowledged: waits (linger)
+        await out.add(batch(10, 5))
+        assert len(r.sent) == 1 and out.deadline is not None
+        r.acks[0].set_result(None)
+        await out.add(batch(15, 5))  # acknowledged: the 15 rows buffered go as one push
+        assert [b.num_rows for _, b in r.sent] == [5, 15] and out.deadline is None
+        r.acks[1].set_result(None)
+        await out.add(batch(20, 100))  # 100 rows = batch_rows / 8: large, gathers as before
+        assert len(r.sent) == 2 and out.deadline is not None
+        await out.add(batch(120, 700))  # 800 rows: batch_rows reached
+        assert [b.num_rows for _, b in r.sent] == [5, 15, 800]
+        got = pa.concat_arrays([b.column("x") for _, b in r.sent]).to_pylist()
+        assert got == list(range(820))  # nothing lost, order kept
+
+    asyncio.run(main())
+
+
+def test_without_adaptive_small_batches_wait_for_linger() -> None:
+    async def main() -> None:
+        r = FakeReceiver(auto_ack=True)
+        out = OutputChannel(r.send, batch_rows=800, linger_ms=10_000, max_inflight=4)
+        await out.add(batch(0, 5))
+        assert r.sent == [] and out.deadline is not None
+
+    asyncio.run(main())
+
+
+def test_take_batches_joins_queued_batches_up_to_max_rows_and_stops_at_other_items() -> None:
+    async def main() -> None:
+        inbox = Inbox(capacity=10)
+        items = [batch(0, 3), batch(3, 3), batch(6, 3), "barrier", batch(9, 3)]
+        for seq, item in enumerate(items):
+            await inbox.put(A, seq, item)
+        await inbox.put(B, 0, batch(100, 3))
+        ch, first = await inbox.get()
+        assert ch == A and first.num_rows == 3
+        more = inbox.take_batches(A, 3)  # room for one more batch of 3 rows
+        assert [b.column("x").to_pylist() for b in more] == [[3, 4, 5]]
+        more = inbox.take_batches(A, 100)  # stops at the barrier
+        assert [b.column("x").to_pylist() for b in more] == [[6, 7, 8]]
+        assert inbox.take_batches(A, 100) == []  # a barrier is next
+        inbox.block(B)
+        assert inbox.take_batches(B, 100) == []  # blocked channels give nothing
+        assert inbox.take_batches(("up", 9), 100) == []  # unknown channel
+        got = [(await inbox.get())[1] for _ in range(2)]
+        assert got[0] == "barrier" and got[1].column("x").to_pylist() == [9, 10, 11]
+        assert inbox.depth() == 1  # B's batch, still queued
+
+    asyncio.run(main())

@@ -76,6 +76,25 @@ def test_group_by_key_empty_and_sorted_input() -> None:
     assert kb.counts.tolist() == [2, 1, 1]
 
 
+@pytest.mark.parametrize("kind", ["int", "str"])
+def test_group_by_key_orders_keys_as_their_state_keys(kind) -> None:
+    from raystream.state.layout import encode_keys
+
+    b = events(3000, kind, 5, n_keys=2000).to_batches()[0]
+    kb = group_by_key(b, b.column("key"), KS, "key")
+    gsg = kb.keys.key_group.astype(np.int64) * KS.sub_groups + kb.keys.sub_group
+    assert (np.diff(gsg) >= 0).all()  # by key group, then sub-group (RocksDB locality)
+    if kind == "int":  # and then by key: the encoded state keys come sorted
+        enc = encode_keys(kb.keys.key_group, kb.keys.sub_group, 0, kb.keys.keys)
+        assert enc == sorted(enc) and len(set(enc)) == len(enc)
+    # every record sits in its key's run, in arrival order
+    seqs = kb.records.column("seq").to_pylist()
+    keys = kb.records.column("key").to_pylist()
+    for i, k in enumerate(kb.keys.keys.to_pylist()):
+        lo, hi = int(kb.offsets[i]), int(kb.offsets[i + 1])
+        assert set(keys[lo:hi]) == {k} and seqs[lo:hi] == sorted(seqs[lo:hi])
+
+
 def test_reduce_and_output_vs_python() -> None:
     b = events(1500, "str", 2).to_batches()[0]
     kb = group_by_key(b, b.column("key"), KS, "key")
@@ -326,6 +345,29 @@ def test_unowned_key_group_raises_state_error(tmp_path: Path, form) -> None:
     p.process(b.filter(pa.array(kg < 64)))
     assert final_counts(p, "int") == Counter(k for k, g in zip(b.column("key").to_pylist(), kg) if g < 64)
     p.close()
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_heat_is_counted_per_record_and_foreign_keys_raise(tmp_path: Path, track) -> None:
+    tbl = events(3000, "int", 21, n_keys=1000)
+    flow, step = keyed_step("keyed_batches", tbl)
+    ks = flow.key_space
+    p = make_processor(step, ks, tmp_path / "p", owned=range(128), track=track)
+    p.engine.heat.clock = lambda: 0.0  # no decay: the counts are exact
+    p.engine.heat._at = 0.0
+    for b in tbl.to_batches(max_chunksize=250):
+        p.process(b)
+    kg, sg = ks.locate(tbl.column("key"))
+    per_record = np.bincount(ks.global_sub_group(kg, sg), minlength=len(p.engine.heat.counts))
+    expected = per_record if track else np.zeros_like(per_record)
+    assert p.engine.heat.counts.tolist() == expected.astype(float).tolist()
+    assert final_counts(p, "int") == Counter(tbl.column("key").to_pylist())
+    p.close()
+    q = make_processor(step, ks, tmp_path / "q", owned=range(64), track=track)
+    with pytest.raises(StateError, match="own"):
+        q.process(tbl.to_batches()[0])
+    assert q.backend.count_rows() == 0
+    q.close()
 
 
 def test_keyed_yield_forms_and_errors(tmp_path: Path) -> None:

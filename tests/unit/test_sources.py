@@ -286,3 +286,18 @@ def test_from_table_accepts_batches_and_rejects_other_things() -> None:
         sources.from_table({"key": [1]})  # type: ignore[arg-type]
     with pytest.raises(SchemaError, match="different schemas"):
         sources.from_table([b1, pa.record_batch({"other": [1]})])
+
+
+@pytest.mark.parametrize("distinct", [50, 70_000])  # radix path and the >65,536-keys path
+def test_cumcount_vs_python(distinct: int) -> None:
+    from raystream.sources import _cumcount
+
+    ids = np.random.default_rng(3).integers(0, distinct, size=200_000)
+    within, keys, counts = _cumcount(ids)
+    seen: Counter = Counter()
+    expected = []
+    for k in ids.tolist():
+        expected.append(seen[k])
+        seen[k] += 1
+    assert within.tolist() == expected
+    assert dict(zip(keys.tolist(), counts.tolist(), strict=True)) == dict(seen)

@@ -146,3 +146,16 @@ def test_sub_group_ranges_tile_the_key_group() -> None:
     for (_, u), (l2, _) in zip(bounds, bounds[1:]):
         assert u == l2
     assert _pad(bounds[-1][1]) == _pad(upper)
+
+
+@pytest.mark.parametrize("kind", ["str", "bytes"])
+def test_encode_keys_of_sliced_arrays_with_empty_and_long_keys(kind) -> None:
+    rng = np.random.default_rng(9)
+    words = ["", "a", "é✓😀", "x" * 300] + [f"user-{i}-é" for i in range(500)]
+    values = [words[i] for i in rng.integers(0, len(words), 800)]
+    arr = pa.array(values) if kind == "str" else pa.array([v.encode() for v in values])
+    for sl in (arr, arr.slice(7, 500), arr.slice(0, 0), arr.slice(799, 1)):
+        kg = rng.integers(0, 32768, len(sl)).astype(np.uint16)
+        sg = rng.integers(0, 256, len(sl)).astype(np.uint8)
+        expected = [encode_one(int(g), int(s), 3, v) for g, s, v in zip(kg, sg, sl.to_pylist())]
+        assert encode_keys(kg, sg, 3, sl) == expected
