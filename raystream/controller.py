@@ -83,6 +83,8 @@ class Controller(Recovery, Reconfigurations, Rewiring):
         self._standby: list[tuple[Any, str, ChannelId]] = []
         self.nodes: dict[ChannelId, str] = {}  # the node each instance runs on
         self._standby_filling = False  # outcomes of retired instances whose id came back
+        self._standby_creating: set[ChannelId] = set()  # slots a fill is starting an actor for
+        self._spawning: set[ChannelId] = set()  # ids a scale-out is starting an instance for
         self._standby_refill = False  # a fill was asked for while one ran
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
@@ -197,6 +199,10 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             attempt = self._attempt
             for iid, fut in pending.items():
                 if not fut.done() or self._attempt != attempt:
+                    continue
+                if self._run_futures.get(iid) is not fut:
+                    # a reused id (scale-in, then out): this was its retired holder's run, and
+                    # the instance now under that id is another actor; it must not be stopped
                     continue
                 out = fut.result()
                 self.outcomes[iid] = out
@@ -519,9 +525,14 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             current = table
             self.routing[step] = table
         self.parallelism[step] = parallelism
-        asyncio.get_running_loop().create_task(self._fill_standby())
         for i in range(parallelism, old.parallelism):
-            self.retired.add(self._at(step, i))
+            iid = self._at(step, i)
+            self.retired.add(iid)
+            if iid in self.outcomes and iid in self._run_handles:
+                # it ended (handed everything over) before it was marked retired, so the watch
+                # did not stop it: stop it now, its name is free for the next scale-out
+                ray.kill(self._run_handles[iid], no_restart=True)
+        asyncio.get_running_loop().create_task(self._fill_standby())
         t1 = time.time()
         waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
         # per old owner and migration step: the wait of its first on-demand request, from the
@@ -714,6 +725,8 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                     await self._name_free(slot, timeout_s=5.0)
                 except RescaleError:
                     continue
+            if slot in self._spawning or (slot in self.handles and slot not in self.retired):
+                continue  # a scale-out took this index meanwhile
             try:
                 h = InstanceActor.options(
                     name=instance_actor_name(self.flow.name, *slot),
@@ -723,11 +736,15 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                 ).remote(None)
             except ValueError:  # the name is still held: a later fill takes the slot
                 continue
-            node = await h.ping.remote()
-            if self.state != "running":  # the job ended meanwhile: do not leak it
-                ray.kill(h, no_restart=True)
-                break
-            self._standby.append((h, node, slot))
+            self._standby_creating.add(slot)
+            try:
+                node = await h.ping.remote()
+                if self.state != "running":  # the job ended meanwhile: do not leak it
+                    ray.kill(h, no_restart=True)
+                    break
+                self._standby.append((h, node, slot))
+            finally:
+                self._standby_creating.discard(slot)
         # standbys named for indexes beyond the next ones (a scale-in came) make room
         extra = len(self._standby) - self.config.standby_instances
         for entry in [e for e in self._standby if e[2] not in wanted][: max(0, extra)]:
@@ -739,10 +756,8 @@ class Controller(Recovery, Reconfigurations, Rewiring):
         None), or None: then a new actor is started on the chosen node under that name (a
         standby there on another node is stopped first, to free the name)."""
         deadline = time.monotonic() + 15
-        while self._standby_filling and time.monotonic() < deadline:
-            if any(slot == iid for *_, slot in self._standby):
-                break
-            await asyncio.sleep(0.02)  # one is starting: cheaper than starting another process
+        while iid in self._standby_creating and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # it is starting: cheaper than starting another process
         for k, (handle, where, slot) in enumerate(self._standby):
             if slot != iid:
                 continue
@@ -825,19 +840,23 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                 restore=None,
             )
             self.specs[(step, i)] = spec
-            handle = await self._take_standby((step, i), node) if options.is_default else None
-            if handle is not None:
-                await handle.configure.remote(spec)
-            else:
-                if (step, i) in reused:  # the retired instance of this index was stopped
-                    await self._name_free((step, i))
-                handle = InstanceActor.options(
-                    name=instance_actor_name(self.flow.name, step, i),
-                    namespace=NAMESPACE,
-                    max_concurrency=10_000,
-                    **options.ray_options(node),
-                ).remote(spec)
-            self.handles[(step, i)] = handle
+            self._spawning.add((step, i))  # no standby fill takes this name meanwhile
+            try:
+                handle = await self._take_standby((step, i), node) if options.is_default else None
+                if handle is not None:
+                    await handle.configure.remote(spec)
+                else:
+                    if (step, i) in reused:  # the retired instance of this index was stopped
+                        await self._name_free((step, i))
+                    handle = InstanceActor.options(
+                        name=instance_actor_name(self.flow.name, step, i),
+                        namespace=NAMESPACE,
+                        max_concurrency=10_000,
+                        **options.ray_options(node),
+                    ).remote(spec)
+                self.handles[(step, i)] = handle
+            finally:
+                self._spawning.discard((step, i))
             new[(step, i)] = handle
         where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
         self.nodes.update(zip(new, where, strict=True))

@@ -78,7 +78,7 @@ class RuntimeConfig:
     migration: str = "meces"  # default migration strategy for rescales
     migration_support: bool = True  # False: no per-sub-group tracking, rescale refused
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
-    standby_delay_s: float = 2.0  # ... started this long after the job (not competing with its start)
+    standby_delay_s: float = 0.0  # ... started this long after the job starts (0: at once)
     state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
     state_cache_bytes: int = 64 << 20  # ... and its bound in bytes of keys and values
     migration_buffer_bytes: int = 64 << 20  # records waiting for moving state, per instance
@@ -783,6 +783,9 @@ class OperatorInstance:
         the bound holds until the move is done."""
         if engine.error is not None:
             raise engine.error
+        if engine.handed_in_rows:  # records another instance handed over: input of this one
+            self.metrics.record_in(engine.handed_in_rows)
+            engine.handed_in_rows = 0
         released = engine.take_released()
         if released:
             with self.metrics.busy():
@@ -827,8 +830,8 @@ class OperatorInstance:
         m = self.metrics
         keyed = isinstance(self.processor, KeyedProcessor)
         kw = {"input": self._input_of.get(channel[0], 0)} if keyed else {}
-        with m.busy():
-            if self.role == "sink":
+        if self.role == "sink":
+            with m.busy():
                 now = time.time_ns()
                 names = batch.schema.names
                 weights = None
@@ -840,25 +843,29 @@ class OperatorInstance:
                     self.latency.record(ingest, now, weights)
                 self.writer.write(batch)
                 m.record_in(batch.num_rows, now)
-            elif keyed and batch.num_rows > self._slice_rows():
-                # a large batch in slices (processed as smaller batches would be; order kept):
-                # fetches of moved state are served in between, and a rescale barrier that
-                # arrives meanwhile overtakes the rest (put back in front of the queue)
-                start = 0
-                while start < batch.num_rows:
-                    if (self.inbox.overtaking or self.inbox.incoming_overtaking) and start:
-                        self.inbox.put_back(channel, [batch.slice(start)])
-                        return
-                    n = self._slice_rows()
-                    piece = batch.slice(start, n)
+        elif keyed and batch.num_rows > self._slice_rows():
+            # a large batch in slices (processed as smaller batches would be; order kept):
+            # fetches of moved state are served in between, and a rescale barrier that
+            # arrives meanwhile overtakes the rest (put back in front of the queue). Busy time
+            # is counted per slice, with the slice's records, so a rate of records per busy
+            # second (the autoscaler's true rate) never sees records without their time.
+            start = 0
+            while start < batch.num_rows:
+                if (self.inbox.overtaking or self.inbox.incoming_overtaking) and start:
+                    self.inbox.put_back(channel, [batch.slice(start)])
+                    return
+                n = self._slice_rows()
+                piece = batch.slice(start, n)
+                with m.busy():
                     t0 = time.perf_counter()
                     outs = self.processor.process(piece, **kw)
                     self._learn_cost(time.perf_counter() - t0, piece.num_rows)
                     m.record_in(piece.num_rows)
                     await self._emit(outs)
-                    start += n
-                    await asyncio.sleep(0)
-            else:
+                start += n
+                await asyncio.sleep(0)
+        else:
+            with m.busy():
                 t0 = time.perf_counter()
                 outs = self.processor.process(batch, **kw)
                 if keyed:
@@ -907,10 +914,8 @@ class OperatorInstance:
             kw = {"input": self._input_of.get(channel[0], 0)}
             stay = []
             for batch in pre:
-                rows = batch.num_rows
+                # held-back rows count as input at the new owner, which applies them
                 rest = self.processor.hold_back(batch, **kw)
-                kept = 0 if rest is None else rest.num_rows
-                self.metrics.record_in(rows - kept)  # taken in here, applied by the new owner
                 if rest is not None:
                     stay.append(rest)
             pre = stay

@@ -224,6 +224,7 @@ class MigrationEngine:
         # old owner: pre-barrier records of outgoing sub-groups, not applied, to hand out
         self.handover: dict[int, list[pa.RecordBatch]] = {}
         self.handover_rows = 0
+        self.handed_in_rows = 0  # handed-over records taken in here, not yet in records_in
 
     # ---- record path -----------------------------------------------------------------------
     @property
@@ -495,6 +496,7 @@ class MigrationEngine:
         self.pending_rows += rows
         self.pending_bytes += sum(p.nbytes for p in pieces)
         task.handover_rows_in += rows
+        self.handed_in_rows += rows  # they count as input here, where they are applied
 
     async def _background(self, task: MigrationTask) -> None:
         policy = task.policy

@@ -344,8 +344,8 @@ async def _overloaded_scale_out(state_dir: Path) -> tuple[Job, int, int]:
     seal = engine.seal
 
     def seal_and_note(epoch: int) -> None:
-        # records the old owner processed itself (records_in also counts those it handed over)
-        at_seal.append(old.metrics.snapshot()["records_in"] - engine.task.handover_rows_out)
+        # records the old owner processed itself (those it hands over count at the new owner)
+        at_seal.append(old.metrics.snapshot()["records_in"])
         seal(epoch)
 
     engine.seal = seal_and_note  # type: ignore[method-assign]
