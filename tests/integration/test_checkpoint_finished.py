@@ -20,7 +20,6 @@ retention and the restore of every instance run through ``pyarrow.fs`` S3 from t
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
+from tests._s3 import local_s3_bucket
 from tests.integration._helpers import running_count_carrying
 
 KEYS = 2_000
@@ -55,24 +55,8 @@ def shift_keys(batch: pa.RecordBatch) -> pa.RecordBatch:
 @pytest.fixture
 def s3_checkpoints() -> Iterator[str]:
     """A bucket on a local S3 server; yields the checkpoint_dir URI of a folder in it."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    boto3.client(
-        "s3",
-        endpoint_url=f"http://{host}:{port}",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",  # noqa: S106 - moto's dummy credentials
-        region_name="us-east-1",
-    ).create_bucket(Bucket="checkpoints")
-    try:
-        yield f"s3://test:test@checkpoints/jobs?endpoint_override={host}:{port}&scheme=http"
-    finally:
-        server.stop()
+    with local_s3_bucket("checkpoints") as endpoint:
+        yield f"s3://test:test@checkpoints/jobs?endpoint_override={endpoint}&scheme=http"
 
 
 def _flow(name: str, out: Path) -> rs.Dataflow:

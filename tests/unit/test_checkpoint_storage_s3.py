@@ -5,7 +5,6 @@ reads them; the oracle is a dict of every RocksDB key written."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from raystream.checkpoint import CheckpointStorage, open_savepoint
 from raystream.state.rocks import RocksStateBackend
+from tests._s3 import local_s3_bucket
 
 from .test_checkpoint_storage import checkpoint, restored_rows, write_keys
 
@@ -23,23 +23,11 @@ moto_server = pytest.importorskip("moto.server")
 @pytest.fixture(scope="module")
 def s3_uri() -> Iterator[str]:
     """A bucket on a local S3 server; yields the URI prefix of a folder in it."""
-    import boto3
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    boto3.client(
-        "s3",
-        endpoint_url=f"http://{host}:{port}",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",  # noqa: S106 - moto's dummy credentials
-        region_name="us-east-1",
-    ).create_bucket(Bucket="checkpoints")
-    try:
-        yield f"s3://test:test@checkpoints/{{}}?endpoint_override={host}:{port}&scheme=http&region=us-east-1"
-    finally:
-        server.stop()
+    with local_s3_bucket("checkpoints") as endpoint:
+        yield (
+            "s3://test:test@checkpoints/{}"
+            f"?endpoint_override={endpoint}&scheme=http&region=us-east-1"
+        )
 
 
 def test_incremental_checkpoints_retention_and_restore_on_s3(s3_uri: str, tmp_path: Path) -> None:
