@@ -273,6 +273,8 @@ def follow(job: Any, interval_s: float, progress: Progress) -> Any:
     """Wait for ``job`` to end, with a progress line every ``interval_s`` (0: none) and an
     event line for each rescale as it happens; returns its ``JobResult``. A failed job raises
     its ``JobFailedError``; Ctrl-C (or any other error) stops the job first."""
+    from ray.exceptions import RayActorError
+
     from raystream.errors import JobFailedError
     from raystream.status_view import progress_line
 
@@ -283,7 +285,10 @@ def follow(job: Any, interval_s: float, progress: Progress) -> Any:
             result = job.wait(interval_s if interval_s > 0 else None)
             if result.state not in ("created", "running", "recovering"):
                 return result
-            st = job.status()
+            try:
+                st = job.status()
+            except RayActorError:
+                continue  # stopped from elsewhere: the next wait() has its final answer
             now = time.monotonic()
             before = (previous or {}).get("parallelism") or {}
             for step, p in (st.get("parallelism") or {}).items():

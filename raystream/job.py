@@ -87,12 +87,25 @@ class Job:
         self.controller = controller
         self.feeders: list[Any] = list(feeders or [])  # driver-side writers (Spark) of this process
         self._ended: str | None = None  # the final state wait()/stop() saw (controller then ends)
+        self._final: Any = None  # a wait() for the end, kept in flight across timed waits
 
     def __repr__(self) -> str:
         return f"Job({self.name!r})"
 
     def wait(self, timeout_s: float | None = None) -> JobResult:
-        out = ray.get(self.controller.wait.remote(timeout_s))
+        """The job's result once it ended; after ``timeout_s`` its state so far. A wait for the
+        end stays in flight between timed calls, so the final answer reaches this process even
+        if another one stops the job (and its controller) in between."""
+        if self._final is None:
+            self._final = self.controller.wait.remote(None)
+        ready, _ = ray.wait([self._final], timeout=timeout_s)
+        if ready:
+            out = ray.get(self._final)
+        else:
+            try:
+                out = ray.get(self.controller.wait.remote(0.0))
+            except ray.exceptions.RayActorError:
+                out = ray.get(self._final)  # it ended and went meanwhile: its answer is here
         if out["state"] not in ("created", "running", "recovering"):
             self._ended = out["state"]
         if out["state"] not in ("running", "recovering"):
