@@ -172,6 +172,17 @@ class Reconfigurations:
             if iid[0] == name:
                 self.plan.instances[iid] = replace(spec, step=replace(spec.step, **fields))
 
+    def _check_still_running(self: Any, attempt: int, what: str) -> None:
+        """A queued change whose turn came: refused if the job ended, its sources finished or
+        it recovered (another attempt) while the change waited."""
+        if self._attempt != attempt or self.state != "running" or self._sources_done():
+            msg = (
+                f"job {self.flow.name!r} is {self.state}"
+                f"{' and its sources finished' if self._sources_done() else ''}"
+                f"{' (it recovered meanwhile)' if self._attempt != attempt else ''}: {what}"
+            )
+            raise ReconfigurationError(msg)
+
     # ---- move an instance ---------------------------------------------------------------------
     def _at(self: Any, step: str, index: int) -> Any:
         """The instance id at routing index ``index`` of ``step`` (another id after a move)."""
@@ -227,14 +238,7 @@ class Reconfigurations:
                         "(routing indexes)"
                     )
                     raise ReconfigurationError(msg)
-                if self._attempt != attempt or self.state != "running" or self._sources_done():
-                    msg = (
-                        f"job {self.flow.name!r} is {self.state}"
-                        f"{' and its sources finished' if self._sources_done() else ''}"
-                        f"{' (it recovered meanwhile)' if self._attempt != attempt else ''}: "
-                        f"{step!r}/{index} was not moved"
-                    )
-                    raise ReconfigurationError(msg)
+                self._check_still_running(attempt, f"{step!r}/{index} was not moved")
                 return await self._move(step, index, node_id, dict(strategy_args or {}))
         finally:
             self._queued = max(0, self._queued)

@@ -46,14 +46,7 @@ class Rewiring:
         try:
             async with self._rescale_lock:
                 self._queued -= 1
-                if self._attempt != attempt or self.state != "running" or self._sources_done():
-                    msg = (
-                        f"job {self.flow.name!r} is {self.state}"
-                        f"{' and its sources finished' if self._sources_done() else ''}"
-                        f"{' (it recovered meanwhile)' if self._attempt != attempt else ''}: "
-                        f"{what} was not carried out"
-                    )
-                    raise ReconfigurationError(msg)
+                self._check_still_running(attempt, f"{what} was not carried out")
                 yield
         finally:
             self._queued = max(0, self._queued)
