@@ -119,6 +119,9 @@ class Controller(Recovery, Reconfigurations, Rewiring):
         self._self = self_handle
         if self.config.checkpoint_interval_s > 0 or self.config.checkpoint_dir:
             await asyncio.to_thread(lambda: self.storage)  # not writable: fail now, say where
+        for step in self.flow.steps.values():  # an output folder that cannot be written, too
+            if step.kind == "sink" and callable(getattr(step.fn, "check_writable", None)):
+                await asyncio.to_thread(step.fn.check_writable)
         if self.restore_from is not None:
             manifest = await self._resolve_restore(*self.restore_from)
             self._replan(manifest, self.state_dir)

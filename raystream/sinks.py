@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raystream.errors import CheckpointError, ConfigError, SchemaError
+from raystream.part_store import PartStore, check_uri, redact
 from raystream.upsert import UpsertWriter, check_upsert_spec
 
 __all__ = [
@@ -288,8 +290,12 @@ def _conform(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> pa.RecordB
 
 @dataclass(frozen=True)
 class ParquetSink:
-    """Instance ``i`` writes Parquet part files into directory ``path``, each through a hidden
-    ``.tmp`` file, so a reader of ``path/*.parquet`` never sees a half-written or uncommitted part.
+    """Instance ``i`` writes Parquet part files into directory ``path`` (a local folder, a
+    ``pyarrow.fs`` URI such as ``s3://bucket/out``, or a path on ``filesystem``), each through a
+    hidden ``.tmp`` file, so a reader of ``path/*.parquet`` never sees a half-written or
+    uncommitted part. On an object store the ``.tmp`` and rolled parts stay on the instance's
+    local disk, pending parts are hidden objects, and publishing copies them to their visible
+    name (see :mod:`raystream.part_store`).
 
     Without checkpoints an instance writes one ``part-{i:05d}.parquet``, published by ``close()``.
     With checkpoints, ``pre_commit(c)`` turns the open part into a hidden
@@ -316,12 +322,22 @@ class ParquetSink:
     kind_column: str | None = None
     max_file_bytes: int | None = None
     max_file_s: float | None = None
+    filesystem: pafs.FileSystem | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
-            msg = f"parquet sink path must be a directory path (str), got {self.path!r}"
+            msg = f"parquet sink path must be a directory path or URI (str), got {self.path!r}"
             raise ConfigError(msg)
-        object.__setattr__(self, "path", os.fspath(self.path))
+        if self.filesystem is not None and not isinstance(self.filesystem, pafs.FileSystem):
+            msg = (
+                "parquet sink filesystem must be a pyarrow.fs.FileSystem or None, got "
+                f"{type(self.filesystem).__name__}"
+            )
+            raise ConfigError(msg)
+        path = os.fspath(self.path)
+        if self.filesystem is None:
+            path = check_uri(path, "parquet sink")
+        object.__setattr__(self, "path", path)
         size, age = self.max_file_bytes, self.max_file_s
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             msg = f"parquet sink max_file_bytes must be an int >= 1 (bytes) or None, got {size!r}"
@@ -334,7 +350,7 @@ class ParquetSink:
         ):
             msg = f"parquet sink max_file_s must be a number > 0 (seconds) or None, got {age!r}"
             raise ConfigError(msg)
-        where = f"parquet({self.path!r}, mode={self.mode!r})"
+        where = f"parquet({redact(self.path)!r}, mode={self.mode!r})"
         if self.mode == "upsert":
             key = check_upsert_spec(self.key, self.order_by, self.kind_column, where)
             object.__setattr__(self, "key", key)
@@ -349,16 +365,24 @@ class ParquetSink:
             msg = f"parquet sink mode must be 'append' or 'upsert', got {self.mode!r}"
             raise ConfigError(msg)
 
+    def check_writable(self) -> None:
+        """Create the output folder if missing and check it can be written (at the job's start):
+        :class:`ConfigError` naming what was expected (a folder, a bucket, credentials)."""
+        store = PartStore(self.path, self.filesystem)
+        try:
+            store.ensure_folder()
+        finally:
+            store.close()
+
     def open(self, index: int, parallelism: int) -> SinkWriter:
         _check_partition(index, parallelism)
-        if os.path.exists(self.path) and not os.path.isdir(self.path):
-            msg = (
-                f"parquet sink path {self.path!r} is a file; expected a directory (each sink "
-                "instance writes part-NNNNN*.parquet into it). Choose another path."
-            )
-            raise ConfigError(msg)
-        os.makedirs(self.path, exist_ok=True)
-        writer = _ParquetWriter(self.path, index, self.max_file_bytes, self.max_file_s)
+        store = PartStore(self.path, self.filesystem)
+        try:
+            store.ensure_folder()
+        except BaseException:
+            store.close()
+            raise
+        writer = _ParquetWriter(store, index, self.max_file_bytes, self.max_file_s)
         if self.mode == "append":
             return writer
         if self.order_by is None and parallelism > 1:
@@ -377,14 +401,17 @@ class ParquetSink:
             for n, v in (("max_file_bytes", self.max_file_bytes), ("max_file_s", self.max_file_s))
             if v is not None
         )
+        if self.filesystem is not None:
+            roll += f", filesystem={type(self.filesystem).__name__}"
+        path = redact(self.path)
         if self.mode == "append":
-            return f"parquet({self.path!r}{roll})"
+            return f"parquet({path!r}{roll})"
         extra = "".join(
             f", {n}={v!r}"
             for n, v in (("order_by", self.order_by), ("kind_column", self.kind_column))
             if v is not None
         )
-        return f"parquet({self.path!r}, mode='upsert', key={list(self.key)!r}{extra}{roll})"
+        return f"parquet({path!r}, mode='upsert', key={list(self.key)!r}{extra}{roll})"
 
 
 # part-<index>.parquet (final), part-<index>-<checkpoint>.parquet (committed), -r<n> before
@@ -397,12 +424,13 @@ _PART = re.compile(r"^(\.?)part-(\d+)(?:-(\d+))?(?:-r(\d+))?\.parquet(\.pending|
 class _ParquetWriter:
     def __init__(
         self,
-        directory: str,
+        store: PartStore,
         index: int,
         max_file_bytes: int | None = None,
         max_file_s: float | None = None,
     ) -> None:
-        self._dir = directory
+        self._store = store
+        self._dir = store.uri
         self._index = index
         self._max_bytes = max_file_bytes
         self._max_s = max_file_s
@@ -411,7 +439,7 @@ class _ParquetWriter:
         self._roll_no = 0  # the number of the open part
         self._part_started = 0.0  # monotonic time of the open part's first batch
         self._final = self._file(None)
-        self._tmp = os.path.join(directory, f".part-{index:05d}.parquet.tmp")
+        self._tmp = store.stage(f".part-{index:05d}.parquet.tmp")
         self._writer: pq.ParquetWriter | None = None
         self._schema: pa.Schema | None = None
         self._part_rows = 0
@@ -421,11 +449,12 @@ class _ParquetWriter:
         self._open = True
 
     def _file(self, checkpoint_id: int | None, *, pending: bool = False) -> str:
+        """The name (in the output folder) of the part of ``checkpoint_id`` (None: the last)."""
         if checkpoint_id is None:
             name = f"part-{self._index:05d}.parquet"
         else:
             name = f"part-{self._index:05d}-{checkpoint_id:08d}.parquet"
-        return os.path.join(self._dir, f".{name}.pending" if pending else name)
+        return f".{name}.pending" if pending else name
 
     def write(self, batch: pa.RecordBatch) -> None:
         if not self._open:
@@ -434,7 +463,8 @@ class _ParquetWriter:
         if self._schema is None:
             self._schema = batch.schema
         else:
-            batch = _conform(batch, self._schema, f"parquet sink {self._final!r}")
+            where = f"parquet sink {self._store.display(self._final)!r}"
+            batch = _conform(batch, self._schema, redact(where))
         if (
             self._max_s is not None
             and self._writer is not None
@@ -450,7 +480,8 @@ class _ParquetWriter:
             self._roll()
 
     def _rolled_file(self, roll_no: int) -> str:
-        return os.path.join(self._dir, f".part-{self._index:05d}-r{roll_no:04d}.parquet.rolled")
+        """The local path of a rolled part (staged until a checkpoint or close hands it over)."""
+        return self._store.stage(f".part-{self._index:05d}-r{roll_no:04d}.parquet.rolled")
 
     def _roll(self, *, keep_empty: bool = False) -> None:
         """Close the open part into a hidden rolled file (it waits for a checkpoint or close)."""
@@ -489,17 +520,15 @@ class _ParquetWriter:
             self._roll()
             for roll_no, rows in self._rolled:
                 name = f".part-{self._index:05d}-{cid:08d}-r{roll_no:04d}.parquet.pending"
-                os.replace(self._rolled_file(roll_no), os.path.join(self._dir, name))
+                self._store.put(self._rolled_file(roll_no), name)
                 self._pending.append({"file": name, "checkpoint": cid, "rows": rows})
             self._rolled = []
         else:
             done, rows = self._finish_part()
             if done:
                 pending = self._file(cid, pending=True)
-                os.replace(self._tmp, pending)
-                self._pending.append(
-                    {"file": os.path.basename(pending), "checkpoint": cid, "rows": rows}
-                )
+                self._store.put(self._tmp, pending)
+                self._pending.append({"file": pending, "checkpoint": cid, "rows": rows})
         return {
             "index": self._index,
             "checkpoint": cid,
@@ -516,25 +545,25 @@ class _ParquetWriter:
         self._pending = [p for p in self._pending if p["checkpoint"] > cid]
 
     def _publish(self, entry: dict[str, Any]) -> str:
-        """Rename one pending file to its visible name (already done counts as done)."""
+        """Make one pending file visible under its final name (already done counts as done);
+        returns how results name it."""
         name = entry["file"]
         match = _PART.match(name)
         if match is None or match.group(5) != ".pending":
             msg = f"parquet sink state lists {name!r}, which is not a pending part file name"
             raise CheckpointError(msg)
-        pending = os.path.join(self._dir, name)
-        final = os.path.join(self._dir, name[1 : -len(".pending")])
+        final = name[1 : -len(".pending")]
         try:
-            os.replace(pending, final)
+            self._store.publish(name, final)
         except FileNotFoundError:
-            if not os.path.isfile(final):
+            if not self._store.exists(final):
                 msg = (
-                    f"parquet sink: the checkpoint lists {pending!r}, but neither it nor "
-                    f"{os.path.basename(final)!r} is in {self._dir!r}; was the output "
+                    f"parquet sink: the checkpoint lists {self._store.display(name)!r}, but "
+                    f"neither it nor {final!r} is in {self._dir!r}; was the output "
                     "directory changed? Restore from a checkpoint whose files are intact."
                 )
-                raise CheckpointError(msg) from None
-        return final
+                raise CheckpointError(redact(msg)) from None
+        return self._store.display(final)
 
     def restore(self, state: dict[str, Any] | None) -> None:
         """Recover from the checkpoint whose ``pre_commit`` state is ``state`` (None: no
@@ -555,16 +584,15 @@ class _ParquetWriter:
         for p in (state or {}).get("pending", []):
             path = self._publish(p)
             self._published.append((path, int(p["rows"])))
-            keep.add(os.path.basename(path))
-        for name in os.listdir(self._dir):
+            keep.add(p["file"][1 : -len(".pending")])
+        for name in self._store.names():
             match = _PART.match(name)
             if match is None or int(match.group(2)) != self._index or name in keep:
                 continue
             hidden, cid, suffix = match.group(1), match.group(3), match.group(5)
             # Pending or being written (hidden, suffix), or published after the checkpoint.
             if hidden or suffix or cid is None or int(cid) > restored:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(self._dir, name))
+                self._store.delete(name)
 
     def close(self) -> WrittenFile:
         """End of input (a final checkpoint): publish every pending file and the open part."""
@@ -576,19 +604,20 @@ class _ParquetWriter:
             # only empty batches and nothing else: an empty file still records the schema
             self._roll(keep_empty=not self._published and not self._rolled)
             for roll_no, rows in self._rolled:
-                final = os.path.join(self._dir, f"part-{self._index:05d}-r{roll_no:04d}.parquet")
-                os.replace(self._rolled_file(roll_no), final)
-                self._published.append((final, rows))
+                final = f"part-{self._index:05d}-r{roll_no:04d}.parquet"
+                self._store.put(self._rolled_file(roll_no), final)
+                self._published.append((self._store.display(final), rows))
             self._rolled = []
         # Only empty batches and nothing else published: an empty file still records the schema.
         done, rows = self._finish_part(keep_empty=not self._published)
         if done:
             try:
-                os.replace(self._tmp, self._final)
+                self._store.put(self._tmp, self._final)
             except BaseException:
                 self._remove_tmp()
                 raise
-            self._published.append((self._final, rows))
+            self._published.append((self._store.display(self._final), rows))
+        self._store.close()
         paths = tuple(p for p, _ in self._published)
         return WrittenFile(
             path=paths[-1] if paths else None,
@@ -608,6 +637,7 @@ class _ParquetWriter:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self._rolled_file(roll_no))
         self._rolled = []
+        self._store.close()
 
     def _remove_tmp(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -623,8 +653,11 @@ def parquet(
     kind_column: str | None = None,
     max_file_bytes: int | None = None,
     max_file_s: float | None = None,
+    filesystem: pafs.FileSystem | None = None,
 ) -> ParquetSink:
-    """Write Parquet: ``path`` is a directory; instance ``i`` writes ``part-{i:05d}.parquet``
+    """Write Parquet: ``path`` is a directory (a local path, or any ``pyarrow.fs`` URI:
+    ``s3://bucket/out``, ``gs://bucket/out``, ``hdfs://host:port/out``, ``file:///abs/out``; or a
+    path on ``filesystem``); instance ``i`` writes ``part-{i:05d}.parquet``
     (and, with checkpoints, ``part-{i:05d}-{checkpoint:08d}.parquet`` parts, see
     :class:`ParquetSink`). Read the output as ``path/*.parquet``.
 
@@ -642,7 +675,14 @@ def parquet(
 
     ``max_file_bytes`` / ``max_file_s`` roll part files by size or age (see
     :class:`ParquetSink`); rolled parts are published by the checkpoint after them, exactly once.
-    The sink writes to a local (or mounted) folder: publishing is an atomic rename.
+    On a local folder publishing is an atomic rename; on an object store a part appears under
+    its visible name only once its checkpoint completed, in one piece (see
+    :mod:`raystream.part_store`), so readers see every record once there too. For an
+    S3-compatible store that is not AWS, put the endpoint in the URI
+    (``s3://bucket/out?endpoint_override=host:9000&scheme=http``); credentials come from the
+    environment of every node or from ``s3://KEY:SECRET@bucket/...``. An unknown scheme or a URI
+    without a bucket raises :class:`ConfigError` here; a folder that cannot be written (no
+    bucket, no credentials) raises it when the job starts.
 
     Example::
 
@@ -660,6 +700,7 @@ def parquet(
         kind_column=kind_column,
         max_file_bytes=max_file_bytes,
         max_file_s=max_file_s,
+        filesystem=filesystem,
     )
 
 

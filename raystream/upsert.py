@@ -36,9 +36,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raystream.errors import ConfigError, SchemaError
+from raystream.part_store import check_uri, redact
 
 __all__ = [
     "CHANGE",
@@ -214,10 +216,43 @@ def final_table(changes: pa.Table, key: Sequence[str]) -> pa.Table:
 _VISIBLE = re.compile(r"^part-\d+(?:-\d+)?(?:-r\d+)?\.parquet$")
 
 
-def read_upsert(path: str | os.PathLike[str], key: Sequence[str] | None = None) -> pa.Table:
+def _visible_parts(
+    path: str, filesystem: pafs.FileSystem | None
+) -> tuple[pafs.FileSystem, list[str]]:
+    """The filesystem and the published part files (``part-*.parquet``, sorted) of a parquet
+    sink's output folder ``path`` (local, a URI, or a path on ``filesystem``)."""
+    where = f"read_upsert: {redact(path)!r}"
+    if filesystem is None:
+        path = check_uri(path, "read_upsert")
+    if filesystem is None and "://" not in path:
+        if not os.path.isdir(path):
+            msg = f"{where} is not a directory; expected a parquet sink's output"
+            raise ConfigError(msg)
+        names = sorted(f for f in os.listdir(path) if _VISIBLE.match(f))
+        return pafs.LocalFileSystem(), [os.path.join(os.path.abspath(path), n) for n in names]
+    try:
+        fs, root = (filesystem, path) if filesystem is not None else pafs.FileSystem.from_uri(path)
+        infos = fs.get_file_info(pafs.FileSelector(root.rstrip("/")))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        msg = f"{where} cannot be listed ({exc}); expected a parquet sink's output folder"
+        raise ConfigError(msg) from exc
+    names = sorted(
+        i.path for i in infos if i.type == pafs.FileType.File and _VISIBLE.match(i.base_name)
+    )
+    return fs, names
+
+
+def read_upsert(
+    path: str | os.PathLike[str],
+    key: Sequence[str] | None = None,
+    *,
+    filesystem: pafs.FileSystem | None = None,
+) -> pa.Table:
     """The final table of the upsert output in directory ``path`` (see the module docstring);
     ``key`` defaults to the one the sink recorded in the files. An empty table (no columns) if
-    the sink published no file.
+    the sink published no file. ``path`` may be a ``pyarrow.fs`` URI (``s3://bucket/out``) or a
+    path on ``filesystem``, as for the sink; only published parts (``part-*.parquet``) are read,
+    never the hidden pending ones.
 
     Example::
 
@@ -232,24 +267,21 @@ def read_upsert(path: str | os.PathLike[str], key: Sequence[str] | None = None) 
         {'id': [1], 'v': [11]}
     """
     directory = os.fspath(path)
-    if not os.path.isdir(directory):
-        msg = f"read_upsert: {directory!r} is not a directory; expected a parquet sink's output"
-        raise ConfigError(msg)
-    files = sorted(f for f in os.listdir(directory) if _VISIBLE.match(f))
+    fs, files = _visible_parts(directory, filesystem)
     if not files:
         return pa.table({})
-    tables = [pq.read_table(os.path.join(directory, f)) for f in files]
+    tables = [pq.read_table(f, filesystem=fs) for f in files]
     try:
         changes = pa.concat_tables(tables, promote_options="permissive")
     except pa.ArrowInvalid as exc:
-        msg = f"read_upsert: the files in {directory!r} have different schemas ({exc})"
+        msg = f"read_upsert: the files in {redact(directory)!r} have different schemas ({exc})"
         raise SchemaError(msg) from exc
     if key is None:
         recorded = (tables[0].schema.metadata or {}).get(KEY_METADATA)
         if recorded is None:
             msg = (
-                f"read_upsert: {directory!r} holds no upsert key in its files (not written by "
-                "parquet(..., mode='upsert')?); pass key=[...]"
+                f"read_upsert: {redact(directory)!r} holds no upsert key in its files (not "
+                "written by parquet(..., mode='upsert')?); pass key=[...]"
             )
             raise SchemaError(msg)
         key = json.loads(recorded)

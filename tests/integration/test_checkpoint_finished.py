@@ -15,7 +15,9 @@ against the generators' streams.
 
 The checkpoints go to an object store: ``s3://`` on a local S3 server (moto's
 ThreadedMotoServer on 127.0.0.1, endpoint and credentials in the URI), so upload, manifest,
-retention and the restore of every instance run through ``pyarrow.fs`` S3 from the actors.
+retention and the restore of every instance run through ``pyarrow.fs`` S3 from the actors. The
+live branch's Parquet sink writes to the same bucket (pending parts as hidden objects, published
+by a copy at each checkpoint's commit); its visible objects are what the oracle checks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pytest
 import ray
 
@@ -53,13 +56,31 @@ def shift_keys(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 
 @pytest.fixture
-def s3_checkpoints() -> Iterator[str]:
-    """A bucket on a local S3 server; yields the checkpoint_dir URI of a folder in it."""
+def s3_endpoint() -> Iterator[str]:
+    """A bucket ``checkpoints`` on a local S3 server; yields its endpoint."""
     with local_s3_bucket("checkpoints") as endpoint:
-        yield f"s3://test:test@checkpoints/jobs?endpoint_override={endpoint}&scheme=http"
+        yield endpoint
 
 
-def _flow(name: str, out: Path) -> rs.Dataflow:
+def _s3(endpoint: str, folder: str) -> str:
+    return f"s3://test:test@checkpoints/{folder}?endpoint_override={endpoint}&scheme=http"
+
+
+def _download_visible(uri: str, local: Path) -> None:
+    """The objects a reader of ``uri/*.parquet`` reads (not hidden), copied to ``local``."""
+    fs, root = pafs.FileSystem.from_uri(uri)
+    local.mkdir(parents=True)
+    for info in fs.get_file_info(pafs.FileSelector(root)):
+        if info.base_name.endswith(".parquet") and not info.base_name.startswith((".", "_")):
+            pafs.copy_files(
+                info.path,
+                str(local / info.base_name),
+                source_filesystem=fs,
+                destination_filesystem=pafs.LocalFileSystem(),
+            )
+
+
+def _flow(name: str, out: Path, out_u: str) -> rs.Dataflow:
     flow = rs.Dataflow(name, num_key_groups=32, sub_groups=4)
     short = flow.source(rs.sources.generator(**SHORT), name="short")
     long = flow.source(rs.sources.generator(**LONG, rate_eps=LONG_RATE), name="long")
@@ -71,7 +92,7 @@ def _flow(name: str, out: Path) -> rs.Dataflow:
         .union(long)
         .key_by("key")
         .apply(running_count, name="count_u")
-        .sink(rs.sinks.parquet(str(out / "u")), name="out_u")
+        .sink(rs.sinks.parquet(out_u), name="out_u")
     )
     return flow
 
@@ -98,14 +119,14 @@ def _assert_exactly_once(folder: Path, expected: dict[int, int]) -> None:
 
 
 def test_checkpoints_complete_after_a_branch_finished_and_recovery_restores_it(
-    tmp_path: Path, s3_checkpoints: str
+    tmp_path: Path, s3_endpoint: str
 ) -> None:
-    out = tmp_path / "out"
+    out, out_u = tmp_path / "out", _s3(s3_endpoint, "out/u")
     job = rs.start(
-        _flow("chk-finished", out),
+        _flow("chk-finished", out, out_u),
         parallelism={"count_a": 2, "count_u": 2},
         checkpoint_interval_s=0.3,
-        checkpoint_dir=s3_checkpoints,
+        checkpoint_dir=_s3(s3_endpoint, "jobs"),
         restart_delay_s=0.2,
         batch_rows=5_000,
         linger_ms=10.0,
@@ -162,4 +183,7 @@ def test_checkpoints_complete_after_a_branch_finished_and_recovery_restores_it(
     _assert_exactly_once(out / "a", _per_key(SHORT))
     expected = _per_key(LONG)
     expected.update(_per_key(SHORT, SHIFT))
+    published = [p for r in result.results["out_u"] if r is not None for p in r.paths]
+    assert published and all(p.startswith("s3://checkpoints/out/u/part-") for p in published)
+    _download_visible(out_u, out / "u")
     _assert_exactly_once(out / "u", expected)
