@@ -302,11 +302,15 @@ class Stream:
 
     def options(self, **actor_options: Any) -> Stream:
         """Ray actor options for the instances of the step that makes this stream:
-        ``num_cpus``, ``num_gpus``, ``memory`` (bytes), ``resources`` (custom, a dict) and
-        ``scheduling_strategy``. Without a strategy raystream spreads the step's instances over
-        the nodes that have room for them. Example::
+        ``num_cpus``, ``num_gpus``, ``memory`` (bytes), ``resources`` (custom, a dict),
+        ``scheduling_strategy`` and ``runtime_env`` (Ray's: ``env_vars``, ``pip``,
+        ``working_dir``, ...; merged by Ray with the job's; a step with one gets no warm
+        standby actor). Without a strategy raystream spreads the step's instances over the
+        nodes that have room for them. Unknown options or runtime_env keys raise
+        :class:`ConfigError` here. Example::
 
             counts = events.key_by("user").apply(count).options(num_cpus=1)
+            parsed = raw.map(parse).options(runtime_env={"env_vars": {"TZ": "UTC"}})
         """
         if len(self.upstream) != 1 or self.ports[0] or self.step not in self._flow.steps:
             msg = (

@@ -12,6 +12,7 @@ the most free CPUs. A step with its own ``scheduling_strategy`` is left to Ray.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -37,6 +38,22 @@ _STRATEGY_CLASSES = (
     "NodeLabelSchedulingStrategy",
 )
 _RESERVED = {"CPU", "GPU", "memory", "object_store_memory"}
+# the public fields of Ray's runtime_env (ray.runtime_env.RuntimeEnv.known_fields, Ray 2.x)
+RUNTIME_ENV_KEYS = (
+    "conda",
+    "config",
+    "container",
+    "env_vars",
+    "excludes",
+    "image_uri",
+    "java_jars",
+    "pip",
+    "py_executable",
+    "py_modules",
+    "uv",
+    "working_dir",
+    "worker_process_setup_hook",
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +62,9 @@ class ActorOptions:
 
     ``memory`` is in bytes; ``resources`` are custom resources (``{"ssd": 1}``);
     ``scheduling_strategy`` is ``"DEFAULT"``, ``"SPREAD"`` or a strategy object from
-    ``ray.util.scheduling_strategies`` (then raystream does not choose the node).
+    ``ray.util.scheduling_strategies`` (then raystream does not choose the node);
+    ``runtime_env`` is Ray's runtime environment of the step's actors (``env_vars``, ``pip``,
+    ``working_dir``, ... as Ray takes them; Ray merges it with the job's own).
     """
 
     num_cpus: float = 0.0
@@ -53,11 +72,13 @@ class ActorOptions:
     memory: int = 0
     resources: tuple[tuple[str, float], ...] = ()
     scheduling_strategy: Any = None
+    runtime_env: dict[str, Any] | None = field(default=None, hash=False)
 
     @classmethod
     def of(cls, step: str, **options: Any) -> ActorOptions:
         """Validated options of step ``step``; a clear error names what is wrong."""
         known = {"num_cpus", "num_gpus", "memory", "resources", "scheduling_strategy"}
+        known.add("runtime_env")
         unknown = sorted(set(options) - known)
         if unknown:
             msg = (
@@ -104,6 +125,7 @@ class ActorOptions:
             memory=int(options.get("memory", 0)),
             resources=tuple(sorted((k, float(v)) for k, v in resources.items())),
             scheduling_strategy=strategy,
+            runtime_env=_check_runtime_env(step, options.get("runtime_env")),
         )
 
     @property
@@ -116,7 +138,7 @@ class ActorOptions:
     @property
     def is_default(self) -> bool:
         """Nothing asked for: any warm standby actor can become such an instance."""
-        return not self.demand and self.scheduling_strategy is None
+        return not self.demand and self.scheduling_strategy is None and not self.runtime_env
 
     def ray_options(self, node_id: str | None = None) -> dict[str, Any]:
         """Keyword arguments for ``ActorClass.options(...)``; ``node_id`` pins to that node."""
@@ -127,6 +149,8 @@ class ActorOptions:
             out["memory"] = self.memory
         if self.resources:
             out["resources"] = dict(self.resources)
+        if self.runtime_env:
+            out["runtime_env"] = copy.deepcopy(self.runtime_env)
         if self.scheduling_strategy is not None:
             out["scheduling_strategy"] = self.scheduling_strategy
         elif node_id is not None:
@@ -137,6 +161,37 @@ class ActorOptions:
             # deploy like any dead actor (recovery redeploys on the nodes alive then)
             out["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return out
+
+
+def _check_runtime_env(step: str, env: Any) -> dict[str, Any] | None:
+    """``env`` as a plain dict (a copy), checked: a dict with Ray's runtime_env keys only,
+    ``env_vars`` a dict of str -> str; None or ``{}`` means none."""
+    if env is None:
+        return None
+    if not isinstance(env, Mapping):
+        msg = (
+            f"step {step!r}: runtime_env must be a dict as Ray takes it (e.g. "
+            f"{{'env_vars': {{'NAME': 'value'}}, 'pip': ['pkg==1.0']}}), got {env!r}"
+        )
+        raise ConfigError(msg)
+    unknown = sorted(str(k) for k in env if k not in RUNTIME_ENV_KEYS)
+    if unknown:
+        msg = (
+            f"step {step!r}: unknown runtime_env key(s) {unknown}; Ray's runtime_env keys are "
+            f"{list(RUNTIME_ENV_KEYS)}"
+        )
+        raise ConfigError(msg)
+    env_vars = env.get("env_vars")
+    if env_vars is not None and (
+        not isinstance(env_vars, Mapping)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
+    ):
+        msg = (
+            f"step {step!r}: runtime_env['env_vars'] must be a dict of str -> str (Ray sets "
+            f"them as environment variables), got {env_vars!r}"
+        )
+        raise ConfigError(msg)
+    return copy.deepcopy(dict(env)) or None
 
 
 @dataclass(frozen=True)

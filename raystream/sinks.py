@@ -28,9 +28,10 @@ import contextlib
 import math
 import os
 import re
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa
@@ -322,7 +323,7 @@ class ParquetSink:
     kind_column: str | None = None
     max_file_bytes: int | None = None
     max_file_s: float | None = None
-    filesystem: pafs.FileSystem | None = None
+    filesystem: pafs.FileSystem | None = field(default=None, compare=False)  # not hashable
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
@@ -445,6 +446,8 @@ class _ParquetWriter:
         self._part_rows = 0
         self._pending: list[dict[str, Any]] = []  # {"file", "checkpoint", "rows"}, in order
         self._published: list[tuple[str, int]] = []
+        self._uploads: list[tuple[str, str]] = []  # (local file, pending name) not uploaded yet
+        self._lock = threading.Lock()  # pending/published/uploads: commit may run in a thread
         self._touched = False  # written, pre-committed or restored: restore() comes first
         self._open = True
 
@@ -508,41 +511,86 @@ class _ParquetWriter:
             return False, 0
         return True, rows
 
+    @property
+    def slow_commit(self) -> bool:
+        """Publishing talks to a remote store: the runtime calls ``commit`` in a thread."""
+        return not self._store.local
+
     def pre_commit(self, checkpoint_id: int) -> dict[str, Any]:
         """Close the open part (if it has rows) as a hidden pending file of ``checkpoint_id``.
         Returns ``{"index", "checkpoint", "pending": [{"file", "checkpoint", "rows"}]}``: every
         file of this instance pre-committed and not committed yet (file names, JSON-able)."""
+        state, upload = self.pre_commit_deferred(checkpoint_id)
+        if upload is not None:
+            upload()
+        return state
+
+    def pre_commit_deferred(
+        self, checkpoint_id: int
+    ) -> tuple[dict[str, Any], Callable[[], None] | None]:
+        """:meth:`pre_commit` in two parts: the state (the open part closed, on local disk)
+        and, on a remote store, the upload that makes the pending parts durable (None when
+        there is none). The runtime runs the upload in a thread while records flow on, and
+        acknowledges the checkpoint when it is done; an upload that fails is tried again by the
+        next pre-commit."""
         if not self._open:
             raise _closed_error("pre_commit")
         self._touched = True
         cid = int(checkpoint_id)
+        entries: list[dict[str, Any]] = []
         if self._rolling:
             self._roll()
             for roll_no, rows in self._rolled:
                 name = f".part-{self._index:05d}-{cid:08d}-r{roll_no:04d}.parquet.pending"
-                self._store.put(self._rolled_file(roll_no), name)
-                self._pending.append({"file": name, "checkpoint": cid, "rows": rows})
+                self._hand_over(self._rolled_file(roll_no), name)
+                entries.append({"file": name, "checkpoint": cid, "rows": rows})
             self._rolled = []
         else:
             done, rows = self._finish_part()
             if done:
                 pending = self._file(cid, pending=True)
-                self._store.put(self._tmp, pending)
-                self._pending.append({"file": pending, "checkpoint": cid, "rows": rows})
-        return {
-            "index": self._index,
-            "checkpoint": cid,
-            "pending": [dict(p) for p in self._pending],
-        }
+                self._hand_over(self._tmp, pending)
+                entries.append({"file": pending, "checkpoint": cid, "rows": rows})
+        with self._lock:
+            self._pending.extend(entries)
+            state = {
+                "index": self._index,
+                "checkpoint": cid,
+                "pending": [dict(p) for p in self._pending],
+            }
+            uploads = list(self._uploads)
+        if not uploads:
+            return state, None
+
+        def upload() -> None:
+            for staged, name in uploads:
+                self._store.put(staged, name)
+                with self._lock:
+                    self._uploads.remove((staged, name))
+
+        return state, upload
+
+    def _hand_over(self, staged: str, name: str) -> None:
+        """Pending part ``name`` from local file ``staged``: renamed now on a local folder,
+        queued for upload (under a staging name of its own) on a remote store."""
+        if self._store.local:
+            self._store.put(staged, name)
+            return
+        own = self._store.stage(name)
+        os.replace(staged, own)
+        with self._lock:
+            self._uploads.append((own, name))
 
     def commit(self, checkpoint_id: int) -> None:
         """Publish every file pre-committed at ``checkpoint_id`` or before. Idempotent; a no-op
         after ``close()``."""
         cid = int(checkpoint_id)
-        ready = [p for p in self._pending if p["checkpoint"] <= cid]
-        for p in ready:
-            self._published.append((self._publish(p), p["rows"]))
-        self._pending = [p for p in self._pending if p["checkpoint"] > cid]
+        with self._lock:
+            ready = [p for p in self._pending if p["checkpoint"] <= cid]
+        done = [(self._publish(p), p["rows"]) for p in ready]
+        with self._lock:
+            self._published.extend(done)
+            self._pending = [p for p in self._pending if p["checkpoint"] > cid]
 
     def _publish(self, entry: dict[str, Any]) -> str:
         """Make one pending file visible under its final name (already done counts as done);
@@ -599,6 +647,9 @@ class _ParquetWriter:
         if not self._open:
             raise _closed_error("close")
         self._open = False
+        for staged, name in list(self._uploads):  # pre-committed, upload not run yet
+            self._store.put(staged, name)
+            self._uploads.remove((staged, name))
         self.commit(1 << 62)
         if self._rolling:
             # only empty batches and nothing else: an empty file still records the schema

@@ -325,6 +325,14 @@ class UpsertWriter:
         state["next_seq"] = self._seq
         return state
 
+    @property
+    def slow_commit(self) -> bool:
+        return bool(getattr(self._inner, "slow_commit", False))
+
+    def pre_commit_deferred(self, checkpoint_id: int) -> tuple[dict[str, Any], Any]:
+        state, upload = self._inner.pre_commit_deferred(checkpoint_id)
+        return {**state, "next_seq": self._seq}, upload
+
     def commit(self, checkpoint_id: int) -> None:
         self._inner.commit(checkpoint_id)
 

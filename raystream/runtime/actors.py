@@ -189,7 +189,10 @@ class InstanceActor:
         """The checkpoint is recorded: a two-phase sink publishes what it pre-committed up to it;
         at the end of input (``FINAL_CHECKPOINT``) it also returns its result."""
         inst = self._instance
-        inst.checkpoints.commit(inst.writer, checkpoint_id)
+        if getattr(inst.writer, "slow_commit", False):  # publishing to a remote store
+            await asyncio.to_thread(inst.checkpoints.commit, inst.writer, checkpoint_id)
+        else:
+            inst.checkpoints.commit(inst.writer, checkpoint_id)
         from raystream.runtime.snapshots import FINAL_CHECKPOINT
 
         if checkpoint_id == FINAL_CHECKPOINT and inst.writer is not None:

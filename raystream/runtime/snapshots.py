@@ -116,6 +116,18 @@ class CheckpointState:
 
                 return upload
             writer = inst.writer
+            deferred = getattr(writer, "pre_commit_deferred", None)
+            if callable(deferred):  # the upload to a remote store runs after the barrier
+                state, upload = deferred(cid)
+                if upload is None:
+                    info["sink_state"] = state
+                    return None
+
+                def finish_upload() -> dict[str, Any]:
+                    upload()
+                    return {"sink_state": state}
+
+                return finish_upload
             if writer is not None and self.two_phase(writer):
                 state = writer.pre_commit(cid)
                 if isinstance(state, dict) and isinstance(state.get("rows"), pa.Table):

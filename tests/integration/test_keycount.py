@@ -3,6 +3,7 @@ order is kept (the per-key ``seq`` of the generator arrives strictly increasing,
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -144,17 +145,26 @@ def test_order_check_fails_the_job_on_disorder() -> None:
 
 
 @rs.map_batches
-def drop_multiples_of_7(batch: pa.RecordBatch) -> pa.RecordBatch:
+def drop_multiples(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Drops keys that are multiples of ``RS_DROP_MOD``, a variable only the step's
+    ``runtime_env`` sets (the test process and the other actors do not have it)."""
+    mod = os.environ.get("RS_DROP_MOD")
+    if mod is None:
+        msg = "RS_DROP_MOD is not set in this actor: the step's runtime_env did not reach it"
+        raise KeyError(msg)
     keys = batch.column("key").to_numpy()
-    return batch.filter(pa.array(keys % 7 != 0))
+    return batch.filter(pa.array(keys % int(mod) != 0))
 
 
 def test_stateless_steps_in_a_flow() -> None:
+    """A map step between source and count, with a runtime_env of its own (env_vars)."""
+    assert "RS_DROP_MOD" not in os.environ
     gen = rs.sources.generator(events=20_000, keys=500, zipf=1.1, seed=4)
     flow = rs.Dataflow("stateless")
     (
         flow.source(gen)
-        .apply(drop_multiples_of_7)
+        .apply(drop_multiples)
+        .options(runtime_env={"env_vars": {"RS_DROP_MOD": "7"}})
         .key_by("key")
         .apply(count_vec, name="count")
         .sink(rs.sinks.collect(), name="out")

@@ -236,3 +236,40 @@ def test_bad_uris_and_an_unwritable_bucket(endpoint: str) -> None:
     assert "test:test" not in str(e.value)
     with pytest.raises(ConfigError, match="cannot be written"):
         sink.open(0, 1)
+
+
+def test_deferred_upload_runs_after_the_barrier_and_a_failed_one_is_retried(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime takes the state at the barrier and runs the upload in a thread while rows
+    flow on; an upload that failed (that checkpoint fails) goes with the next pre-commit."""
+    writer = rs.sinks.parquet(uri(endpoint, "deferred"), mode="upsert", key=["id"]).open(0, 1)
+    assert writer.slow_commit
+    writer.write(oracle((0, 20)).to_batches()[0])
+    state, upload = writer.pre_commit_deferred(1)
+    assert [p["file"] for p in state["pending"]] == [".part-00000-00000001.parquet.pending"]
+    assert state["next_seq"] == 20 and upload is not None
+    writer.write(oracle((20, 30)).to_batches()[0])  # the next part, while the upload waits
+    assert keys(endpoint, "deferred") == []
+    store = writer._inner._store  # noqa: SLF001
+    real_put = store.put
+
+    def refuse(staged: str, name: str) -> None:
+        raise OSError("the store refused the upload")
+
+    monkeypatch.setattr(store, "put", refuse)
+    with pytest.raises(OSError, match="refused"):
+        upload()  # checkpoint 1 fails
+    monkeypatch.setattr(store, "put", real_put)
+    state2, upload2 = writer.pre_commit_deferred(2)
+    assert upload2 is not None
+    upload2()  # both parts now
+    assert keys(endpoint, "deferred") == [
+        ".part-00000-00000001.parquet.pending",
+        ".part-00000-00000002.parquet.pending",
+    ]
+    assert writer.pre_commit_deferred(3)[1] is None  # nothing new, nothing to upload
+    writer.commit(2)
+    writer.close()
+    got = rs.read_upsert(uri(endpoint, "deferred"))
+    assert got.sort_by("id").equals(oracle((0, 30)))

@@ -93,6 +93,12 @@ def test_ray_options_pin_to_the_node_and_carry_the_demand() -> None:
         ({"resources": {"ssd": -2}}, r"resources\['ssd'\] must be a number >= 0"),
         ({"resources": ["ssd"]}, r"resources must be a dict"),
         ({"scheduling_strategy": "PACK"}, r"scheduling_strategy must be 'DEFAULT', 'SPREAD'"),
+        (
+            {"runtime_env": {"env": {"A": "1"}, "pipp": []}},
+            r"unknown runtime_env key\(s\) \['env', 'pipp'\]",
+        ),
+        ({"runtime_env": ["pip"]}, r"runtime_env must be a dict as Ray takes it"),
+        ({"runtime_env": {"env_vars": {"A": 1}}}, r"env_vars'\] must be a dict of str -> str"),
     ],
 )
 def test_bad_options_are_refused_when_the_flow_is_defined(options: dict, match: str) -> None:
@@ -122,6 +128,22 @@ def test_options_reach_the_step_from_a_stream_or_by_name() -> None:
         both.options(num_cpus=1)
 
 
+def test_runtime_env_goes_to_every_actor_of_the_step_and_not_to_standbys() -> None:
+    env = {"env_vars": {"RS_TAG": "v2"}, "pip": ["six"]}
+    flow = rs.Dataflow("opts")
+    flow.source(rs.sources.generator(events=10, keys=3)).options(runtime_env=env)
+    opts = flow.steps["source"].actor
+    env["env_vars"]["RS_TAG"] = "changed later"  # the step keeps its own copy
+    got = opts.ray_options("ab" * 28)
+    assert got["runtime_env"] == {"env_vars": {"RS_TAG": "v2"}, "pip": ["six"]}
+    got["runtime_env"]["pip"].append("x")  # each actor gets a copy too
+    assert opts.ray_options(None)["runtime_env"]["pip"] == ["six"]
+    assert not opts.is_default  # a warm standby lacks the environment
+    assert ActorOptions.of("s", runtime_env={}).is_default
+    assert "runtime_env" not in ActorOptions.of("s", runtime_env=None).ray_options(None)
+    hash(opts)  # specs stay hashable
+
+
 def test_standby_slots_name_the_next_instances_of_each_step_in_turn() -> None:
     """Against the slots enumerated here: indexes from each step's parallelism up, steps in
     turn, skipping held names, at most ``count``."""
@@ -131,10 +153,7 @@ def test_standby_slots_name_the_next_instances_of_each_step_in_turn() -> None:
     held = {("a", 2), ("b", 0), ("b", 4)}  # a standby, a live instance, a retiring one
     got = standby_slots(parallelism, held, 4)
     expected = [
-        (s, p + k)
-        for k in range(10)
-        for s, p in parallelism.items()
-        if (s, p + k) not in held
+        (s, p + k) for k in range(10) for s, p in parallelism.items() if (s, p + k) not in held
     ][:4]
     assert got == expected == [("b", 3), ("a", 3), ("a", 4), ("b", 5)]
     assert standby_slots(parallelism, held, 0) == []
