@@ -357,15 +357,25 @@ def _console() -> Any:
     return Console(width=max(Console().width, 120))
 
 
-def _watch(handle: Any, st: dict[str, Any], interval_s: float, count: int | None) -> None:
+def _watch(
+    handle: Any,
+    st: dict[str, Any],
+    interval_s: float,
+    count: int | None,
+    *,
+    console: Any = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
     """Refresh the status table every ``interval_s`` (live on a terminal, one table per
-    refresh otherwise) until the job ends, Ctrl-C, or ``count`` refreshes."""
+    refresh otherwise) until the job ends, Ctrl-C, or ``count`` refreshes. ``handle`` has
+    ``name`` and ``status()``; ``console`` (a rich Console) and ``sleep`` default to the real
+    ones."""
     import ray
     from rich.live import Live
 
     from raystream.status_view import operator_rows
 
-    console = _console()
+    console = console if console is not None else _console()
     previous: dict[str, Any] | None = None
     shown = 0
     live = Live(console=console, auto_refresh=False) if console.is_terminal else None
@@ -382,7 +392,7 @@ def _watch(handle: Any, st: dict[str, Any], interval_s: float, count: int | None
             shown += 1
             if count is not None and shown >= count:
                 break
-            time.sleep(interval_s)
+            sleep(interval_s)
             previous = st
             try:
                 st = handle.status()

@@ -255,3 +255,76 @@ def test_status_watch_checks_its_options_before_connecting() -> None:
     out = _invoke("status", "clijob", "--watch", "--count", "0", "--address", "127.0.0.1:1")
     assert out.exit_code == 2
     assert "--count N >= 1" in out.output and "cannot reach" not in out.output
+
+
+class WatchedJob:
+    """Stands in for the handle ``raystream status --watch`` polls: ``status()`` answers from
+    a list (an exception in it is raised), ``name`` names the job."""
+
+    name = "clijob"
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = list(answers)
+
+    def status(self) -> dict[str, Any]:
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+
+def _terminal() -> tuple[Console, Any]:
+    import io
+
+    out = io.StringIO()
+    return Console(file=out, force_terminal=True, width=160, color_system=None), out
+
+
+def test_status_watch_redraws_one_table_in_place_until_the_job_ends() -> None:
+    first = _status(1000, 2000, 2, busy_s=1.0, uptime_s=10.0)
+    second = _status(
+        5000,
+        6000,
+        2,
+        busy_s=2.5,
+        uptime_s=12.0,
+        migration={"done": False, "arrived": 5, "incoming": 16},
+    )
+    ended = {**second, "state": "finished"}
+    console, out = _terminal()
+    slept: list[float] = []
+    cli._watch(WatchedJob([second, ended]), first, 2.0, None, console=console, sleep=slept.append)
+    text = out.getvalue()
+    assert slept == [2.0, 2.0]  # two tables, a sleep after each, then the job had ended
+    assert "\x1b[?25l" in text and text.rstrip().endswith("job 'clijob' finished")
+    frames = text.split("\x1b[?25h")[0]  # while live: the cursor is hidden
+    one, two = frames.index("1,000"), frames.index("5,000")
+    assert one < two and "\x1b[1A" in frames[one:two] and "\x1b[2K" in frames[one:two]  # redrawn
+    assert "5/16 sub-groups in" in frames[two:]
+    assert "75.0" in frames[two:]  # busy % over the last refresh: 1.5 s busy of 2 s
+    assert "every 2 s" in frames
+
+
+def test_status_watch_stops_on_ctrl_c_a_gone_controller_or_its_count() -> None:
+    import ray
+
+    def interrupt(_s: float) -> None:
+        raise KeyboardInterrupt
+
+    console, out = _terminal()
+    cli._watch(WatchedJob([]), _status(10, 20, 1), 1.0, None, console=console, sleep=interrupt)
+    text = out.getvalue()
+    assert "\x1b[?25h" in text and "ended" not in text  # the cursor is back, no message
+
+    console, out = _terminal()
+    gone = WatchedJob([ray.exceptions.RayActorError()])
+    cli._watch(gone, _status(10, 20, 1), 1.0, None, console=console, sleep=lambda s: None)
+    assert "job 'clijob' ended (its controller is gone)" in out.getvalue()
+
+    plain = Console(record=True, width=160)  # not a terminal: one table per refresh
+    slept: list[float] = []
+    statuses = [_status(30, 40, 1), _status(50, 60, 1)]
+    cli._watch(WatchedJob(statuses), _status(10, 20, 1), 1.0, 2, console=plain, sleep=slept.append)
+    text = plain.export_text()
+    assert slept == [1.0] and text.count("job 'clijob': running") == 2
+    assert "\x1b" not in text
