@@ -448,6 +448,7 @@ class _ParquetWriter:
         self._published: list[tuple[str, int]] = []
         self._uploads: list[tuple[str, str]] = []  # (local file, pending name) not uploaded yet
         self._lock = threading.Lock()  # pending/published/uploads: commit may run in a thread
+        self._upload_lock = threading.Lock()  # uploads run one at a time
         self._touched = False  # written, pre-committed or restored: restore() comes first
         self._open = True
 
@@ -563,10 +564,14 @@ class _ParquetWriter:
             return state, None
 
         def upload() -> None:
-            for staged, name in uploads:
-                self._store.put(staged, name)
-                with self._lock:
-                    self._uploads.remove((staged, name))
+            with self._upload_lock:  # one upload at a time; one still running did its share
+                for item in uploads:
+                    with self._lock:
+                        if item not in self._uploads:
+                            continue
+                    self._store.put(*item)
+                    with self._lock:
+                        self._uploads.remove(item)
 
         return state, upload
 
@@ -647,9 +652,10 @@ class _ParquetWriter:
         if not self._open:
             raise _closed_error("close")
         self._open = False
-        for staged, name in list(self._uploads):  # pre-committed, upload not run yet
-            self._store.put(staged, name)
-            self._uploads.remove((staged, name))
+        with self._upload_lock:  # pre-committed, upload not run (or failed)
+            for item in list(self._uploads):
+                self._store.put(*item)
+                self._uploads.remove(item)
         self.commit(1 << 62)
         if self._rolling:
             # only empty batches and nothing else: an empty file still records the schema

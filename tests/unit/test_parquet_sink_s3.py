@@ -270,6 +270,17 @@ def test_deferred_upload_runs_after_the_barrier_and_a_failed_one_is_retried(
     ]
     assert writer.pre_commit_deferred(3)[1] is None  # nothing new, nothing to upload
     writer.commit(2)
+    # two checkpoints' uploads out of order: the later one uploads both, the earlier then skips
+    writer.write(oracle((30, 40)).to_batches()[0])
+    _, upload4 = writer.pre_commit_deferred(4)
+    writer.write(oracle((40, 45)).to_batches()[0])
+    _, upload5 = writer.pre_commit_deferred(5)
+    assert upload4 is not None and upload5 is not None
+    upload5()
+    upload4()
+    writer.commit(5)
+    writer.write(oracle((45, 50)).to_batches()[0])
     writer.close()
+    assert [k for k in keys(endpoint, "deferred") if k.startswith(".")] == []
     got = rs.read_upsert(uri(endpoint, "deferred"))
-    assert got.sort_by("id").equals(oracle((0, 30)))
+    assert got.sort_by("id").equals(oracle((0, 50)))
