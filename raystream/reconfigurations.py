@@ -283,9 +283,11 @@ class Reconfigurations:
         )
         options = self.plan.steps[step].actor
         # a new process (warm standbys are named for the indexes a scale-out would make); named
-        # after the instance it replaces: that name is still the old actor's until it retires
+        # after the instance it replaces (that name is still the old actor's until it retires)
+        # and the graph version this move makes, as the Ray dashboard shows it
+        actor_name = f"{instance_actor_name(self.flow.name, step, index)}:v{self.graph_version + 1}"
         handle = InstanceActor.options(
-            name=f"{instance_actor_name(self.flow.name, step, index)}:moved-e{epoch}",
+            name=actor_name,
             namespace=NAMESPACE,
             max_concurrency=10_000,
             **options.ray_options(node_id),
@@ -360,6 +362,7 @@ class Reconfigurations:
             ),
             instance=list(new_iid),
             node_id=self.nodes[new_iid],
+            actors=[actor_name],
             fetch_wait_ms_p99=float(np.percentile(waits, 99)) if waits else 0.0,
         )
 

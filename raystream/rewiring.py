@@ -135,7 +135,7 @@ class Rewiring:
         self: Any, after: str, before: str, op: Any, name: str, parallelism: int
     ) -> dict[str, Any]:
         from raystream.dataflow import Step
-        from raystream.runtime.actors import InstanceActor
+        from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
         from raystream.runtime.instance import OutputSpec
 
         t0 = time.time()
@@ -159,8 +159,14 @@ class Rewiring:
             )
             for j in range(parallelism)
         }
+        # named with the graph version this insert makes (the Ray dashboard shows it; a step
+        # removed and inserted again under its name gets new names)
+        version = self.graph_version + 1
+        names = {iid: f"{instance_actor_name(self.flow.name, *iid)}:v{version}" for iid in specs}
         handles = {
-            iid: InstanceActor.options(max_concurrency=10_000).remote(spec)
+            iid: InstanceActor.options(
+                name=names[iid], namespace=NAMESPACE, max_concurrency=10_000
+            ).remote(spec)
             for iid, spec in specs.items()
         }
         self.specs.update(specs)
@@ -203,6 +209,7 @@ class Rewiring:
             change=f"{after} -> {name} ({op.kind} {_fn_name(op.fn)}) -> {before}",
             instances=parallelism,
             source_offsets=offsets,
+            actors=list(names.values()),
         )
 
     async def remove(self: Any, step: str) -> dict[str, Any]:

@@ -44,6 +44,15 @@ def _where(status: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def _named(actor: str) -> bool:
+    """An actor of that name is alive in raystream's namespace (as the dashboard lists it)."""
+    try:
+        ray.get_actor(actor, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
 def main() -> None:
     cluster = Cluster(
         initialize_head=True,
@@ -73,6 +82,23 @@ def main() -> None:
             for parallelism, strategy in SEQUENCE:
                 out["stats"].append(live.rescale(parallelism, strategy))
                 out["placed"].append(_where(live.job.status()))
+            # instance 0 moves to another node while the stream runs (its state goes across)
+            before = live.job.status()
+            source_node = _where(before)["0"]
+            target = next(n for n in out["nodes"] if n != source_node)
+            moved = live.job.move(h.STEP, 0, target)
+            out["move"] = {
+                "from": source_node,
+                "to": target,
+                "node_id": moved["node_id"],
+                "instance": moved["instance"],
+                "key_groups": moved["moved"]["key_groups"],
+                "duration_s": moved["duration_s"],
+                "actors": moved["actors"],
+                "graph_version_before": before["graph_version"],
+                "placed": _where(live.job.status()),
+                "named": [_named(a) for a in moved["actors"]],
+            }
             result, events = live.finish()
         expected = h.prefix_counts(gen, events)
         h.assert_exact(result.table("out"), expected, events)  # raises: the script fails

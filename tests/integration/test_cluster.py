@@ -1,7 +1,7 @@
 """Several Ray nodes (``ray.cluster_utils.Cluster``, 3 nodes on this machine): instances of a step
 spread over the nodes, scale-outs put new instances where the step has fewest, a step asking for
-more than any node has is refused before anything starts, and every strategy stays exact when
-state moves from node to node.
+more than any node has is refused before anything starts, every strategy stays exact when
+state moves from node to node, and an instance moved to another node keeps the counts exact.
 
 The cluster needs its own Ray, apart from the test session's, so the job runs in a child
 process (``_cluster_job.py``) that starts the cluster, runs the job, checks the final counts
@@ -56,5 +56,15 @@ def test_three_nodes_spread_rescale_exactly_and_refuse_what_no_node_has() -> Non
                 report["placed"],
                 report["stats"],
             )
+    # a move to another node: the new actor runs there, takes index 0 with its key groups, and
+    # its name carries the graph version the move made; the counts stayed exact (checked in the
+    # script against the oracle)
+    move = report["move"]
+    assert move["to"] != move["from"] and move["node_id"] == move["to"]
+    assert move["placed"][str(move["instance"][1])] == move["to"]  # the new actor, by its id
+    assert move["key_groups"] > 0
+    version = move["graph_version_before"] + 1
+    assert move["actors"] == [f"raystream:cluster-keycount:count:0:v{version}"]
+    assert move["named"] == [True]
     assert report["records_in"] == report["events"], "records into count: lost or duplicated"
     assert report["hot_share"] > 0.4, "the input must have a hot key (skew)"

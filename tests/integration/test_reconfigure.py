@@ -103,6 +103,9 @@ def test_replace_queued_behind_a_rescale_then_move_a_hot_instance(tmp_path: Path
         node = ray.get_runtime_context().get_node_id()
         moved = job.move(STEP, 0, node)
         assert moved["moved"]["key_groups"] > 0 and moved["moved"]["bytes"] > 0
+        # the new actor's name carries the graph version the move made (1 + rescale, replace)
+        assert moved["actors"] == [f"raystream:reconfigure:{STEP}:0:v4"]
+        ray.get_actor(moved["actors"][0], namespace="raystream")  # as the dashboard lists it
 
         metrics = job.metrics()
         status = job.status()

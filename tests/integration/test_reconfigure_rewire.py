@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 
 import raystream as rs
 
@@ -62,6 +63,8 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
         with pytest.raises(rs.ReconfigurationError, match="stateless operator"):
             job.insert("source", count_vec)
         inserted = job.insert("source", drop_even, name="drop_even")
+        assert inserted["actors"] == ["raystream:rewire:drop_even:0:v2"]  # the graph version
+        ray.get_actor(inserted["actors"][0], namespace="raystream")
         time.sleep(0.5)
         removed = job.remove("drop_even")
         status = job.status()
