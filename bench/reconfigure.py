@@ -1,0 +1,273 @@
+"""The latency cost of changing a running key-count job: replace, insert, remove, move.
+
+    python -m bench.reconfigure --rate 100000 --keys 200000 --every 6 \\
+        --report bench/results/reconfigure.json
+
+One job: a rate-limited generator -> key-count (``count``, RocksDB state) -> a latest-count sink.
+While it runs, one change every ``--every`` seconds, in this order:
+
+1. ``replace``: ``count``'s function by a new function object of the same shape (same state);
+2. ``insert``: a stateless pass-through step between the source and ``count``;
+3. ``remove``: that step again;
+4. ``move``: ``count`` instance 0 to another node (the same node on a one-node cluster: a new
+   actor takes its key groups and state all the same).
+
+The stream runs ``--every`` x 5 + 10 s, so the last change's spans end before the input does.
+With ``--value-bytes B`` every key keeps B bytes of payload in its state (``bench._payload``):
+the state grows to ``keys x (B + 8)`` bytes as keys arrive.
+
+For each change the report has its start, end and duration (the controller's record), what
+moved, and the sink latency (per input event, see ``LATENCY_WEIGHTING``) in three spans:
+``before`` (the ``--window`` seconds before its start: the steady p99), ``during`` (its start
+until 2 s after its end, as ``job.metrics()["reconfigurations"]`` reports it) and ``after``
+(``--window`` seconds from 2 s after its end); ``peak_over_steady_p99`` is the peak during the
+change over the p99 before it (the target is <= 2). The final counts are compared with numpy's
+count of the same seeded generator's stream; if they differ it writes nothing and exits 1.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import pyarrow as pa
+
+import raystream as rs
+from bench._latest import latest_counts
+from bench._report import LATENCY_WEIGHTING, write_json
+from bench.compare_strategies import count_mismatch, independent_counts
+from bench.keycount import SINK, STEP, _connect_ray, _pickle_by_value, keycount_flow
+
+__all__ = ["CHANGES", "change_spans", "passthrough"]
+
+CHANGES = ("replace", "insert", "remove", "move")
+AFTER_S = 2.0  # the "during" span ends this long after a change (as the controller's records)
+
+
+@rs.keyed_batches(name=STEP, state=rs.ValueState(int, default=0))
+def count_v2(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    """The same count as ``bench.keycount.count_vectorised``, as another function."""
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    return batch.output({"count": new})
+
+
+@rs.map_batches
+def passthrough(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """The inserted step: every record as it came."""
+    return batch
+
+
+def _summary(lat: rs.metrics.LatencyRecorder, first: int, last: int) -> dict[str, Any]:
+    """Latency over windows ``first..last`` (inclusive) of ``lat``."""
+    s = lat.summary_of_windows(first, last)
+    w = lat.window_ms / 1000
+    return {
+        "from_s": round(first * w, 3),
+        "to_s": round((last + 1) * w, 3),
+        "p50_ms": s["p50_ms"],
+        "p99_ms": s["p99_ms"],
+        "max_ms": s["max_ms"],
+        "events": s["count"],
+    }
+
+
+def change_spans(
+    lat: rs.metrics.LatencyRecorder, record: dict[str, Any], window_s: float
+) -> dict[str, Any]:
+    """Sink latency before, during and after one change (``record``: the controller's), over
+    whole latency windows that do not overlap: ``before`` ends with the window before the one
+    the change starts in, ``during`` runs to the window holding ``end + 2 s``, ``after`` follows
+    it for ``window_s``."""
+    w = lat.window_ms / 1000
+
+    def index(t: float) -> int:
+        return int(max(0.0, t) // w)
+
+    start, end = float(record["start_s"]), float(record["end_s"])
+    first = index(start)
+    settled = index(end + AFTER_S)
+    before = _summary(lat, index(start - window_s), first - 1)
+    during = _summary(lat, first, settled)
+    after = _summary(lat, settled + 1, settled + int(round(window_s / w)))
+    steady, peak = before["p99_ms"], during["max_ms"]
+    return {
+        "before": before,
+        "during": during,
+        "after": after,
+        "peak_over_steady_p99": (round(peak / steady, 2) if peak is not None and steady else None),
+    }
+
+
+def _drive(job: rs.Job, every_s: float, value_bytes: int | None, log: list[Any]) -> None:
+    """The four changes, ``every_s`` apart (the first ``every_s`` after the start)."""
+    import ray
+
+    t0 = time.monotonic()
+    for i, kind in enumerate(CHANGES):
+        time.sleep(max(0.0, (i + 1) * every_s - (time.monotonic() - t0)))
+        try:
+            if kind == "replace":
+                if value_bytes is None:
+                    new = count_v2
+                else:
+                    from bench._payload import count_with_payload
+
+                    new = count_with_payload(value_bytes, STEP)
+                log.append(job.replace(STEP, new))
+            elif kind == "insert":
+                log.append(job.insert("source", passthrough, name="passthrough"))
+            elif kind == "remove":
+                log.append(job.remove("passthrough"))
+            else:
+                status = job.status()
+                here = next(
+                    m.get("node_id")
+                    for m in status["instances"]
+                    if m.get("step") == STEP and m.get("index") == 0
+                )
+                nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+                target = next((n for n in nodes if n != here), here)
+                log.append(job.move(STEP, 0, target))
+        except Exception as e:  # noqa: BLE001 - reported; the run fails below
+            log.append(f"{kind}: {type(e).__name__}: {e}")
+
+
+@click.command()
+@click.option("--rate", type=float, default=100_000, show_default=True, help="events/s")
+@click.option("--keys", type=int, default=200_000, show_default=True)
+@click.option("--zipf", type=float, default=1.1, show_default=True)
+@click.option(
+    "--every",
+    "every_s",
+    type=float,
+    default=6.0,
+    show_default=True,
+    help="seconds between changes (and before the first)",
+)
+@click.option(
+    "--window",
+    "window_s",
+    type=float,
+    default=3.0,
+    show_default=True,
+    help="seconds of the before/after spans",
+)
+@click.option("--parallelism", type=int, default=2, show_default=True)
+@click.option(
+    "--value-bytes",
+    type=int,
+    default=None,
+    help="bytes of payload kept per key (state size = keys x this)",
+)
+@click.option("--seed", type=int, default=7, show_default=True)
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def main(
+    rate: float,
+    keys: int,
+    zipf: float,
+    every_s: float,
+    window_s: float,
+    parallelism: int,
+    value_bytes: int | None,
+    seed: int,
+    report: Path | None,
+) -> None:
+    if rate <= 0 or keys < 1 or every_s <= window_s or parallelism < 1:
+        msg = (
+            f"expected --rate > 0, --keys >= 1, --every > --window and --parallelism >= 1; got "
+            f"{rate}, {keys}, {every_s} <= {window_s}, {parallelism}"
+        )
+        raise click.BadParameter(msg)
+    # the stream outlasts the last change's after-span (a move may take seconds)
+    duration_s = every_s * (len(CHANGES) + 1) + AFTER_S + window_s + 5.0
+    events = int(rate * duration_s)
+    gen = rs.sources.generator(events=events, keys=keys, zipf=zipf, seed=seed, rate_eps=rate)
+    started = _connect_ray()
+    _pickle_by_value(("bench.keycount", "bench._latest", "bench._payload", "bench.reconfigure"))
+    try:
+        flow = keycount_flow(gen, "vectorised", value_bytes=value_bytes)
+        job = rs.start(flow, parallelism={STEP: parallelism}, linger_ms=10.0)
+        log: list[Any] = []
+        driver = threading.Thread(target=_drive, args=(job, every_s, value_bytes, log))
+        driver.start()
+        driver.join()
+        result = job.wait(duration_s + 120)
+        errors = [e for e in log if isinstance(e, str)]
+        if result.state != "finished" or errors:
+            click.echo(f"Error: the job {result.state}; changes failed: {errors}", err=True)
+            sys.exit(1)
+        parts = [t for t in result.results.get(SINK, []) if t is not None]
+        final = latest_counts(pa.concat_tables(parts))
+        expected = independent_counts(gen.generate_all().column("key").to_numpy())
+        got = (np.asarray(final["key"]), np.asarray(final["count"]))
+        wrong = count_mismatch(expected, got)
+        if wrong:
+            click.echo(
+                f"Error: {wrong} keys have another count than the input; not writing", err=True
+            )
+            sys.exit(1)
+        lat = result.latency() or rs.metrics.LatencyRecorder(result.origin_ns)
+        total = lat.summary()
+        changes = []
+        for rec in log:
+            changes.append(
+                {
+                    "kind": rec["kind"],
+                    "step": rec["step"],
+                    "start_s": round(rec["start_s"], 3),
+                    "end_s": round(rec["end_s"], 3),
+                    "duration_s": round(rec["duration_s"], 3),
+                    "moved": rec["moved"],
+                    "change": rec["change"],
+                    "graph_version": rec["graph_version"],
+                    **change_spans(lat, rec, window_s),
+                }
+            )
+        data = {
+            "benchmark": "reconfigure",
+            "what": (
+                "sink latency of a key-count job around each change of the running job: the "
+                f"{window_s:g} s before it (steady), from its start to {AFTER_S:g} s after its "
+                f"end (during), and {window_s:g} s from then on (after)"
+            ),
+            "latency_weighting": LATENCY_WEIGHTING,
+            "config": {
+                "rate_eps": rate,
+                "events": events,
+                "keys": keys,
+                "zipf": zipf,
+                "parallelism": parallelism,
+                "value_bytes": value_bytes,
+                "every_s": every_s,
+                "window_s": window_s,
+                "seed": seed,
+                "nodes": len({m.get("node_id") for m in result.metrics if m.get("node_id")}),
+            },
+            "exact": True,
+            "elapsed_s": round(float(result.elapsed_s), 3),
+            "latency_ms": {k: total[f"{k}_ms"] for k in ("p50", "p99", "max")},
+            "changes": changes,
+        }
+        if report is not None:
+            write_json(report, data)
+        for c in changes:
+            click.echo(
+                f"{c['kind']:8} {c['duration_s']:6.2f} s  p99 before {c['before']['p99_ms']} ms, "
+                f"during {c['during']['p99_ms']} ms (peak {c['during']['max_ms']} ms, "
+                f"{c['peak_over_steady_p99']}x), after {c['after']['p99_ms']} ms"
+            )
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
