@@ -104,7 +104,13 @@ def change_spans(
     }
 
 
-def _drive(job: rs.Job, every_s: float, value_bytes: int | None, log: list[Any]) -> None:
+def _drive(
+    job: rs.Job,
+    every_s: float,
+    value_bytes: int | None,
+    log: list[Any],
+    move_fetch: dict[str, Any] | None = None,
+) -> None:
     """The four changes, ``every_s`` apart (the first ``every_s`` after the start)."""
     import ray
 
@@ -133,9 +139,30 @@ def _drive(job: rs.Job, every_s: float, value_bytes: int | None, log: list[Any])
                 )
                 nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
                 target = next((n for n in nodes if n != here), here)
-                log.append(job.move(STEP, 0, target))
+                log.append(job.move(STEP, 0, target, **(move_fetch or {})))
         except Exception as e:  # noqa: BLE001 - reported; the run fails below
             log.append(f"{kind}: {type(e).__name__}: {e}")
+
+
+def _fetch_options(values: tuple[str, ...]) -> dict[str, Any]:
+    """``("on_demand=false", "chunk_bytes=1048576")`` as FetchPolicy keyword arguments."""
+    out: dict[str, Any] = {}
+    for v in values:
+        key, sep, raw = v.partition("=")
+        if not sep or not key:
+            msg = f"expected KEY=VALUE (a FetchPolicy option), got {v!r}"
+            raise click.BadParameter(msg, param_hint="'--move-fetch'")
+        low = raw.lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+        elif raw.lstrip("-").isdigit():
+            out[key] = int(raw)
+        else:
+            try:
+                out[key] = float(raw)
+            except ValueError:
+                out[key] = raw
+    return out
 
 
 @click.command()
@@ -166,6 +193,11 @@ def _drive(job: rs.Job, every_s: float, value_bytes: int | None, log: list[Any])
     help="bytes of payload kept per key (state size = keys x this)",
 )
 @click.option("--seed", type=int, default=7, show_default=True)
+@click.option(
+    "--move-fetch",
+    multiple=True,
+    help="a FetchPolicy option for the move, KEY=VALUE (e.g. on_demand=false, background=all)",
+)
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
     rate: float,
@@ -176,6 +208,7 @@ def main(
     parallelism: int,
     value_bytes: int | None,
     seed: int,
+    move_fetch: tuple[str, ...],
     report: Path | None,
 ) -> None:
     if rate <= 0 or keys < 1 or every_s <= window_s or parallelism < 1:
@@ -184,6 +217,7 @@ def main(
             f"{rate}, {keys}, {every_s} <= {window_s}, {parallelism}"
         )
         raise click.BadParameter(msg)
+    fetch = _fetch_options(move_fetch)
     # the stream outlasts the last change's after-span (a move may take seconds)
     duration_s = every_s * (len(CHANGES) + 1) + AFTER_S + window_s + 5.0
     events = int(rate * duration_s)
@@ -194,7 +228,7 @@ def main(
         flow = keycount_flow(gen, "vectorised", value_bytes=value_bytes)
         job = rs.start(flow, parallelism={STEP: parallelism}, linger_ms=10.0)
         log: list[Any] = []
-        driver = threading.Thread(target=_drive, args=(job, every_s, value_bytes, log))
+        driver = threading.Thread(target=_drive, args=(job, every_s, value_bytes, log, fetch))
         driver.start()
         driver.join()
         result = job.wait(duration_s + 120)
@@ -247,6 +281,7 @@ def main(
                 "every_s": every_s,
                 "window_s": window_s,
                 "seed": seed,
+                "move_fetch": fetch,
                 "nodes": len({m.get("node_id") for m in result.metrics if m.get("node_id")}),
             },
             "exact": True,
