@@ -26,7 +26,7 @@ Example::
     ['key', '__raystream_key_group']
     >>> rest, kg = take_key_groups(b)
     >>> [(r, e - s) for r, s, e in owner_runs(kg, RoutingTable.uniform(8, 2))]
-    [(0, 4), (1, 2)]
+    [(0, 1), (1, 5)]
 """
 
 from __future__ import annotations
