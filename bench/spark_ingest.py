@@ -1,12 +1,19 @@
 """Spark -> raystream ingest rate: Spark tasks (``mapInArrow``) push Arrow batches into a job's
 source actors. Reported in rows/s from the start of the Spark job that feeds the source until
-every source instance was told the input ended (every row accepted).
+every source instance was told the input ended (every row accepted), and in CPU seconds per
+million rows (every process of the run: Spark's JVM and Python workers, Ray, the job's actors).
 
     python -m bench.spark_ingest --rows 5000000 --push-rows 10000 --push-rows 100000
+    python -m bench.spark_ingest --rows 5000000 --push-rows 100000 --route --presort both
 
-Each setting runs twice in one SparkSession and reports the second run: the first starts Spark's
-Python workers and their Ray connections (seconds, paid once per session). The job is
-``source -> sink`` (null sink: ingest alone) or, with ``--keycount``, the full key-count.
+Each setting runs after a warm-up run (up to 1M rows, per presort mode) in one SparkSession: the
+first run starts Spark's Python workers and their Ray connections (seconds, paid once per
+session), and the first large one is still slower (the JVM's JIT). The job is
+``source -> sink`` (null sink: ingest alone); with ``--route``, ``source -> key_by -> a keyed
+step at parallelism 2 that keeps no state`` (ingest and routing by key group alone; it emits one
+row per batch, rows and the sum of ``seq``, checked against the input); with ``--keycount``, the
+full key-count (RocksDB state). ``--presort on|off|both``: whether Spark tasks sort each push by
+key group (the source then only cuts it; see raystream.presort); ``both`` alternates the two.
 """
 
 from __future__ import annotations
@@ -24,46 +31,88 @@ import raystream as rs
 __all__ = ["main"]
 
 
-def _flow(name: str, source: Any, keycount: bool) -> rs.Dataflow:
+MEASURES = (
+    "rows_per_s: rows / feed_s, feed_s from the feeder's start (the Spark job is submitted) until "
+    "every source instance was told the input ended (every row accepted; the dataflow may still "
+    "be working off what its buffers hold). cpu_s: CPU seconds of every process under the bench "
+    "(Spark's JVM and Python workers, Ray, the job's actors) from the deploy's end until the job "
+    "ended (every row processed). One measured run per line, after warm-up runs in the same "
+    "SparkSession; presort alternates off/on when both are measured. 2-core machine."
+)
+
+
+@rs.keyed_batches(name="route")
+def route_only(batch: rs.KeyedBatch) -> dict[str, list[int]]:
+    """No state: one row per batch (its rows and the sum of their ``seq``) for the check."""
+    seq = batch.records.column("seq").to_numpy(zero_copy_only=False)
+    return {"rows": [len(batch)], "seq_sum": [int(seq.sum())]}
+
+
+def _flow(name: str, source: Any, consumer: str) -> rs.Dataflow:
     flow = rs.Dataflow(name, num_key_groups=128)
     stream = flow.source(source, parallelism=1)
-    if keycount:
+    if consumer == "keycount":
         from bench.keycount import count_vectorised
 
-        stream = stream.key_by("key").apply(count_vectorised)
-    stream.sink(rs.sinks.null(), name="out")
+        stream.key_by("key").apply(count_vectorised).sink(rs.sinks.null(), name="out")
+    elif consumer == "route":
+        stream.key_by("key").apply(route_only).sink(rs.sinks.collect(), name="out")
+    else:
+        stream.sink(rs.sinks.null(), name="out")
     return flow
 
 
 def _run_once(
-    spark: Any, rows: int, partitions: int, push_rows: int, keycount: bool, keys: int
+    spark: Any,
+    rows: int,
+    partitions: int,
+    push_rows: int,
+    consumer: str,
+    keys: int,
+    presort: bool,
 ) -> dict[str, Any]:
+    from bench._cpu import CpuSampler
+
     df = spark.range(0, rows, numPartitions=partitions).selectExpr(
         f"(id * 2654435761) % {keys} as key", "id as seq"
     )
-    flow = _flow(
-        f"bench-spark-ingest-{push_rows}", rs.sources.spark(df, push_rows=push_rows), keycount
-    )
+    source = rs.sources.spark(df, push_rows=push_rows, presort_key_groups=presort)
+    flow = _flow(f"bench-spark-ingest-{push_rows}", source, consumer)
     t0 = time.perf_counter()
-    job = rs.start(flow, parallelism={"count": 2} if keycount else None)
+    parallelism = {"keycount": {"count": 2}, "route": {"route": 2}}.get(consumer)
+    job = rs.start(flow, parallelism=parallelism)
+    cpu = CpuSampler()
+    cpu.start()  # from the deploy's end: the feed, the dataflow behind it, until the job ended
     result = job.wait(3600)
+    used = cpu.stop()
     wall = time.perf_counter() - t0
     stats = job.feeders[0].stats
     taken = sum(m.get("records_in", 0) for m in result.metrics if m.get("step") == "out")
     if stats["accepted"] != rows:
         msg = f"the source accepted {stats['accepted']:,} rows, expected {rows:,}"
         raise click.ClickException(msg)
-    if not keycount and taken != rows:
+    if consumer == "null" and taken != rows:
         msg = f"the sink took {taken:,} rows, expected {rows:,}"
         raise click.ClickException(msg)
+    if consumer == "route":
+        out = result.table("out")
+        got = (sum(out.column("rows").to_pylist()), sum(out.column("seq_sum").to_pylist()))
+        want = (rows, rows * (rows - 1) // 2)  # seq is 0 .. rows-1, each once
+        if got != want:
+            msg = f"the keyed step saw (rows, sum of seq) = {got}, expected {want}"
+            raise click.ClickException(msg)
     return {
         "rows": rows,
         "partitions": partitions,
         "push_rows": push_rows,
-        "keycount": keycount,
+        "consumer": consumer,
+        "presort": presort,
         "feed_s": round(stats["seconds"], 3),
         "rows_per_s": round(rows / stats["seconds"]),
         "job_wall_s": round(wall, 3),
+        "cpu_s": used["total_s"],
+        "cpu_s_per_million_rows": round(float(used["total_s"]) / rows * 1e6, 3),
+        "cpu_by_process": used["by_process"],
     }
 
 
@@ -82,6 +131,18 @@ def _run_once(
 )
 @click.option("--keycount", is_flag=True, help="Run the key-count (RocksDB) behind the source.")
 @click.option(
+    "--route",
+    is_flag=True,
+    help="Key by 'key' into a stateless keyed step at parallelism 2 (ingest and routing alone).",
+)
+@click.option(
+    "--presort",
+    type=click.Choice(["on", "off", "both"]),
+    default="on",
+    help="Spark tasks sort pushes by key group (--route/--keycount); 'both' alternates off, on.",
+)
+@click.option("--repeat", type=click.IntRange(min=1), default=1, help="Measured runs per setting.")
+@click.option(
     "--keys", type=click.IntRange(min=1), default=100_000, help="Distinct keys (--keycount)."
 )
 @click.option("--report", type=click.Path(path_type=Path), default=None, help="Write JSON here.")
@@ -90,41 +151,56 @@ def main(
     partitions: int,
     push_rows_list: tuple[int, ...],
     keycount: bool,
+    route: bool,
+    presort: str,
+    repeat: int,
     keys: int,
     report: Path | None,
 ) -> None:
     """Spark -> actors ingest rate in rows/s."""
     import ray
 
+    if keycount and route:
+        raise click.UsageError("--keycount and --route are two consumers; pick one")
+    consumer = "keycount" if keycount else "route" if route else "null"
+    modes = {"on": (True,), "off": (False,), "both": (False, True)}[presort]
     try:
         spark = rs.spark.session("bench-spark-ingest", arrow_batch_rows=max(push_rows_list))
     except rs.RaystreamError as exc:
         raise click.UsageError(str(exc)) from None
     from ray import cloudpickle
 
-    cloudpickle.register_pickle_by_value(
-        sys.modules["bench.keycount"]
-        if keycount and "bench.keycount" in sys.modules
-        else sys.modules[__name__]
-    )
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    if keycount and "bench.keycount" in sys.modules:
+        cloudpickle.register_pickle_by_value(sys.modules["bench.keycount"])
     ray.init(address="local", namespace="raystream", include_dashboard=False, log_to_driver=False)
     results = []
     try:
         for push_rows in push_rows_list:
             spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", str(push_rows))
-            _run_once(spark, min(rows, 200_000), partitions, push_rows, keycount, keys)  # warm-up
-            r = _run_once(spark, rows, partitions, push_rows, keycount, keys)
-            results.append(r)
-            click.echo(
-                f"push {push_rows:>7,} rows: {r['rows_per_s']:>12,} rows/s "
-                f"({r['rows']:,} rows in {r['feed_s']:.2f} s, {partitions} Spark tasks"
-                f"{', key-count behind' if keycount else ', null sink'})"
-            )
+            # warm-up, each mode once: Spark's Python workers, their Ray connections, the JIT
+            for sort in modes:
+                _run_once(spark, min(rows, 1_000_000), partitions, push_rows, consumer, keys, sort)
+            for _ in range(repeat):
+                for sort in modes:  # alternated: both see the same machine
+                    r = _run_once(spark, rows, partitions, push_rows, consumer, keys, sort)
+                    results.append(r)
+                    click.echo(
+                        f"push {push_rows:>7,} rows, {consumer}, presort {'on ' if sort else 'off'}"
+                        f": {r['rows_per_s']:>12,} rows/s ({r['rows']:,} rows in "
+                        f"{r['feed_s']:.2f} s, {partitions} Spark tasks), "
+                        f"{r['cpu_s_per_million_rows']:.2f} CPU s per million rows"
+                    )
     finally:
         ray.shutdown()
         spark.stop()
     if report is not None:
-        report.write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
+        out = {
+            "command": " ".join(["python -m bench.spark_ingest", *sys.argv[1:]]),
+            "measures": MEASURES,
+            "results": results,
+        }
+        report.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

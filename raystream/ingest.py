@@ -49,6 +49,7 @@ from typing import Any, Protocol, runtime_checkable
 import pyarrow as pa
 
 from raystream.errors import ConfigError, SchemaError, SourceError
+from raystream.presort import KEY_GROUP_COLUMN, KeyGroupPlan, take_key_groups
 
 __all__ = [
     "FeedContext",
@@ -92,6 +93,7 @@ class IngestBuffer:
         self._complete = False  # restored from a checkpoint taken after the source's end
         self._error: str | None = None
         self.rows_accepted = 0
+        self.rows_presorted = 0  # accepted rows their writer sorted by key group (presort)
         self.rows_duplicate = 0
         self.waits = 0  # offers that had to wait for room (backpressure reached the writer)
         self.max_queued_rows = 0
@@ -145,6 +147,8 @@ class IngestBuffer:
                 self._rows += fresh.num_rows
                 self.max_queued_rows = max(self.max_queued_rows, self._rows)
             self.rows_accepted += fresh.num_rows
+            if batch.schema.names[-1] == KEY_GROUP_COLUMN:
+                self.rows_presorted += fresh.num_rows
             self.rows_duplicate += skip
             self.waits += int(waited)
             self._changed.notify_all()
@@ -175,17 +179,24 @@ class IngestBuffer:
         if not isinstance(batch, pa.RecordBatch):
             msg = f"ingest expects a pyarrow.RecordBatch, got {type(batch).__name__}"
             raise SchemaError(msg)
-        if batch.schema.names != self.schema.names:
+        names = batch.schema.names
+        schema = self.schema
+        if names and names[-1] == KEY_GROUP_COLUMN:  # sorted by key group by its writer
+            schema = schema.append(batch.schema.field(len(names) - 1))
+        if names != schema.names:
             msg = (
-                f"ingested batch has columns {batch.schema.names}, expected {self.schema.names} "
+                f"ingested batch has columns {names}, expected {self.schema.names} "
                 "(the schema the source was defined with)"
             )
             raise SchemaError(msg)
-        if not batch.schema.equals(self.schema):
+        if not batch.schema.equals(schema):
             try:
-                batch = batch.cast(self.schema)
+                batch = batch.cast(schema)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                msg = f"ingested batch has schema {batch.schema}, which does not cast to {self.schema}: {e}"
+                msg = (
+                    f"ingested batch has schema {batch.schema}, which does not cast to "
+                    f"{schema}: {e}"
+                )
                 raise SchemaError(msg) from e
         return batch
 
@@ -231,7 +242,12 @@ class IngestBuffer:
                 got += take
             self._rows -= got
             self._changed.notify_all()
-            return parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+            if len(parts) == 1:
+                return parts[0]
+            if any(not p.schema.equals(parts[0].schema) for p in parts[1:]):
+                # writers differ in sorting by key group: the rows without, routed the usual way
+                parts = [take_key_groups(p)[0] for p in parts]
+            return pa.concat_batches(parts)
 
     def _took(self, token: Token, upto: int) -> None:
         """The reader took rows of ``token`` up to offset ``upto``. Rows are queued in the order
@@ -308,6 +324,7 @@ class IngestBuffer:
     def stats(self) -> dict[str, int]:
         return {
             "rows_accepted": self.rows_accepted,
+            "rows_presorted": self.rows_presorted,
             "rows_duplicate": self.rows_duplicate,
             "queued_rows": self._rows,
             "max_queued_rows": self.max_queued_rows,
@@ -420,6 +437,9 @@ class FeedContext:
     ray_address: str  # the GCS address writers connect to (``ray.init(address=...)``)
     namespace: str
     auth_mode: str | None = None  # the driver's RAY_AUTH_MODE; the token itself never travels
+    # set when the step after the source partitions by a key column: writers sort each push by
+    # key group so the source instance only cuts it (raystream.presort)
+    key_groups: KeyGroupPlan | None = None
 
 
 @runtime_checkable

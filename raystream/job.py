@@ -21,6 +21,7 @@ from raystream.errors import (
 )
 from raystream.ingest import FeedContext
 from raystream.metrics import LatencyRecorder
+from raystream.presort import plan_for
 from raystream.runtime.actors import NAMESPACE, controller_actor_class, controller_name
 from raystream.runtime.instance import RuntimeConfig
 
@@ -388,6 +389,7 @@ def _start_feeders(flow: Dataflow, parallelism: dict[str, int] | None) -> list[A
                 address,
                 NAMESPACE,
                 os.environ.get("RAY_AUTH_MODE"),  # ray.init turns token auth on by default
+                plan_for(steps, step.name, flow.key_space),
             )
             feeders.append(step.fn.start_feeding(ctx))
     return feeders

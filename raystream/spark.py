@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ import pyarrow as pa
 
 from raystream.errors import ConfigError, SchemaError, SourceError
 from raystream.ingest import FeedContext, PushSource
+from raystream.presort import sort_by_key_group
 
 __all__ = ["SparkSource", "SparkStreamSource", "check_spark", "session", "spark", "spark_stream"]
 
@@ -242,7 +243,10 @@ class _TaskPusher:
     ``attempt`` is the job's attempt the feed is for (None: any); a source instance of another
     attempt refuses the push, so a feed the job's recovery replaced fails instead of mixing in.
     The token ``(stream, batch_id, partition)`` and the row offsets are the same whenever the
-    partition is computed again (deterministic input), so a re-sent partition is recognised."""
+    partition is computed again (deterministic input), so a re-sent partition is recognised.
+    When the step after the source partitions by a key column (``ctx.key_groups``), each push
+    is sorted by key group first (a function of its rows: the same when computed again), so
+    the source instance only cuts it (:mod:`raystream.presort`)."""
 
     ctx: FeedContext
     stream: str
@@ -275,9 +279,13 @@ class _TaskPusher:
                 accepted += r["accepted"]
                 duplicate += r["duplicate"]
 
+        plan = self.ctx.key_groups
+        key_space = plan.key_space if plan is not None else None
         for batch in _coalesce(batches, self.push_rows):
             if not batch.schema.equals(self.schema):
                 batch = batch.cast(self.schema)
+            if plan is not None:  # the routing's per-row work here, in parallel Spark tasks
+                batch = sort_by_key_group(batch, plan.key_column, key_space)  # type: ignore[arg-type]
             inflight.append(actor.ingest.remote(token, offset, batch, self.attempt))
             offset += batch.num_rows
             if len(inflight) >= self.max_inflight:
@@ -636,6 +644,9 @@ class SparkSource(PushSource):
 
     dataframe: Any = field(default=None, repr=False, compare=False)
     push_rows: int = 100_000
+    # when the step after the source partitions by a key column, tasks sort each push by key
+    # group so the source instance only cuts it (raystream.presort)
+    presort_key_groups: bool = True
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -656,6 +667,8 @@ class SparkSource(PushSource):
                 "process where the DataFrame was made"
             )
             raise SourceError(msg)
+        if not self.presort_key_groups:
+            ctx = replace(ctx, key_groups=None)
         feeder = self._feeder(ctx)
         feeder.start()
         return feeder
@@ -693,14 +706,28 @@ def _check_common(push_rows: int, capacity_rows: int | None) -> int:
 
 
 def spark(
-    dataframe: Any, *, push_rows: int = 100_000, capacity_rows: int | None = None
+    dataframe: Any,
+    *,
+    push_rows: int = 100_000,
+    capacity_rows: int | None = None,
+    presort_key_groups: bool = True,
 ) -> SparkSource:
     """Read a batch Spark DataFrame: its tasks push Arrow batches of up to ``push_rows`` rows into
     the job's source instances, each of which buffers at most ``capacity_rows`` (default
-    ``4 * push_rows``) before tasks wait. The job ends once the Spark job finished."""
+    ``4 * push_rows``) before tasks wait. The job ends once the Spark job finished.
+
+    ``presort_key_groups``: when the step after the source is ``key_by(column)``, each task
+    sorts its pushes by key group, so the source instance routes them without hashing
+    (raystream.presort); ``False`` leaves the routing's work to the source instance."""
     _check_dataframe(dataframe, streaming=False)
     capacity = _check_common(push_rows, capacity_rows)
-    return SparkSource(_arrow_schema(dataframe), capacity, dataframe, push_rows)
+    return SparkSource(
+        _arrow_schema(dataframe),
+        capacity,
+        dataframe,
+        push_rows,
+        presort_key_groups=bool(presort_key_groups),
+    )
 
 
 def spark_stream(
@@ -712,6 +739,7 @@ def spark_stream(
     idle_timeout_s: float | None = None,
     push_rows: int = 100_000,
     capacity_rows: int | None = None,
+    presort_key_groups: bool = True,
 ) -> SparkStreamSource:
     """Read a Structured Streaming DataFrame (file, rate, any source) through ``foreachBatch``.
 
@@ -723,7 +751,7 @@ def spark_stream(
 
     When the job checkpoints, ``foreachBatch`` returns only once a completed checkpoint holds
     the micro-batch's rows (so Spark never commits a batch the job could lose): at most one
-    micro-batch per checkpoint interval.
+    micro-batch per checkpoint interval. ``presort_key_groups`` as in :func:`spark`.
     """
     _check_dataframe(dataframe, streaming=True)
     capacity = _check_common(push_rows, capacity_rows)
@@ -746,8 +774,9 @@ def spark_stream(
         capacity,
         dataframe,
         push_rows,
-        str(checkpoint_location),
-        trigger,
-        max_rows,
-        float(idle_timeout_s) if idle_timeout_s is not None else None,
+        presort_key_groups=bool(presort_key_groups),
+        checkpoint_location=str(checkpoint_location),
+        trigger=trigger,
+        max_rows=max_rows,
+        idle_timeout_s=float(idle_timeout_s) if idle_timeout_s is not None else None,
     )

@@ -28,6 +28,7 @@ import pyarrow as pa
 from raystream.dataflow import KeySpec
 from raystream.errors import InternalError, SchemaError
 from raystream.keys import KeySpace, RoutingTable, stable_hash, to_key_array
+from raystream.presort import split_by_owner, take_key_groups
 from raystream.runtime.messages import Barrier, ChannelId
 
 __all__ = [
@@ -455,7 +456,7 @@ class Forward:
         self.index = index
 
     def split(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
-        return [(self.index, batch)]
+        return [(self.index, take_key_groups(batch)[0])]
 
 
 class Rebalance:
@@ -468,7 +469,7 @@ class Rebalance:
     def split(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
         i = self._next
         self._next = (i + 1) % self.receivers
-        return [(i, batch)]
+        return [(i, take_key_groups(batch)[0])]
 
 
 class ByKeyGroup:
@@ -482,6 +483,10 @@ class ByKeyGroup:
     def split(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
         if batch.num_rows == 0:
             return []
+        # a writer (a Spark task) sorted the rows by key group already: cut, do not hash
+        batch, kg = take_key_groups(batch, self.key.column, self.key_space)
+        if kg is not None:
+            return split_by_owner(batch, kg, self.table)
         batch, keys = materialise_key(batch, self.key)
         if self.table.parallelism == 1:
             return [(0, batch)]

@@ -88,6 +88,9 @@ def test_a_spark_dataframe_of_1m_rows_counts_exactly(spark: Any, tmp_path: Path)
     assert final_counts(result) == oracle(table.column("key").to_numpy())
     stats = job.feeders[0].stats
     assert stats["partitions"] == 6 and stats["accepted"] == 1_000_000 and stats["duplicate"] == 0
+    # the step after the source is key_by(column): the tasks sorted every push by key group
+    ingest = [m["ingest"] for m in result.metrics if "ingest" in m]
+    assert sum(i["rows_presorted"] for i in ingest) == 1_000_000, ingest
 
 
 @rs.map_batches(name="slow")
@@ -107,6 +110,7 @@ def test_backpressure_reaches_spark_tasks_and_the_buffer_stays_bounded(spark: An
     (ingest,) = [m["ingest"] for m in result.metrics if "ingest" in m]
     assert ingest["backpressure_waits"] > 0, ingest  # Spark tasks had to wait ...
     assert ingest["max_queued_rows"] <= 20_000, ingest  # ... and the buffer never overflowed
+    assert ingest["rows_presorted"] == 0, ingest  # a map step reads the source: no key groups
 
 
 def _fail_first_attempt_midway(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -209,6 +213,9 @@ def test_structured_streaming_over_a_growing_directory_with_a_rescale(
     everything = pa.concat_tables(files).column("key").to_numpy()
     assert final_counts(result) == oracle(everything)
     assert job.feeders[0].stats["batches"] >= 3  # really several micro-batches
+    # pushes came sorted by key group before and after the rescale; routing stayed exact
+    ingest = [m["ingest"] for m in result.metrics if "ingest" in m]
+    assert sum(i["rows_presorted"] for i in ingest) == total, ingest
 
 
 def test_the_rate_source_streams_every_value_exactly_once(spark: Any, tmp_path: Path) -> None:
