@@ -33,13 +33,15 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
 from raystream.errors import ConfigError, SchemaError, SourceError
+
+if TYPE_CHECKING:  # imported where used: pyarrow.dataset imports pandas (~0.3 s per process)
+    import pyarrow.dataset as ds
 
 __all__ = ["FORMATS", "FileReader", "FileSource", "Listing", "list_files", "schema_diff"]
 
@@ -222,6 +224,8 @@ def schema_diff(a: pa.Schema, b: pa.Schema) -> str:
 
 
 def _format(fmt: str, schema: pa.Schema | None, delimiter: str) -> ds.FileFormat:
+    import pyarrow.dataset as ds
+
     if fmt == "parquet":
         return ds.ParquetFileFormat()
     if fmt == "csv":
@@ -238,6 +242,8 @@ def _format(fmt: str, schema: pa.Schema | None, delimiter: str) -> ds.FileFormat
 
 
 def _partitioning(partitioning: object) -> Any:
+    import pyarrow.dataset as ds
+
     if partitioning is None or isinstance(partitioning, (ds.Partitioning, ds.PartitioningFactory)):
         return partitioning
     if partitioning == "hive":
@@ -440,6 +446,8 @@ def _partitions(
 ) -> tuple[tuple[Any, ...], pa.Schema]:
     """Per file its partition expression, and the source's schema (file columns + partition
     columns)."""
+    import pyarrow.dataset as ds
+
     if factory is None:
         return tuple(ds.scalar(True) for _ in files), file_schema
     try:

@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import ray
 
 import raystream as rs
+from tests.integration._rescale_helpers import UntilGate, prefix_counts
 
 CLI = str(Path(sys.executable).parent / "raystream")
 
@@ -34,8 +34,10 @@ def _cli(*args: str, cwd: Path, address: str | None = "") -> subprocess.Complete
 
 def test_status_rescale_and_unknown_job_from_another_process(tmp_path: Path) -> None:
     flow = rs.Dataflow("cli-job", num_key_groups=32)
-    gen = rs.sources.generator(events=1_200_000, keys=5_000, zipf=1.0, seed=4, rate_eps=80_000)
-    flow.source(gen).key_by("key").apply(cli_count, name="count").sink(rs.sinks.collect(), name="out")
+    gen = rs.sources.generator(events=4_800_000, keys=5_000, zipf=1.0, seed=4, rate_eps=80_000)
+    gate = str(tmp_path / "enough")  # the stream runs until the CLI calls are done
+    src = UntilGate(gen, gate, after_rows=40_000)
+    flow.source(src).key_by("key").apply(cli_count, name="count").sink(rs.sinks.collect(), name="out")
     job = rs.start(flow, parallelism={"count": 2})
     time.sleep(1.0)
 
@@ -53,11 +55,12 @@ def test_status_rescale_and_unknown_job_from_another_process(tmp_path: Path) -> 
     missing = _cli("status", "no-such-job", cwd=tmp_path)
     assert missing.returncode == 2 and "no running job named 'no-such-job'" in missing.stderr
 
+    Path(gate).touch()
     result = job.wait(timeout_s=120)
-    assert job.status is not None
-    keys, expected = np.unique(gen.generate_all().column("key").to_numpy(), return_counts=True)
+    assert result.state == "finished", result.state
+    expected = prefix_counts(gen, int(Path(gate + ".events").read_text()))
     out = result.table("out").to_pandas().groupby("key")["count"].max()
-    assert out.index.tolist() == keys.tolist() and out.to_numpy().tolist() == expected.tolist()
+    assert out.to_dict() == dict(expected)
     assert [(r["from"], r["to"]) for r in result.rescales] == [(2, 3)]
 
 
@@ -84,31 +87,40 @@ def test_list_and_watch_by_address_and_a_failed_run_exits_1_with_its_traceback(
     tmp_path: Path,
 ) -> None:
     gcs = ray.get_runtime_context().gcs_address
-    flow = rs.Dataflow("cli-listed", num_key_groups=16)
-    gen = rs.sources.generator(events=400_000, keys=100, seed=2, rate_eps=40_000)
-    flow.source(gen).key_by("key").apply(cli_count, name="count").sink(rs.sinks.collect())
-    job = rs.start(flow, parallelism={"count": 2})
-    try:
-        # --address alone finds the cluster (RAY_ADDRESS unset for these)
-        listed = _cli("list", "--address", gcs, cwd=tmp_path, address=None)
-        assert listed.returncode == 0, listed.stderr
-        assert "cli-listed" in listed.stdout and "count=2" in listed.stdout, listed.stdout
-        watched = _cli(
-            "status", "cli-listed", "--watch", "--count", "2", "--interval", "0.5",
-            "--address", gcs, cwd=tmp_path, address=None,
-        )  # fmt: skip
-        assert watched.returncode == 0, watched.stderr
-        # not a terminal: one table per refresh
-        assert watched.stdout.count("job 'cli-listed': running") == 2, watched.stdout
-        assert "over the last 0.5 s" in watched.stdout
-    finally:
-        job.stop()
-
     job_file = tmp_path / "failing_job.py"
     job_file.write_text(FAILING_JOB)
-    failed = _cli("run", str(job_file), "--address", gcs, cwd=tmp_path, address=None)
-    assert failed.returncode == 1, failed.stdout + failed.stderr
-    err = failed.stderr
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    failing = subprocess.Popen(  # runs beside the listed job
+        [CLI, "run", str(job_file), "--address", gcs],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        flow = rs.Dataflow("cli-listed", num_key_groups=16)
+        gen = rs.sources.generator(events=400_000, keys=100, seed=2, rate_eps=40_000)
+        flow.source(gen).key_by("key").apply(cli_count, name="count").sink(rs.sinks.collect())
+        job = rs.start(flow, parallelism={"count": 2})
+        try:
+            # --address alone finds the cluster (RAY_ADDRESS unset for these)
+            listed = _cli("list", "--address", gcs, cwd=tmp_path, address=None)
+            assert listed.returncode == 0, listed.stderr
+            assert "cli-listed" in listed.stdout and "count=2" in listed.stdout, listed.stdout
+            watched = _cli(
+                "status", "cli-listed", "--watch", "--count", "2", "--interval", "0.5",
+                "--address", gcs, cwd=tmp_path, address=None,
+            )  # fmt: skip
+            assert watched.returncode == 0, watched.stderr
+            # not a terminal: one table per refresh
+            assert watched.stdout.count("job 'cli-listed': running") == 2, watched.stdout
+            assert "over the last 0.5 s" in watched.stdout
+        finally:
+            job.stop()
+
+        out, err = failing.communicate(timeout=120)
+    finally:
+        if failing.poll() is None:  # a failed assertion above: stop the run it started
+            failing.kill()
+            failing.wait()
+    assert failing.returncode == 1, out + err
     assert "job 'cli-fails' failed in step 'explode', instance 0: ZeroDivisionError" in err, err
     assert "while processing key 'boom'" in err
     assert "Traceback (most recent call last)" in err and "in explode" in err
