@@ -770,9 +770,7 @@ class OperatorInstance:
         if self.writer is not None:
             if self.checkpoints.two_phase(self.writer) and self.checkpoints.active:
                 # end of input is a final checkpoint: published once the controller recorded it
-                state = self.writer.pre_commit(snapshots.FINAL_CHECKPOINT)
-                in_memory = isinstance(state, dict) and "rows" in state  # collect: kept here
-                self.final_sink_state = {"in_memory": True} if in_memory else state
+                self.final_sink_state = self.checkpoints.end_of_input(self.writer)
             else:
                 self.result = self.writer.close()
 

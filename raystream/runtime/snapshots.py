@@ -63,6 +63,8 @@ class CheckpointState:
         self.uploaded_bytes = 0
         self.referenced_bytes = 0
         self.taken = 0  # checkpoints this instance took part in
+        # an in-memory sink's rows since its last pre-commit, kept at its end (persist_end)
+        self.end_rows: pa.Table | None = None
 
     @property
     def active(self) -> bool:
@@ -158,6 +160,29 @@ class CheckpointState:
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def end_of_input(self, writer: Any) -> Any:
+        """A two-phase sink reached the end of its input: pre-commit that end (published once the
+        controller recorded it). Rows a sink keeps in memory (collect) stay here until a later
+        checkpoint stores them (:meth:`persist_end`): the state reported is ``{"in_memory":
+        True}``; any other sink's pre-committed state is durable as it is."""
+        state = writer.pre_commit(FINAL_CHECKPOINT)
+        if isinstance(state, dict) and isinstance(state.get("rows"), pa.Table):
+            self.end_rows = state["rows"]
+            return {"in_memory": True}
+        return state
+
+    def persist_end(self, checkpoint_id: int, instance: str) -> dict[str, Any]:
+        """Store the rows an ended in-memory sink kept since its last pre-commit in checkpoint
+        ``checkpoint_id`` (its branch finished while the job runs on): the state returned lists
+        every blob it committed, so this checkpoint and every later one hold all of its rows and
+        a recovery gives them back. Idempotent: a second call stores nothing new."""
+        rows, self.end_rows = self.end_rows, None
+        if rows is not None and rows.num_rows:
+            data = _ipc(rows)
+            ref = self.storage.put_blob(checkpoint_id, instance, "end.arrow", data, shared=True)
+            self.sink_blobs.append({"path": ref, "size": len(data)})
+        return {"blobs": list(self.sink_blobs)}
 
     def commit(self, writer: Any, checkpoint_id: int) -> None:
         if writer is not None and callable(getattr(writer, "commit", None)):
