@@ -29,7 +29,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -77,6 +77,12 @@ class CommittingSinkWriter(SinkWriter, Protocol):
     checkpoint is complete: make visible everything pre-committed at it or before (idempotent).
     ``restore(state)`` right after ``open`` on recovery, with the state of the latest complete
     checkpoint (None if there is none).
+
+    A writer that keeps its output in memory (as :func:`collect`) returns ``{"rows": table}``
+    from ``pre_commit``: the rows since its previous pre-commit, which the checkpoint stores;
+    ``restore`` then gets ``{"tables": [...]}``. ``{"rows": fn}`` defers building that table:
+    ``fn()`` runs in a thread after the barrier went on, while ``write`` goes on, so it must
+    only read what later writes leave alone.
     """
 
     def pre_commit(self, checkpoint_id: int) -> dict[str, Any]: ...
@@ -419,6 +425,7 @@ class _ParquetWriter:
         self._published: list[tuple[str, int]] = []
         self._touched = False  # written, pre-committed or restored: restore() comes first
         self._open = True
+        self._unfinished: str | None = None  # why a part closed in a thread is not complete
 
     def _file(self, checkpoint_id: int | None, *, pending: bool = False) -> str:
         if checkpoint_id is None:
@@ -430,6 +437,8 @@ class _ParquetWriter:
     def write(self, batch: pa.RecordBatch) -> None:
         if not self._open:
             raise _closed_error("write")
+        if self._unfinished is not None:  # fail the instance: the job restarts from a checkpoint
+            raise CheckpointError(self._unfinished)
         self._touched = True
         if self._schema is None:
             self._schema = batch.schema
@@ -483,6 +492,8 @@ class _ParquetWriter:
         file of this instance pre-committed and not committed yet (file names, JSON-able)."""
         if not self._open:
             raise _closed_error("pre_commit")
+        if self._unfinished is not None:
+            raise CheckpointError(self._unfinished)
         self._touched = True
         cid = int(checkpoint_id)
         if self._rolling:
@@ -505,6 +516,43 @@ class _ParquetWriter:
             "checkpoint": cid,
             "pending": [dict(p) for p in self._pending],
         }
+
+    def pre_commit_split(
+        self, checkpoint_id: int
+    ) -> tuple[dict[str, Any], Callable[[], None] | None]:
+        """:meth:`pre_commit` with its slow part split off, for a caller that goes on writing:
+        the open part is renamed to its pending name here (its writer keeps the open file), and
+        ``finish()`` closes it (its last row group and footer) in a thread while :meth:`write`
+        starts a new part. The state may be recorded only after ``finish()`` returned. Rolling
+        parts are closed here (``finish`` is None), as is everything by :meth:`pre_commit`."""
+        if self._unfinished is not None:
+            raise CheckpointError(self._unfinished)
+        if self._rolling or self._writer is None or not self._part_rows or not self._open:
+            return self.pre_commit(checkpoint_id), None
+        self._touched = True
+        cid = int(checkpoint_id)
+        writer, self._writer = self._writer, None
+        rows, self._part_rows = self._part_rows, 0
+        pending = self._file(cid, pending=True)
+        os.replace(self._tmp, pending)  # the writer's open file moves with it
+        self._pending.append({"file": os.path.basename(pending), "checkpoint": cid, "rows": rows})
+        state = {
+            "index": self._index,
+            "checkpoint": cid,
+            "pending": [dict(p) for p in self._pending],
+        }
+
+        def finish() -> None:
+            try:
+                writer.close()
+            except BaseException as exc:
+                self._unfinished = (
+                    f"parquet sink {self._final!r}: closing part {pending!r} of checkpoint {cid} "
+                    f"failed ({exc}); the job must restart from an earlier checkpoint"
+                )
+                raise
+
+        return state, finish
 
     def commit(self, checkpoint_id: int) -> None:
         """Publish every file pre-committed at ``checkpoint_id`` or before. Idempotent; a no-op
@@ -570,6 +618,8 @@ class _ParquetWriter:
         """End of input (a final checkpoint): publish every pending file and the open part."""
         if not self._open:
             raise _closed_error("close")
+        if self._unfinished is not None:
+            raise CheckpointError(self._unfinished)
         self._open = False
         self.commit(1 << 62)
         if self._rolling:

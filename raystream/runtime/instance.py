@@ -955,12 +955,14 @@ class OperatorInstance:
             mine = barrier.kind == "rescale" and barrier.payload["step"] == self.step.name
             first_seen = self._barrier_first.pop(epoch, None)
             if barrier.kind == "checkpoint":
-                # the snapshot starts here (its flush runs in a thread), its upload after the
-                # barrier went on, while records flow; the acknowledgement follows when durable
+                # as Flink: the barrier goes on first (downstream aligns meanwhile), then the
+                # snapshot starts (no record after the barrier ran yet: its writes, flush and
+                # upload run in threads while records flow); the acknowledgement follows when
+                # durable
                 t0 = time.monotonic()
                 info["align_s"] = t0 - first_seen if first_seen is not None else 0.0
-                upload = self.checkpoints.take(self, barrier, info)
                 await self._forward_barrier(barrier)
+                upload = self.checkpoints.take(self, barrier, info)
                 self.inbox.unblock_all()
                 info["sync_s"] = time.monotonic() - t0
                 if upload is not None:

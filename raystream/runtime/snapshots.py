@@ -1,9 +1,11 @@
 """What one operator instance does for checkpoints and recovery. No Ray here.
 
-- At a checkpoint barrier: a source reports its position; a keyed instance starts a RocksDB
-  checkpoint (memtable flush and hard links, in a thread: the loop goes on) and copies its files
-  to checkpoint storage *after* the barrier went on, acknowledging once they are durable; a sink
-  pre-commits (two-phase commit).
+- At a checkpoint barrier (after it went on downstream, as Flink does): a source reports its
+  position; a keyed instance starts a RocksDB checkpoint (it only copies out its dirty cache
+  entries; writing them, the memtable flush and the hard links run in a thread: the loop goes
+  on) and copies its files to checkpoint storage, acknowledging once they are durable; a sink
+  pre-commits (two-phase commit), its slow part (closing a Parquet part, building an in-memory
+  sink's table) in that thread too.
 - On recovery: a source rewinds to its recorded position, a keyed instance restores the key
   groups it owns from whichever instance held them at the checkpoint, a sink publishes what the
   checkpoint pre-committed and drops the rest.
@@ -101,8 +103,8 @@ class CheckpointState:
             if proc is not None and hasattr(proc, "backend"):
                 local = Path(f"{self.spec.state_path}-checkpoints") / f"chk-{cid}"
                 shutil.rmtree(local, ignore_errors=True)
-                # the memtable flush and the RocksDB checkpoint run in a thread; writes after the
-                # barrier wait in the write-back cache until it is taken
+                # writing the barrier's dirty entries, the memtable flush and the RocksDB
+                # checkpoint run in a thread; later writes wait in the write-back cache
                 taken = proc.backend.snapshot_async(local)
                 info["key_groups"] = proc.owned_key_groups
                 uid = proc.backend.uid
@@ -119,8 +121,19 @@ class CheckpointState:
                 return upload
             writer = inst.writer
             if writer is not None and self.two_phase(writer):
-                state = writer.pre_commit(cid)
-                if isinstance(state, dict) and isinstance(state.get("rows"), pa.Table):
+                split = getattr(writer, "pre_commit_split", None)
+                if callable(split):  # the slow part (closing a file) runs in the thread
+                    state, finish = split(cid)
+                    if finish is not None:
+
+                        def close_part() -> dict[str, Any]:
+                            finish()
+                            return {"sink_state": state}
+
+                        return close_part
+                else:
+                    state = writer.pre_commit(cid)
+                if isinstance(state, dict) and _in_memory_rows(state):
                     rows = state["rows"]
                     storage = self.storage
                     blobs = self.sink_blobs
@@ -128,8 +141,9 @@ class CheckpointState:
                     def upload_rows() -> dict[str, Any]:
                         # every checkpoint references the blobs of all earlier ones: they are
                         # shared files with a size, kept while a retained manifest lists them
-                        if rows.num_rows:
-                            data = _ipc(rows)
+                        table = rows() if callable(rows) else rows  # built here, off the loop
+                        if table.num_rows:
+                            data = _ipc(table)
                             ref = storage.put_blob(cid, instance, "rows.arrow", data, shared=True)
                             blobs.append({"path": ref, "size": len(data)})
                         return {"sink_state": {"blobs": list(blobs)}}
@@ -167,8 +181,9 @@ class CheckpointState:
         checkpoint stores them (:meth:`persist_end`): the state reported is ``{"in_memory":
         True}``; any other sink's pre-committed state is durable as it is."""
         state = writer.pre_commit(FINAL_CHECKPOINT)
-        if isinstance(state, dict) and isinstance(state.get("rows"), pa.Table):
-            self.end_rows = state["rows"]
+        if isinstance(state, dict) and _in_memory_rows(state):
+            rows = state["rows"]
+            self.end_rows = rows() if callable(rows) else rows
             return {"in_memory": True}
         return state
 
@@ -314,6 +329,13 @@ async def restore_sink(inst: OperatorInstance) -> None:
         inst.checkpoints.sink_blobs = blobs
         state = {"tables": tables}
     writer.restore(state)
+
+
+def _in_memory_rows(state: dict[str, Any]) -> bool:
+    """A pre-commit of a sink that keeps its output in memory: ``{"rows": table}``, or
+    ``{"rows": fn}`` where ``fn()`` builds that table (called in a thread)."""
+    rows = state.get("rows")
+    return isinstance(rows, pa.Table) or callable(rows)
 
 
 def _ipc(table: pa.Table) -> bytes:

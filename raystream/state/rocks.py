@@ -12,6 +12,7 @@ import itertools
 import operator
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
@@ -93,6 +94,10 @@ def _db_uid(path: Path) -> str:
     return uid
 
 
+# dirty entries a checkpoint thread writes at once (~1 ms of GIL-holding calls)
+_SNAPSHOT_SLICE = 512
+
+
 class RocksStateBackend:
     """RocksDB state of one operator instance, in folder ``path``.
 
@@ -106,13 +111,16 @@ class RocksStateBackend:
     (:meth:`evict_sub_groups`) and exports them past the cache.
 
     A snapshot writes the dirty entries and keeps the cache (nothing changed below it). With
-    :meth:`snapshot_async` the memtable flush and the RocksDB checkpoint run in a thread (RocksDB
-    releases the GIL) while the caller goes on: writes stay in the cache until the checkpoint is
-    taken, so it holds exactly the state of the moment it was asked for. Anything that must write
-    to RocksDB meanwhile (a full cache, a range operation, ``write_direct``) first waits for it.
+    :meth:`snapshot_async` the caller only copies out the dirty entries' values (the state at
+    that moment); writing them, the memtable flush and the RocksDB checkpoint run in a thread
+    while the caller goes on: later writes stay in the cache until the checkpoint is taken, so
+    it holds exactly the state of the moment it was asked for. Anything that must write to
+    RocksDB or evict from the cache meanwhile (a full cache, a range operation, ``write_direct``)
+    first waits for it.
     """
 
     _pending: Future[Path] | None = None  # a checkpoint being taken in a thread
+    _pending_keys: list[bytes] = []  # noqa: RUF012 - the dirty keys that thread writes
 
     def __init__(
         self,
@@ -201,6 +209,11 @@ class RocksStateBackend:
         self, keys: Iterable[bytes], values: Iterable[bytes | None], deletes: Iterable[bytes] = ()
     ) -> None:
         self.wait_snapshot()
+        self._write_through_now(keys, values, deletes)
+
+    def _write_through_now(
+        self, keys: Iterable[bytes], values: Iterable[bytes | None], deletes: Iterable[bytes] = ()
+    ) -> None:
         wb = WriteBatch(raw_mode=True)
         keys, values = list(keys), list(values)
         if None in values or len(keys) != len(values):
@@ -232,6 +245,9 @@ class RocksStateBackend:
             and self._cache_added <= self.cache_bytes
         ):
             return
+        # an entry the checkpoint thread still writes is clean here, but must not be evicted
+        # before it is in RocksDB
+        self.wait_snapshot()
         if len(self._dirty) >= self.max_dirty:
             self._write_dirty()
         if len(self._cache) > self.cache_entries:
@@ -292,6 +308,7 @@ class RocksStateBackend:
         prefixes = {sub_group_bounds(kg, sg)[0] for kg, sg in sub_groups}
         if not prefixes or not self._cache:
             return 0
+        self.wait_snapshot()  # entries a checkpoint thread writes are in RocksDB before they go
         cache = self._cache
         gone = [k for k in cache if k[:3] in prefixes]
         dirty = sorted(k for k in gone if k in self._dirty)
@@ -437,21 +454,29 @@ class RocksStateBackend:
         return self.snapshot_async(directory).result()
 
     def snapshot_async(self, directory: str | Path) -> Future[Path]:
-        """Start a point-in-time copy of this RocksDB into ``directory`` (hard links): the dirty
-        entries are written now, the memtable flush and the checkpoint run in a thread. Writes
-        made before the future is done stay in the cache and are not in the copy."""
+        """Start a point-in-time copy of this RocksDB into ``directory`` (hard links). Here only
+        the dirty entries' values are copied out (O(dirty entries), in C); writing them, the
+        memtable flush and the checkpoint run in a thread. Writes made before the future is done
+        stay in the cache and are not in the copy."""
         directory = Path(directory)
         if directory.exists():
             msg = f"snapshot directory {directory} already exists; pass a new path"
             raise StateError(msg)
         self.wait_snapshot()
         directory.parent.mkdir(parents=True, exist_ok=True)
-        self._write_dirty()
+        keys, self._dirty = list(self._dirty), set()
+        values = list(map(self._cache.__getitem__, keys))  # the state now; the cache goes on
         future: Future[Path] = Future()
         db = self._db
+        write = self._write_through_now
 
         def take() -> None:
             try:
+                # in small slices, letting go of the GIL after each: a single large batch is
+                # one long call that holds it, and the caller's loop would stall meanwhile
+                for i in range(0, len(keys), _SNAPSHOT_SLICE):
+                    write(keys[i : i + _SNAPSHOT_SLICE], values[i : i + _SNAPSHOT_SLICE])
+                    time.sleep(0)
                 db.flush(True)
                 Checkpoint(db).create_checkpoint(str(directory))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
@@ -460,16 +485,19 @@ class RocksStateBackend:
                 future.set_result(directory)
 
         self._pending = future
+        self._pending_keys = keys
         threading.Thread(target=take, name="rocksdb-snapshot", daemon=True).start()
         return future
 
     def wait_snapshot(self) -> None:
         """Block until a checkpoint taken in a thread is done (its failure is the waiter's of
-        :meth:`snapshot_async`, not raised here)."""
+        :meth:`snapshot_async`, not raised here; the entries it was to write are dirty again)."""
         pending = self._pending
         if pending is not None:
-            pending.exception()  # waits
+            if pending.exception() is not None:  # waits
+                self._dirty.update(self._pending_keys)  # still cached: the newest values
             self._pending = None
+            self._pending_keys = []
 
     def restore_key_groups(self, snapshot_dir: str | Path, key_groups: Iterable[int]) -> int:
         """Copy the given key groups from a snapshot into this instance. Returns rows copied."""
