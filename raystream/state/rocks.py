@@ -416,6 +416,7 @@ class RocksStateBackend:
 
     def _ingest_sst(self, keys: list[bytes], values: list[bytes]) -> None:
         """Write the rows (sorted, distinct keys) to an SST file and ingest it (moved in)."""
+        self.wait_snapshot()  # not into a checkpoint being taken
         folder = self.path.parent / f"{self.path.name}.ingest"
         folder.mkdir(exist_ok=True)
         self._ingested += 1
@@ -437,6 +438,7 @@ class RocksStateBackend:
         (:meth:`evict_sub_groups`), so the rest of the cache stays."""
         if not evicted:
             self.flush_cache()
+        self.wait_snapshot()  # not out of a checkpoint being taken
         lower, upper = sub_group_bounds(key_group, sub_group)
         self._db.delete_range(lower, upper, self._write_opt)
 
