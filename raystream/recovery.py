@@ -272,6 +272,12 @@ class Recovery:
             # checkpoint (snapshot start, sink pre-commit, forwarding the barrier)
             "max_align_s": max((float(a.get("align_s", 0.0)) for a in acks), default=0.0),
             "max_sync_s": max((float(a.get("sync_s", 0.0)) for a in acks), default=0.0),
+            # ... of which the longest snapshot start (sync_s less forwarding the barrier, which
+            # waits for credit when downstream is slow, as any batch would)
+            "max_start_s": max(
+                (float(a.get("sync_s", 0.0)) - float(a.get("forward_s", 0.0)) for a in acks),
+                default=0.0,
+            ),
             "uploaded_bytes": int(sum(s.get("uploaded_bytes", 0) for s in states)),
             "referenced_bytes": int(sum(s.get("referenced_bytes", 0) for s in states)),
             "source_offsets": {

@@ -961,7 +961,8 @@ class OperatorInstance:
                 # durable
                 t0 = time.monotonic()
                 info["align_s"] = t0 - first_seen if first_seen is not None else 0.0
-                await self._forward_barrier(barrier)
+                await self._forward_barrier(barrier)  # may wait for credit (backpressure)
+                info["forward_s"] = time.monotonic() - t0
                 upload = self.checkpoints.take(self, barrier, info)
                 self.inbox.unblock_all()
                 info["sync_s"] = time.monotonic() - t0
