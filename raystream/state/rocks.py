@@ -111,8 +111,9 @@ class RocksStateBackend:
     (:meth:`evict_sub_groups`) and exports them past the cache.
 
     A snapshot writes the dirty entries and keeps the cache (nothing changed below it). With
-    :meth:`snapshot_async` the caller only copies out the dirty entries' values (the state at
-    that moment); writing them, the memtable flush and the RocksDB checkpoint run in a thread
+    :meth:`snapshot_async` the caller only swaps out the dirty entries with their values (the
+    state at that moment, O(1)); writing them, the memtable flush and the RocksDB checkpoint run
+    in a thread
     while the caller goes on: later writes stay in the cache until the checkpoint is taken, so
     it holds exactly the state of the moment it was asked for. Anything that must write to
     RocksDB or evict from the cache meanwhile (a full cache, a range operation, ``write_direct``)
@@ -120,7 +121,7 @@ class RocksStateBackend:
     """
 
     _pending: Future[Path] | None = None  # a checkpoint being taken in a thread
-    _pending_keys: list[bytes] = []  # noqa: RUF012 - the dirty keys that thread writes
+    _pending_dirty: dict[bytes, bytes | None] = {}  # noqa: RUF012 - what that thread writes
 
     def __init__(
         self,
@@ -143,7 +144,8 @@ class RocksStateBackend:
         self.max_dirty = max_dirty
         self.import_method = import_method
         self._cache: dict[bytes, bytes | None] = {}
-        self._dirty: set[bytes] = set()
+        # dirty entries with their values (also in the cache): a checkpoint takes them at once
+        self._dirty: dict[bytes, bytes | None] = {}
         # bytes put into the cache since it was last measured (an upper bound of its size:
         # overwrites count again); measured exactly, and evicted, when it passes cache_bytes
         self._cache_added = 0
@@ -188,11 +190,11 @@ class RocksStateBackend:
             raise ValueError(msg)
         if self.cache_entries:
             self._cache.update(zip(keys, values, strict=True))
-            self._dirty.update(keys)
+            self._dirty.update(zip(keys, values, strict=True))
             self._cache_added += sum(map(len, keys)) + sum(map(len, values))
             for k in deletes:
                 self._cache[k] = None
-                self._dirty.add(k)
+                self._dirty[k] = None
                 self._cache_added += len(k)
             self._bound()
             return
@@ -289,9 +291,14 @@ class RocksStateBackend:
 
     def _write_dirty(self) -> None:
         if self._dirty:
-            keys = sorted(self._dirty)
-            self._write_through(keys, list(map(self._cache.__getitem__, keys)))
-            self._dirty.clear()
+            dirty, self._dirty = self._dirty, {}
+            keys = sorted(dirty)
+            try:
+                self._write_through(keys, list(map(dirty.__getitem__, keys)))
+            except BaseException:
+                dirty.update(self._dirty)  # (a failed checkpoint's entries, newer) still dirty
+                self._dirty = dirty
+                raise
 
     def flush_cache(self) -> None:
         """Write dirty entries to RocksDB (sorted, one WriteBatch) and empty the cache."""
@@ -314,7 +321,8 @@ class RocksStateBackend:
         dirty = sorted(k for k in gone if k in self._dirty)
         if dirty:
             self._write_through(dirty, [cache[k] for k in dirty])
-            self._dirty.difference_update(dirty)
+            for k in dirty:
+                del self._dirty[k]
         for k in gone:
             del cache[k]
         return len(gone)
@@ -457,23 +465,23 @@ class RocksStateBackend:
 
     def snapshot_async(self, directory: str | Path) -> Future[Path]:
         """Start a point-in-time copy of this RocksDB into ``directory`` (hard links). Here only
-        the dirty entries' values are copied out (O(dirty entries), in C); writing them, the
-        memtable flush and the checkpoint run in a thread. Writes made before the future is done
-        stay in the cache and are not in the copy."""
+        the dirty entries (with their values) are swapped out, O(1); writing them, the memtable
+        flush and the checkpoint run in a thread. Writes made before the future is done stay in
+        the cache and are not in the copy."""
         directory = Path(directory)
         if directory.exists():
             msg = f"snapshot directory {directory} already exists; pass a new path"
             raise StateError(msg)
         self.wait_snapshot()
         directory.parent.mkdir(parents=True, exist_ok=True)
-        keys, self._dirty = list(self._dirty), set()
-        values = list(map(self._cache.__getitem__, keys))  # the state now; the cache goes on
+        frozen, self._dirty = self._dirty, {}  # the state now (O(1)); the cache goes on
         future: Future[Path] = Future()
         db = self._db
         write = self._write_through_now
 
         def take() -> None:
             try:
+                keys, values = list(frozen), list(frozen.values())
                 # in small slices, letting go of the GIL after each: a single large batch is
                 # one long call that holds it, and the caller's loop would stall meanwhile
                 for i in range(0, len(keys), _SNAPSHOT_SLICE):
@@ -487,7 +495,7 @@ class RocksStateBackend:
                 future.set_result(directory)
 
         self._pending = future
-        self._pending_keys = keys
+        self._pending_dirty = frozen
         threading.Thread(target=take, name="rocksdb-snapshot", daemon=True).start()
         return future
 
@@ -497,9 +505,11 @@ class RocksStateBackend:
         pending = self._pending
         if pending is not None:
             if pending.exception() is not None:  # waits
-                self._dirty.update(self._pending_keys)  # still cached: the newest values
+                cache = self._cache  # holds them (nothing is evicted meanwhile), newest values
+                for k, v in self._pending_dirty.items():
+                    self._dirty.setdefault(k, cache.get(k, v))
             self._pending = None
-            self._pending_keys = []
+            self._pending_dirty = {}
 
     def restore_key_groups(self, snapshot_dir: str | Path, key_groups: Iterable[int]) -> int:
         """Copy the given key groups from a snapshot into this instance. Returns rows copied."""
@@ -556,7 +566,7 @@ def snapshot_chunks(
     try:
         reader = RocksStateBackend.__new__(RocksStateBackend)
         reader._db = src  # noqa: SLF001 - a read-only view for export_ranges
-        reader._cache, reader._dirty = {}, set()
+        reader._cache, reader._dirty = {}, {}
         yield from reader.export_key_groups(key_groups, chunk_bytes=chunk_bytes)
     finally:
         src.close()
