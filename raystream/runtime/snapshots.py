@@ -1,9 +1,9 @@
 """What one operator instance does for checkpoints and recovery. No Ray here.
 
 - At a checkpoint barrier (after it went on downstream, as Flink does): a source reports its
-  position; a keyed instance starts a RocksDB checkpoint (it only copies out its dirty cache
-  entries; writing them, the memtable flush and the hard links run in a thread: the loop goes
-  on) and copies its files to checkpoint storage, acknowledging once they are durable; a sink
+  position; a keyed instance starts a RocksDB checkpoint (it only swaps out its dirty cache
+  entries, O(1); writing them, the memtable flush and the hard links run in a thread: the loop
+  goes on) and copies its files to checkpoint storage, acknowledging once they are durable; a sink
   pre-commits (two-phase commit), its slow part (closing a Parquet part, building an in-memory
   sink's table) in that thread too.
 - On recovery: a source rewinds to its recorded position, a keyed instance restores the key
