@@ -9,6 +9,7 @@ by key.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -67,13 +68,18 @@ class _LatestWriter:
     # ---- two-phase commit (jobs with checkpoints): the rows that came since the last checkpoint
     # (their latest count per key) are a blob of that checkpoint; a recovery gives back every
     # committed blob, and the largest count per key over all of them is the table. Cost: the rows
-    # of one interval, not the whole table (no join against the previous checkpoint).
-    def pre_commit(self, checkpoint_id: int) -> dict[str, pa.Table]:
+    # of one interval, not the whole table (no join against the previous checkpoint), computed
+    # in the checkpoint's upload thread (``{"rows": fn}``) while writes go on.
+    def pre_commit(self, checkpoint_id: int) -> dict[str, Callable[[], pa.Table]]:
         since, self._since = self._since, []
-        if not since:
-            empty = pa.table({"key": pa.array([], pa.int64()), "count": pa.array([], pa.int64())})
-            return {"rows": empty}
-        return {"rows": latest_counts(pa.concat_tables(since))}
+
+        def rows() -> pa.Table:
+            if not since:
+                schema = {"key": pa.array([], pa.int64()), "count": pa.array([], pa.int64())}
+                return pa.table(schema)
+            return latest_counts(pa.concat_tables(since))
+
+        return {"rows": rows}
 
     def commit(self, checkpoint_id: int) -> None:
         """Nothing to publish: the table is returned by ``close``."""

@@ -235,6 +235,7 @@ class Recovery:
             msg = f"checkpoint {cid} was interrupted by a recovery"
             raise CheckpointError(msg)
         aligned_s = time.monotonic() - t0
+        await self._persist_ended_sinks(cid)
         acks = list(acks) + self._finished_sink_states()
         manifest = build_manifest(
             job=self.flow.name,
@@ -271,6 +272,12 @@ class Recovery:
             # checkpoint (snapshot start, sink pre-commit, forwarding the barrier)
             "max_align_s": max((float(a.get("align_s", 0.0)) for a in acks), default=0.0),
             "max_sync_s": max((float(a.get("sync_s", 0.0)) for a in acks), default=0.0),
+            # ... of which the longest snapshot start (sync_s less forwarding the barrier, which
+            # waits for credit when downstream is slow, as any batch would)
+            "max_start_s": max(
+                (float(a.get("sync_s", 0.0)) - float(a.get("forward_s", 0.0)) for a in acks),
+                default=0.0,
+            ),
             "uploaded_bytes": int(sum(s.get("uploaded_bytes", 0) for s in states)),
             "referenced_bytes": int(sum(s.get("referenced_bytes", 0) for s in states)),
             "source_offsets": {
@@ -321,6 +328,19 @@ class Recovery:
             and not out.get("error")
             and cid not in out.get("acked", [])
         ]
+
+    async def _persist_ended_sinks(self: Any, cid: int) -> None:
+        """Sinks that reached their end keeping it in memory (collect; their branch finished)
+        store it in checkpoint ``cid``: from then on their end is durable, and this and every
+        later checkpoint hold all their rows (a recovery restarts them too)."""
+        ended = [
+            iid
+            for iid, out in self.outcomes.items()
+            if iid in self.plan.sinks and _in_memory(out.get("sink_state"))
+        ]
+        states = await asyncio.gather(*(self.handles[i].persist_end.remote(cid) for i in ended))
+        for iid, state in zip(ended, states, strict=True):
+            self.outcomes[iid]["sink_state"] = state
 
     def _finished_sink_states(self: Any) -> list[dict[str, Any]]:
         """Sinks that already reached their end (one branch of a dataflow ended) keep their
@@ -596,8 +616,12 @@ def _without_credentials(uri: str) -> str:
     return uri
 
 
+def _in_memory(state: Any) -> bool:
+    return isinstance(state, dict) and bool(state.get("in_memory"))
+
+
 def _durable(state: Any) -> bool:
-    return state is not None and not (isinstance(state, dict) and state.get("in_memory"))
+    return state is not None and not _in_memory(state)
 
 
 async def _result(ref: Any) -> Any:

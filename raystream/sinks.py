@@ -80,6 +80,12 @@ class CommittingSinkWriter(SinkWriter, Protocol):
     checkpoint is complete: make visible everything pre-committed at it or before (idempotent).
     ``restore(state)`` right after ``open`` on recovery, with the state of the latest complete
     checkpoint (None if there is none).
+
+    A writer that keeps its output in memory (as :func:`collect`) returns ``{"rows": table}``
+    from ``pre_commit``: the rows since its previous pre-commit, which the checkpoint stores;
+    ``restore`` then gets ``{"tables": [...]}``. ``{"rows": fn}`` defers building that table:
+    ``fn()`` runs in a thread after the barrier went on, while ``write`` goes on, so it must
+    only read what later writes leave alone.
     """
 
     def pre_commit(self, checkpoint_id: int) -> dict[str, Any]: ...
@@ -451,6 +457,7 @@ class _ParquetWriter:
         self._upload_lock = threading.Lock()  # uploads run one at a time
         self._touched = False  # written, pre-committed or restored: restore() comes first
         self._open = True
+        self._unfinished: str | None = None  # why a part closed in a thread is not complete
 
     def _file(self, checkpoint_id: int | None, *, pending: bool = False) -> str:
         """The name (in the output folder) of the part of ``checkpoint_id`` (None: the last)."""
@@ -463,6 +470,8 @@ class _ParquetWriter:
     def write(self, batch: pa.RecordBatch) -> None:
         if not self._open:
             raise _closed_error("write")
+        if self._unfinished is not None:  # fail the instance: the job restarts from a checkpoint
+            raise CheckpointError(self._unfinished)
         self._touched = True
         if self._schema is None:
             self._schema = batch.schema
@@ -536,6 +545,8 @@ class _ParquetWriter:
         next pre-commit."""
         if not self._open:
             raise _closed_error("pre_commit")
+        if self._unfinished is not None:
+            raise CheckpointError(self._unfinished)
         self._touched = True
         cid = int(checkpoint_id)
         entries: list[dict[str, Any]] = []
@@ -585,6 +596,51 @@ class _ParquetWriter:
         os.replace(staged, own)
         with self._lock:
             self._uploads.append((own, name))
+
+    def pre_commit_split(
+        self, checkpoint_id: int
+    ) -> tuple[dict[str, Any], Callable[[], None] | None]:
+        """:meth:`pre_commit` with its slow part split off, for a caller that goes on writing:
+        in a local folder the open part is renamed to its pending name here (its writer keeps
+        the open file), and ``finish()`` closes it (its last row group and footer) in a thread
+        while :meth:`write` starts a new part; on a remote store ``finish()`` is the upload of
+        :meth:`pre_commit_deferred`. The state may be recorded only after ``finish()``
+        returned. Rolling parts are closed here, as by :meth:`pre_commit`."""
+        if self._unfinished is not None:
+            raise CheckpointError(self._unfinished)
+        if (
+            not self._store.local  # a remote store: the upload is the part split off
+            or self._rolling
+            or self._writer is None
+            or not self._part_rows
+            or not self._open
+        ):
+            return self.pre_commit_deferred(checkpoint_id)
+        self._touched = True
+        cid = int(checkpoint_id)
+        writer, self._writer = self._writer, None
+        rows, self._part_rows = self._part_rows, 0
+        pending = self._file(cid, pending=True)
+        self._store.put(self._tmp, pending)  # a rename: the writer's open file moves with it
+        with self._lock:
+            self._pending.append({"file": pending, "checkpoint": cid, "rows": rows})
+            state = {
+                "index": self._index,
+                "checkpoint": cid,
+                "pending": [dict(p) for p in self._pending],
+            }
+
+        def finish() -> None:
+            try:
+                writer.close()
+            except BaseException as exc:
+                self._unfinished = (
+                    f"parquet sink {self._final!r}: closing part {pending!r} of checkpoint {cid} "
+                    f"failed ({exc}); the job must restart from an earlier checkpoint"
+                )
+                raise
+
+        return state, finish
 
     def commit(self, checkpoint_id: int) -> None:
         """Publish every file pre-committed at ``checkpoint_id`` or before. Idempotent; a no-op
@@ -651,6 +707,8 @@ class _ParquetWriter:
         """End of input (a final checkpoint): publish every pending file and the open part."""
         if not self._open:
             raise _closed_error("close")
+        if self._unfinished is not None:
+            raise CheckpointError(self._unfinished)
         self._open = False
         with self._upload_lock:  # pre-committed, upload not run (or failed)
             for item in list(self._uploads):

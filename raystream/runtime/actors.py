@@ -202,6 +202,13 @@ class InstanceActor:
             return inst.result
         return None
 
+    async def persist_end(self, checkpoint_id: int) -> dict[str, Any]:
+        """This sink ended keeping its last rows in memory (collect) while the job runs on: store
+        them in checkpoint ``checkpoint_id``; returns its durable end (every blob it committed)."""
+        inst = self._instance
+        name = f"{inst.step.name}/{inst.spec.index}"
+        return await asyncio.to_thread(inst.checkpoints.persist_end, checkpoint_id, name)
+
     async def heartbeat(self) -> dict[str, int]:
         """Answered by the event loop: an instance whose loop is stuck does not answer."""
         inst = self._instance

@@ -770,9 +770,7 @@ class OperatorInstance:
         if self.writer is not None:
             if self.checkpoints.two_phase(self.writer) and self.checkpoints.active:
                 # end of input is a final checkpoint: published once the controller recorded it
-                state = self.writer.pre_commit(snapshots.FINAL_CHECKPOINT)
-                in_memory = isinstance(state, dict) and "rows" in state  # collect: kept here
-                self.final_sink_state = {"in_memory": True} if in_memory else state
+                self.final_sink_state = self.checkpoints.end_of_input(self.writer)
             else:
                 self.result = self.writer.close()
 
@@ -957,12 +955,15 @@ class OperatorInstance:
             mine = barrier.kind == "rescale" and barrier.payload["step"] == self.step.name
             first_seen = self._barrier_first.pop(epoch, None)
             if barrier.kind == "checkpoint":
-                # the snapshot starts here (its flush runs in a thread), its upload after the
-                # barrier went on, while records flow; the acknowledgement follows when durable
+                # as Flink: the barrier goes on first (downstream aligns meanwhile), then the
+                # snapshot starts (no record after the barrier ran yet: its writes, flush and
+                # upload run in threads while records flow); the acknowledgement follows when
+                # durable
                 t0 = time.monotonic()
                 info["align_s"] = t0 - first_seen if first_seen is not None else 0.0
+                await self._forward_barrier(barrier)  # may wait for credit (backpressure)
+                info["forward_s"] = time.monotonic() - t0
                 upload = self.checkpoints.take(self, barrier, info)
-                await self._forward_barrier(barrier)
                 self.inbox.unblock_all()
                 info["sync_s"] = time.monotonic() - t0
                 if upload is not None:

@@ -1,9 +1,11 @@
 """What one operator instance does for checkpoints and recovery. No Ray here.
 
-- At a checkpoint barrier: a source reports its position; a keyed instance starts a RocksDB
-  checkpoint (memtable flush and hard links, in a thread: the loop goes on) and copies its files
-  to checkpoint storage *after* the barrier went on, acknowledging once they are durable; a sink
-  pre-commits (two-phase commit).
+- At a checkpoint barrier (after it went on downstream, as Flink does): a source reports its
+  position; a keyed instance starts a RocksDB checkpoint (it only swaps out its dirty cache
+  entries, O(1); writing them, the memtable flush and the hard links run in a thread: the loop
+  goes on) and copies its files to checkpoint storage, acknowledging once they are durable; a sink
+  pre-commits (two-phase commit), its slow part (closing a Parquet part, building an in-memory
+  sink's table) in that thread too.
 - On recovery: a source rewinds to its recorded position, a keyed instance restores the key
   groups it owns from whichever instance held them at the checkpoint, a sink publishes what the
   checkpoint pre-committed and drops the rest.
@@ -63,6 +65,8 @@ class CheckpointState:
         self.uploaded_bytes = 0
         self.referenced_bytes = 0
         self.taken = 0  # checkpoints this instance took part in
+        # an in-memory sink's rows since its last pre-commit, kept at its end (persist_end)
+        self.end_rows: pa.Table | None = None
 
     @property
     def active(self) -> bool:
@@ -99,8 +103,8 @@ class CheckpointState:
             if proc is not None and hasattr(proc, "backend"):
                 local = Path(f"{self.spec.state_path}-checkpoints") / f"chk-{cid}"
                 shutil.rmtree(local, ignore_errors=True)
-                # the memtable flush and the RocksDB checkpoint run in a thread; writes after the
-                # barrier wait in the write-back cache until it is taken
+                # writing the barrier's dirty entries, the memtable flush and the RocksDB
+                # checkpoint run in a thread; later writes wait in the write-back cache
                 taken = proc.backend.snapshot_async(local)
                 info["key_groups"] = proc.owned_key_groups
                 uid = proc.backend.uid
@@ -116,8 +120,9 @@ class CheckpointState:
 
                 return upload
             writer = inst.writer
+            split = getattr(writer, "pre_commit_split", None)
             deferred = getattr(writer, "pre_commit_deferred", None)
-            if callable(deferred):  # the upload to a remote store runs after the barrier
+            if not callable(split) and callable(deferred):  # remote uploads after the barrier
                 state, upload = deferred(cid)
                 if upload is None:
                     info["sink_state"] = state
@@ -129,8 +134,19 @@ class CheckpointState:
 
                 return finish_upload
             if writer is not None and self.two_phase(writer):
-                state = writer.pre_commit(cid)
-                if isinstance(state, dict) and isinstance(state.get("rows"), pa.Table):
+                split = getattr(writer, "pre_commit_split", None)
+                if callable(split):  # the slow part (closing a file) runs in the thread
+                    state, finish = split(cid)
+                    if finish is not None:
+
+                        def close_part() -> dict[str, Any]:
+                            finish()
+                            return {"sink_state": state}
+
+                        return close_part
+                else:
+                    state = writer.pre_commit(cid)
+                if isinstance(state, dict) and _in_memory_rows(state):
                     rows = state["rows"]
                     storage = self.storage
                     blobs = self.sink_blobs
@@ -138,8 +154,9 @@ class CheckpointState:
                     def upload_rows() -> dict[str, Any]:
                         # every checkpoint references the blobs of all earlier ones: they are
                         # shared files with a size, kept while a retained manifest lists them
-                        if rows.num_rows:
-                            data = _ipc(rows)
+                        table = rows() if callable(rows) else rows  # built here, off the loop
+                        if table.num_rows:
+                            data = _ipc(table)
                             ref = storage.put_blob(cid, instance, "rows.arrow", data, shared=True)
                             blobs.append({"path": ref, "size": len(data)})
                         return {"sink_state": {"blobs": list(blobs)}}
@@ -170,6 +187,30 @@ class CheckpointState:
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def end_of_input(self, writer: Any) -> Any:
+        """A two-phase sink reached the end of its input: pre-commit that end (published once the
+        controller recorded it). Rows a sink keeps in memory (collect) stay here until a later
+        checkpoint stores them (:meth:`persist_end`): the state reported is ``{"in_memory":
+        True}``; any other sink's pre-committed state is durable as it is."""
+        state = writer.pre_commit(FINAL_CHECKPOINT)
+        if isinstance(state, dict) and _in_memory_rows(state):
+            rows = state["rows"]
+            self.end_rows = rows() if callable(rows) else rows
+            return {"in_memory": True}
+        return state
+
+    def persist_end(self, checkpoint_id: int, instance: str) -> dict[str, Any]:
+        """Store the rows an ended in-memory sink kept since its last pre-commit in checkpoint
+        ``checkpoint_id`` (its branch finished while the job runs on): the state returned lists
+        every blob it committed, so this checkpoint and every later one hold all of its rows and
+        a recovery gives them back. Idempotent: a second call stores nothing new."""
+        rows, self.end_rows = self.end_rows, None
+        if rows is not None and rows.num_rows:
+            data = _ipc(rows)
+            ref = self.storage.put_blob(checkpoint_id, instance, "end.arrow", data, shared=True)
+            self.sink_blobs.append({"path": ref, "size": len(data)})
+        return {"blobs": list(self.sink_blobs)}
 
     def commit(self, writer: Any, checkpoint_id: int) -> None:
         if writer is not None and callable(getattr(writer, "commit", None)):
@@ -301,6 +342,13 @@ async def restore_sink(inst: OperatorInstance) -> None:
         inst.checkpoints.sink_blobs = blobs
         state = {"tables": tables}
     writer.restore(state)
+
+
+def _in_memory_rows(state: dict[str, Any]) -> bool:
+    """A pre-commit of a sink that keeps its output in memory: ``{"rows": table}``, or
+    ``{"rows": fn}`` where ``fn()`` builds that table (called in a thread)."""
+    rows = state.get("rows")
+    return isinstance(rows, pa.Table) or callable(rows)
 
 
 def _ipc(table: pa.Table) -> bytes:

@@ -12,6 +12,7 @@ import itertools
 import operator
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
@@ -93,6 +94,10 @@ def _db_uid(path: Path) -> str:
     return uid
 
 
+# dirty entries a checkpoint thread writes at once (~1 ms of GIL-holding calls)
+_SNAPSHOT_SLICE = 512
+
+
 class RocksStateBackend:
     """RocksDB state of one operator instance, in folder ``path``.
 
@@ -106,13 +111,17 @@ class RocksStateBackend:
     (:meth:`evict_sub_groups`) and exports them past the cache.
 
     A snapshot writes the dirty entries and keeps the cache (nothing changed below it). With
-    :meth:`snapshot_async` the memtable flush and the RocksDB checkpoint run in a thread (RocksDB
-    releases the GIL) while the caller goes on: writes stay in the cache until the checkpoint is
-    taken, so it holds exactly the state of the moment it was asked for. Anything that must write
-    to RocksDB meanwhile (a full cache, a range operation, ``write_direct``) first waits for it.
+    :meth:`snapshot_async` the caller only swaps out the dirty entries with their values (the
+    state at that moment, O(1)); writing them, the memtable flush and the RocksDB checkpoint run
+    in a thread
+    while the caller goes on: later writes stay in the cache until the checkpoint is taken, so
+    it holds exactly the state of the moment it was asked for. Anything that must write to
+    RocksDB or evict from the cache meanwhile (a full cache, a range operation, ``write_direct``)
+    first waits for it.
     """
 
     _pending: Future[Path] | None = None  # a checkpoint being taken in a thread
+    _pending_dirty: dict[bytes, bytes | None] = {}  # noqa: RUF012 - what that thread writes
 
     def __init__(
         self,
@@ -135,7 +144,8 @@ class RocksStateBackend:
         self.max_dirty = max_dirty
         self.import_method = import_method
         self._cache: dict[bytes, bytes | None] = {}
-        self._dirty: set[bytes] = set()
+        # dirty entries with their values (also in the cache): a checkpoint takes them at once
+        self._dirty: dict[bytes, bytes | None] = {}
         # bytes put into the cache since it was last measured (an upper bound of its size:
         # overwrites count again); measured exactly, and evicted, when it passes cache_bytes
         self._cache_added = 0
@@ -180,11 +190,11 @@ class RocksStateBackend:
             raise ValueError(msg)
         if self.cache_entries:
             self._cache.update(zip(keys, values, strict=True))
-            self._dirty.update(keys)
+            self._dirty.update(zip(keys, values, strict=True))
             self._cache_added += sum(map(len, keys)) + sum(map(len, values))
             for k in deletes:
                 self._cache[k] = None
-                self._dirty.add(k)
+                self._dirty[k] = None
                 self._cache_added += len(k)
             self._bound()
             return
@@ -201,6 +211,11 @@ class RocksStateBackend:
         self, keys: Iterable[bytes], values: Iterable[bytes | None], deletes: Iterable[bytes] = ()
     ) -> None:
         self.wait_snapshot()
+        self._write_through_now(keys, values, deletes)
+
+    def _write_through_now(
+        self, keys: Iterable[bytes], values: Iterable[bytes | None], deletes: Iterable[bytes] = ()
+    ) -> None:
         wb = WriteBatch(raw_mode=True)
         keys, values = list(keys), list(values)
         if None in values or len(keys) != len(values):
@@ -232,6 +247,9 @@ class RocksStateBackend:
             and self._cache_added <= self.cache_bytes
         ):
             return
+        # an entry the checkpoint thread still writes is clean here, but must not be evicted
+        # before it is in RocksDB
+        self.wait_snapshot()
         if len(self._dirty) >= self.max_dirty:
             self._write_dirty()
         if len(self._cache) > self.cache_entries:
@@ -273,9 +291,14 @@ class RocksStateBackend:
 
     def _write_dirty(self) -> None:
         if self._dirty:
-            keys = sorted(self._dirty)
-            self._write_through(keys, list(map(self._cache.__getitem__, keys)))
-            self._dirty.clear()
+            dirty, self._dirty = self._dirty, {}
+            keys = sorted(dirty)
+            try:
+                self._write_through(keys, list(map(dirty.__getitem__, keys)))
+            except BaseException:
+                dirty.update(self._dirty)  # (a failed checkpoint's entries, newer) still dirty
+                self._dirty = dirty
+                raise
 
     def flush_cache(self) -> None:
         """Write dirty entries to RocksDB (sorted, one WriteBatch) and empty the cache."""
@@ -292,12 +315,14 @@ class RocksStateBackend:
         prefixes = {sub_group_bounds(kg, sg)[0] for kg, sg in sub_groups}
         if not prefixes or not self._cache:
             return 0
+        self.wait_snapshot()  # entries a checkpoint thread writes are in RocksDB before they go
         cache = self._cache
         gone = [k for k in cache if k[:3] in prefixes]
         dirty = sorted(k for k in gone if k in self._dirty)
         if dirty:
             self._write_through(dirty, [cache[k] for k in dirty])
-            self._dirty.difference_update(dirty)
+            for k in dirty:
+                del self._dirty[k]
         for k in gone:
             del cache[k]
         return len(gone)
@@ -399,6 +424,7 @@ class RocksStateBackend:
 
     def _ingest_sst(self, keys: list[bytes], values: list[bytes]) -> None:
         """Write the rows (sorted, distinct keys) to an SST file and ingest it (moved in)."""
+        self.wait_snapshot()  # not into a checkpoint being taken
         folder = self.path.parent / f"{self.path.name}.ingest"
         folder.mkdir(exist_ok=True)
         self._ingested += 1
@@ -420,6 +446,7 @@ class RocksStateBackend:
         (:meth:`evict_sub_groups`), so the rest of the cache stays."""
         if not evicted:
             self.flush_cache()
+        self.wait_snapshot()  # not out of a checkpoint being taken
         lower, upper = sub_group_bounds(key_group, sub_group)
         self._db.delete_range(lower, upper, self._write_opt)
 
@@ -437,21 +464,29 @@ class RocksStateBackend:
         return self.snapshot_async(directory).result()
 
     def snapshot_async(self, directory: str | Path) -> Future[Path]:
-        """Start a point-in-time copy of this RocksDB into ``directory`` (hard links): the dirty
-        entries are written now, the memtable flush and the checkpoint run in a thread. Writes
-        made before the future is done stay in the cache and are not in the copy."""
+        """Start a point-in-time copy of this RocksDB into ``directory`` (hard links). Here only
+        the dirty entries (with their values) are swapped out, O(1); writing them, the memtable
+        flush and the checkpoint run in a thread. Writes made before the future is done stay in
+        the cache and are not in the copy."""
         directory = Path(directory)
         if directory.exists():
             msg = f"snapshot directory {directory} already exists; pass a new path"
             raise StateError(msg)
         self.wait_snapshot()
         directory.parent.mkdir(parents=True, exist_ok=True)
-        self._write_dirty()
+        frozen, self._dirty = self._dirty, {}  # the state now (O(1)); the cache goes on
         future: Future[Path] = Future()
         db = self._db
+        write = self._write_through_now
 
         def take() -> None:
             try:
+                keys, values = list(frozen), list(frozen.values())
+                # in small slices, letting go of the GIL after each: a single large batch is
+                # one long call that holds it, and the caller's loop would stall meanwhile
+                for i in range(0, len(keys), _SNAPSHOT_SLICE):
+                    write(keys[i : i + _SNAPSHOT_SLICE], values[i : i + _SNAPSHOT_SLICE])
+                    time.sleep(0)
                 db.flush(True)
                 Checkpoint(db).create_checkpoint(str(directory))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
@@ -460,16 +495,21 @@ class RocksStateBackend:
                 future.set_result(directory)
 
         self._pending = future
+        self._pending_dirty = frozen
         threading.Thread(target=take, name="rocksdb-snapshot", daemon=True).start()
         return future
 
     def wait_snapshot(self) -> None:
         """Block until a checkpoint taken in a thread is done (its failure is the waiter's of
-        :meth:`snapshot_async`, not raised here)."""
+        :meth:`snapshot_async`, not raised here; the entries it was to write are dirty again)."""
         pending = self._pending
         if pending is not None:
-            pending.exception()  # waits
+            if pending.exception() is not None:  # waits
+                cache = self._cache  # holds them (nothing is evicted meanwhile), newest values
+                for k, v in self._pending_dirty.items():
+                    self._dirty.setdefault(k, cache.get(k, v))
             self._pending = None
+            self._pending_dirty = {}
 
     def restore_key_groups(self, snapshot_dir: str | Path, key_groups: Iterable[int]) -> int:
         """Copy the given key groups from a snapshot into this instance. Returns rows copied."""
@@ -526,7 +566,7 @@ def snapshot_chunks(
     try:
         reader = RocksStateBackend.__new__(RocksStateBackend)
         reader._db = src  # noqa: SLF001 - a read-only view for export_ranges
-        reader._cache, reader._dirty = {}, set()
+        reader._cache, reader._dirty = {}, {}
         yield from reader.export_key_groups(key_groups, chunk_bytes=chunk_bytes)
     finally:
         src.close()

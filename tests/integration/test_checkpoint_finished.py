@@ -11,7 +11,8 @@ recorded as finished, barriers flow through the live part). An instance of the l
 then killed; the job recovers from a checkpoint taken after ``short`` ended: the finished part
 comes back as finished (its source does not replay, its sink's output is published once) and the
 committed output of both sinks holds every input record exactly once, checked with DuckDB
-against the generators' streams.
+against the generators' streams; so does the table of a ``collect()`` sink on the finished
+branch (its rows, kept in memory at its end, are stored by the next checkpoint).
 
 The checkpoints go to an object store: ``s3://`` on a local S3 server (moto's
 ThreadedMotoServer on 127.0.0.1, endpoint and credentials in the URI), so upload, manifest,
@@ -87,6 +88,7 @@ def _flow(name: str, out: Path, out_u: str) -> rs.Dataflow:
     short.key_by("key").apply(running_count, name="count_a").sink(
         rs.sinks.parquet(str(out / "a")), name="out_a"
     )
+    short.sink(rs.sinks.collect(), name="rows_a")  # a finished branch ending in collect()
     (
         short.map_batches(shift_keys, name="shift")
         .union(long)
@@ -138,7 +140,7 @@ def test_checkpoints_complete_after_a_branch_finished_and_recovery_restores_it(
             assert time.monotonic() < deadline, job.status()["checkpoints"]
             status = job.status()
             done = {(m["step"], m["index"]) for m in status["instances"] if m.get("finished")}
-            if finished_at is None and {("short", 0), ("count_a", 0), ("out_a", 0)} <= done:
+            if finished_at is None and {("short", 0), ("count_a", 0), ("out_a", 0), ("rows_a", 0)} <= done:
                 finished_at = status["checkpoints"]["completed"]
             if finished_at is not None and status["checkpoints"]["completed"] >= finished_at + 2:
                 break
@@ -187,3 +189,13 @@ def test_checkpoints_complete_after_a_branch_finished_and_recovery_restores_it(
     assert published and all(p.startswith("s3://checkpoints/out/u/part-") for p in published)
     _download_visible(out_u, out / "u")
     _assert_exactly_once(out / "u", expected)
+    # the rows the finished branch's collect sink gathered before the recovery come back once
+    rows = result.table("rows_a").select(["key", "seq"])
+    want = rs.sources.generator(**SHORT).generate_all().select(["key", "seq"])
+    con = duckdb.connect()
+    con.register("got", rows)
+    con.register("want", want)
+    for a, b in (("got", "want"), ("want", "got")):
+        extra = con.sql(f"select * from {a} except all select * from {b}").fetchall()
+        assert extra == [], f"rows_a: {len(extra)} rows of {a} are not in {b}"
+    assert rows.num_rows == SHORT["events"]

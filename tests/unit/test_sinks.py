@@ -410,3 +410,57 @@ def test_parquet_restore_of_another_index_publishes_its_files(tmp_path: Path) ->
     write_range(w0, 30, 40)
     assert w0.close().rows == 40
     assert read_all(tmp_path).equals(oracle((0, 40)))
+
+
+def test_parquet_pre_commit_split_closes_the_part_in_a_thread_while_writes_go_on(
+    tmp_path: Path,
+) -> None:
+    """The part is renamed to its pending name at once; it is closed in a thread while the next
+    part takes writes; the state lists it as ``pre_commit`` would; commits and close publish
+    every row once. A part whose close failed fails the next write."""
+    import threading
+
+    writer = sinks.parquet(tmp_path).open(0, 1)
+    write_range(writer, 0, 100)
+    state, finish = writer.pre_commit_split(1)
+    assert finish is not None
+    assert state == {
+        "index": 0,
+        "checkpoint": 1,
+        "pending": [{"file": ".part-00000-00000001.parquet.pending", "checkpoint": 1, "rows": 100}],
+    }
+    closer = threading.Thread(target=finish)
+    closer.start()
+    write_range(writer, 100, 180)  # into a new part while the old one closes
+    closer.join()
+    assert visible(tmp_path) == []
+    again, nothing = writer.pre_commit_split(2)
+    assert nothing is not None
+    nothing()
+    assert [p["checkpoint"] for p in again["pending"]] == [1, 2]
+    assert writer.pre_commit_split(3) == (writer.pre_commit(3), None)  # no rows: done at once
+    writer.commit(2)
+    assert read_all(tmp_path).equals(oracle((0, 180)))
+    write_range(writer, 180, 200)
+    assert writer.close().rows == 200
+    assert read_all(tmp_path).equals(oracle((0, 200)))
+
+    broken = sinks.parquet(tmp_path / "b").open(0, 1)
+    write_range(broken, 0, 10)
+    _, finish = broken.pre_commit_split(1)
+    assert finish is not None
+    real_close = pq.ParquetWriter.close
+
+    def failing_close(self: pq.ParquetWriter) -> None:
+        raise OSError("no space left on device")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pq.ParquetWriter, "close", failing_close)
+        with pytest.raises(OSError, match="no space"):
+            finish()
+    with pytest.raises(CheckpointError, match="closing part"):
+        write_range(broken, 10, 20)  # the instance fails: the job restarts from a checkpoint
+    with pytest.raises(CheckpointError, match="closing part"):
+        broken.pre_commit_split(2)
+    assert real_close is pq.ParquetWriter.close
+    broken.abort()

@@ -285,3 +285,61 @@ def test_snapshot_async_holds_the_state_it_was_asked_for(
         assert _snapshot_rows(tmp_path / "snap2") == now
     finally:
         b.close()
+
+
+def test_snapshot_async_writes_the_barriers_dirty_entries_off_the_callers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller only copies the dirty values out: keys overwritten after the barrier keep their
+    barrier-time value in the checkpoint and their new one in reads; a cache that overflows
+    meanwhile evicts only after the checkpoint thread wrote what it holds; if that thread fails,
+    its entries are dirty again and reach RocksDB later."""
+    import threading
+
+    from raystream.state import rocks
+
+    release = threading.Event()
+    real = rocks.Checkpoint
+
+    class HeldCheckpoint:  # the real one, held until the test lets it go
+        def __init__(self, db: object) -> None:
+            self._real = real(db)
+
+        def create_checkpoint(self, path: str) -> None:
+            assert release.wait(10)
+            self._real.create_checkpoint(path)
+
+    monkeypatch.setattr(rocks, "Checkpoint", HeldCheckpoint)
+    b = RocksStateBackend(tmp_path / "db", cache_entries=3_000, max_dirty=1_000_000)
+    try:
+        before = make_rows(2_000, 11)
+        put_all(b, before)
+        assert len(b._dirty) == len(before)  # noqa: SLF001 - nothing in RocksDB yet
+        taken = b.snapshot_async(tmp_path / "snap")
+        assert not b._dirty  # noqa: SLF001 - handed to the checkpoint thread
+        newer = {k: v + b"+" for k, v in before.items()}
+        put_all(b, newer)  # the same keys, after the barrier
+        assert b.multi_get(list(newer)) == list(newer.values())
+        threading.Timer(0.2, release.set).start()
+        more = make_rows(2_500, 12)  # overflows the cache: evicts after the thread is done
+        put_all(b, more)
+        assert taken.done()
+        assert _snapshot_rows(tmp_path / "snap") == before
+        assert all_rows(b) == {**newer, **more}
+
+        def failing(*_: object) -> None:
+            raise OSError("disk full")
+
+        again = make_rows(500, 13)
+        put_all(b, again)
+        monkeypatch.setattr(b, "_write_through_now", failing)
+        failed = b.snapshot_async(tmp_path / "snap2")
+        with pytest.raises(OSError, match="disk full"):
+            failed.result()
+        monkeypatch.undo()
+        b.wait_snapshot()
+        assert set(again) <= b._dirty.keys()  # noqa: SLF001 - dirty again
+        b.flush_cache()
+        assert all_rows(b) == {**newer, **more, **again}
+    finally:
+        b.close()
