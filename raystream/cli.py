@@ -450,6 +450,11 @@ def status_view(
     for r in rows:
         if r.get("nodes"):
             notes.append(f"{r['operator']} runs on (node ip/id: instances): {r['nodes']}")
+    chains = list(dict.fromkeys(r["chain"] for r in rows if r.get("chain")))
+    if chains:
+        notes.append(
+            "chained (one actor per index, records passed in-process): " + "; ".join(chains)
+        )
     busy_note = (
         f"share of time spent processing over the last {watching:g} s"
         if recent and watching
