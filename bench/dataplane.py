@@ -11,11 +11,12 @@ alternating between repeats; ``--compare chaining``: operator chaining on and of
 * ``gen_p1``, ``gen_p2``: the generator (6M events, 1M int keys, Zipf 1.1), unthrottled, p=1, 2;
 * ``parquet_p1``, ``parquet_p2``: a Parquet file (5M events, 100k string keys, Zipf 1.1, written
   once from the generator), unthrottled;
-* ``gen_p2_map`` (not in the default set): ``gen_p2`` with a stateless step (``project``) after
-  the source, both at p=2; chained, each source instance and its ``project`` share one actor
-  and the key partitioning runs there. Chaining vs not::
+* ``gen_p2_map``, ``rate_100k_map`` (not in the default set): ``gen_p2`` and ``rate_100k`` with
+  a stateless step (``project``) after the source, both at p=2; chained, each source instance
+  and its ``project`` share one actor and the key partitioning runs there. Chaining vs not::
 
-      python -m bench.dataplane --name dataplane_chaining --compare chaining --case gen_p2_map
+      python -m bench.dataplane --name dataplane_chaining --compare chaining \
+          --case gen_p2_map --case rate_100k_map
 
 * ``rate_10k``, ``rate_100k``, ``rate_500k``: the generator at that many events/s (open loop,
   10 s of input), p=2: latency weighted per input event, over the whole run and after the
@@ -80,6 +81,19 @@ CASES: dict[str, list[str]] = {
         "2",
         "--pre-map",
     ],
+    "rate_100k_map": [
+        "--rate",
+        "100000",
+        "--events",
+        str(100_000 * RATE_SECONDS),
+        "--parallelism",
+        "2",
+        "--warmup",
+        str(RATE_WARMUP_S),
+        "--source-parallelism",
+        "2",
+        "--pre-map",
+    ],
     # long runs for the cost of migration support in steady state (after its one-time start)
     "long_gen_p2": ["--events", "24000000", "--parallelism", "2"],
     "long_rate_100k": [
@@ -96,7 +110,7 @@ CASES: dict[str, list[str]] = {
 # seconds of a run left out of steady throughput (long runs: after the warm standby actors,
 # which a job with migration support starts in its first seconds, are up)
 STEADY_SKIP = {"long_gen_p2": 8.0}
-DEFAULT_CASES = [c for c in CASES if not c.startswith("long_") and c != "gen_p2_map"]
+DEFAULT_CASES = [c for c in CASES if not c.startswith("long_") and not c.endswith("_map")]
 # what a pair of runs compares: (key, flags) of the first and of the second run of each pair
 PAIRS: dict[str, tuple[tuple[str, list[str]], tuple[str, list[str]]]] = {
     "migration-support": (
