@@ -6,11 +6,18 @@ Run it from the repository root, alone on the machine (each run starts its own l
     python -m bench.dataplane --name dataplane --repeats 3
 
 Cases (each with migration support on and off, the two runs of a pair back to back, their order
-alternating between repeats):
+alternating between repeats; ``--compare chaining``: operator chaining on and off instead):
 
 * ``gen_p1``, ``gen_p2``: the generator (6M events, 1M int keys, Zipf 1.1), unthrottled, p=1, 2;
 * ``parquet_p1``, ``parquet_p2``: a Parquet file (5M events, 100k string keys, Zipf 1.1, written
   once from the generator), unthrottled;
+* ``gen_p2_map``, ``rate_100k_map`` (not in the default set): ``gen_p2`` and ``rate_100k`` with
+  a stateless step (``project``) after the source, both at p=2; chained, each source instance
+  and its ``project`` share one actor and the key partitioning runs there. Chaining vs not::
+
+      python -m bench.dataplane --name dataplane_chaining --compare chaining \
+          --case gen_p2_map --case rate_100k_map
+
 * ``rate_10k``, ``rate_100k``, ``rate_500k``: the generator at that many events/s (open loop,
   10 s of input), p=2: latency weighted per input event, over the whole run and after the
   first 4 s (``latency_steady_ms``: with migration support a job starts its two warm standby
@@ -64,6 +71,29 @@ CASES: dict[str, list[str]] = {
         ]
         for r in (10_000, 100_000, 500_000)
     },
+    # a stateless step after the source, both at p=2: what operator chaining changes
+    "gen_p2_map": [
+        "--events",
+        "6000000",
+        "--parallelism",
+        "2",
+        "--source-parallelism",
+        "2",
+        "--pre-map",
+    ],
+    "rate_100k_map": [
+        "--rate",
+        "100000",
+        "--events",
+        str(100_000 * RATE_SECONDS),
+        "--parallelism",
+        "2",
+        "--warmup",
+        str(RATE_WARMUP_S),
+        "--source-parallelism",
+        "2",
+        "--pre-map",
+    ],
     # long runs for the cost of migration support in steady state (after its one-time start)
     "long_gen_p2": ["--events", "24000000", "--parallelism", "2"],
     "long_rate_100k": [
@@ -80,7 +110,15 @@ CASES: dict[str, list[str]] = {
 # seconds of a run left out of steady throughput (long runs: after the warm standby actors,
 # which a job with migration support starts in its first seconds, are up)
 STEADY_SKIP = {"long_gen_p2": 8.0}
-DEFAULT_CASES = [c for c in CASES if not c.startswith("long_")]
+DEFAULT_CASES = [c for c in CASES if not c.startswith("long_") and not c.endswith("_map")]
+# what a pair of runs compares: (key, flags) of the first and of the second run of each pair
+PAIRS: dict[str, tuple[tuple[str, list[str]], tuple[str, list[str]]]] = {
+    "migration-support": (
+        ("with_support", ["--migration-support"]),
+        ("without_support", ["--no-migration-support"]),
+    ),
+    "chaining": (("chained", ["--chaining"]), ("unchained", ["--no-chaining"])),
+}
 
 
 def _parquet_input(cache: Path) -> Path:
@@ -100,12 +138,12 @@ def _parquet_input(cache: Path) -> Path:
 
 
 def _run(
-    args: list[str], support: bool, extra: list[str], keep: Path | None = None
+    args: list[str], flags: list[str], extra: list[str], keep: Path | None = None
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="raystream-dataplane-") as d:
         report = keep if keep is not None else Path(d) / "report.json"
         cmd = [sys.executable, "-m", "bench.keycount", *args, *extra, "-q", "--report", str(report)]
-        cmd.append("--migration-support" if support else "--no-migration-support")
+        cmd += flags
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             msg = f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
@@ -150,6 +188,10 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: _spread([r[k] for r in runs]) for k in sorted(keys)}
 
 
+def _neg(x: float | None) -> float | None:
+    return None if x is None else round(-x, 1)
+
+
 def _cost(
     with_: dict[str, Any], without: dict[str, Any], metric: str, higher_is_better: bool
 ) -> float | None:
@@ -187,6 +229,13 @@ def _cost(
     help="Also keep every run's own report (timeline included) in this directory.",
 )
 @click.option("--label", default="", help="Free text stored in the result (e.g. the commit).")
+@click.option(
+    "--compare",
+    type=click.Choice(list(PAIRS)),
+    default="migration-support",
+    show_default=True,
+    help="What each pair of runs differs in: migration support on/off, or chaining on/off.",
+)
 def main(
     name: str,
     repeats: int,
@@ -194,25 +243,26 @@ def main(
     cache: Path,
     keep_reports: Path | None,
     label: str,
+    compare: str,
 ) -> None:
     """Key-count data-plane matrix; writes bench/results/NAME.json."""
     chosen = list(cases) or DEFAULT_CASES
     parquet = _parquet_input(cache) if any(c.startswith("parquet") for c in chosen) else None
+    pair = PAIRS[compare]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        c: {"with_support": [], "without_support": []} for c in chosen
+        c: {key: [] for key, _ in pair} for c in chosen
     }
     t0 = time.time()
     for rep in range(repeats):
         for case in chosen:
             extra = ["--input", str(parquet)] if case.startswith("parquet") else []
-            order = [True, False] if (rep % 2 == 0) else [False, True]
-            for support in order:
-                key = "with_support" if support else "without_support"
+            order = list(pair) if (rep % 2 == 0) else list(reversed(pair))
+            for key, flags in order:
                 keep = None
                 if keep_reports is not None:
                     keep_reports.mkdir(parents=True, exist_ok=True)
                     keep = keep_reports / f"{name}_{case}_{key}_{rep + 1}.json"
-                r = _run(CASES[case], support, extra, keep)
+                r = _run(CASES[case], flags, extra, keep)
                 runs[case][key].append(_figures(r, case))
                 f = runs[case][key][-1]
                 click.echo(
@@ -221,7 +271,7 @@ def main(
                     f"p99 {f['p99_ms']} ms  steady p99 {f['steady_p99_ms']} ms  "
                     f"{f['cpu_s_per_m_events']} CPU-s/M"
                 )
-        _write(name, label, chosen, runs, t0, done=rep + 1)  # kept even if a later one fails
+        _write(name, label, chosen, runs, t0, done=rep + 1, compare=compare)  # kept if one fails
     click.echo(f"wrote bench/results/{name}.json")
 
 
@@ -232,9 +282,13 @@ def _write(
     runs: dict[str, dict[str, list[dict[str, Any]]]],
     t0: float,
     done: int,
+    compare: str = "migration-support",
 ) -> None:
+    first, second = (key for key, _ in PAIRS[compare])
     out: dict[str, Any] = {
         "benchmark": "dataplane",
+        "compare": compare,
+        "pair": {key: " ".join(flags) for key, flags in PAIRS[compare]},
         "label": label,
         "repeats": done,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
@@ -257,10 +311,19 @@ def _write(
     }
     for case in chosen:
         res: dict[str, Any] = {}
-        for key in ("with_support", "without_support"):
+        for key in (first, second):
             res[key] = {"summary": _summary(runs[case][key]), "runs": runs[case][key]}
-        w = res["with_support"]["summary"]
-        wo = res["without_support"]["summary"]
+        w = res[first]["summary"]
+        wo = res[second]["summary"]
+        if compare == "chaining":  # what chaining gains against the same job unchained
+            res["chaining_gain_pct"] = {
+                "throughput": _neg(_cost(w, wo, "throughput_eps", True)),
+                "steady_throughput": _neg(_cost(w, wo, "steady_throughput_eps", True)),
+                "p99": _neg(_cost(w, wo, "p99_ms", False)),
+                "cpu_per_event": _neg(_cost(w, wo, "cpu_s_per_m_events", False)),
+            }
+            out["results"][case] = res
+            continue
         res["support_cost_pct"] = {
             "throughput": _cost(w, wo, "throughput_eps", True),
             "steady_throughput": _cost(w, wo, "steady_throughput_eps", True),

@@ -15,7 +15,8 @@ instances' RocksDB before the job starts (SST files, ingested), so 1M keys x 1 K
 state from the first second. ``--warmup S`` adds ``latency_steady_ms``: latency over what reached
 the sink after S seconds (a prefilled state starts cold: the first seconds read it from disk).
 
-The dataflow is ``source -> key_by("key") -> count (keyed, RocksDB) -> sink``; the sink keeps the
+The dataflow is ``source -> key_by("key") -> count (keyed, RocksDB) -> sink`` (``--pre-map``: a
+stateless ``project`` step after the source, at ``--source-parallelism``); the sink keeps the
 latest count per key (bounded memory). Throughput is what the count step took in per second of
 the job's run; latency is how old a record's oldest input was when its count reached the sink.
 With ``--output`` the final counts (``key``, ``count``, one row per key) are written atomically,
@@ -47,6 +48,7 @@ __all__ = ["count_per_key", "count_vectorised", "keycount_flow", "main"]
 
 STEP = "count"
 SINK = "latest"
+PROJECT = "project"
 
 
 @rs.keyed_batches(name=STEP, state=rs.ValueState(int, default=0))
@@ -67,14 +69,30 @@ def count_per_key(key: Any, records: pa.RecordBatch, state: Any) -> Any:
 FORMS = {"vectorised": count_vectorised, "per-key": count_per_key}
 
 
+@rs.map_batches(name=PROJECT)
+def project(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Keep the columns the count needs (the key and the record times): a stateless step."""
+    return batch.drop_columns([n for n in batch.schema.names if n == "seq"])
+
+
 def keycount_flow(
-    source: Any, form: str, num_key_groups: int = 128, value_bytes: int | None = None
+    source: Any,
+    form: str,
+    num_key_groups: int = 128,
+    value_bytes: int | None = None,
+    source_parallelism: int = 1,
+    pre_map: bool = False,
 ) -> rs.Dataflow:
+    """``source -> key_by -> count -> sink``; ``pre_map``: ``source -> project -> key_by ...``
+    with ``project`` at the source's parallelism (chained to it unless chaining is off)."""
     from bench._payload import count_with_payload
 
     op = FORMS[form] if value_bytes is None else count_with_payload(value_bytes, STEP)
     flow = rs.Dataflow("bench-keycount", num_key_groups=num_key_groups)
-    flow.source(source).key_by("key").apply(op).sink(LatestCountSink(), name=SINK)
+    stream = flow.source(source, parallelism=source_parallelism)
+    if pre_map:
+        stream = stream.apply(project, parallelism=source_parallelism)
+    stream.key_by("key").apply(op).sink(LatestCountSink(), name=SINK)
     return flow
 
 
@@ -384,6 +402,22 @@ def _stop(job: rs.Job) -> None:
     help="Migration strategy: meces, all_at_once, fluid, batched, lazy, stop_restart or module:attr.",
 )
 @click.option(
+    "--source-parallelism",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Instances of the source (and of --pre-map's step).",
+)
+@click.option(
+    "--pre-map",
+    is_flag=True,
+    help="Put a stateless step (project: drop the seq column) between the source and the count.",
+)
+@click.option(
+    "--chaining/--no-chaining",
+    default=True,
+    help="Operator chaining: the source and the steps after it at its parallelism share an actor.",
+)
+@click.option(
     "--migration-support/--no-migration-support",
     default=True,
     help="Off: no per-sub-group tracking (to measure its cost); rescales are refused.",
@@ -443,6 +477,9 @@ def main(
     timeout_s: float,
     rescale_at: tuple[str, ...],
     strategy: str,
+    source_parallelism: int,
+    pre_map: bool,
+    chaining: bool,
     migration_support: bool,
     checkpoint_interval_s: float,
     checkpoint_dir: str | None,
@@ -529,13 +566,16 @@ def main(
         "rescale": [f"{p}@{t:g}" for p, t in rescales],
         "strategy": strategy,
         "migration_support": migration_support,
+        "source_parallelism": source_parallelism,
+        "pre_map": pre_map,
+        "chaining": chaining,
         "checkpoint_interval_s": checkpoint_interval_s,
         "kill": [f"{s}:{i}@{t:g}" for s, i, t in kills],
         "value_bytes": value_bytes,
         "prefill": prefill,
         "warmup_s": warmup_s,
     }
-    flow = keycount_flow(source, form, num_key_groups, value_bytes)
+    flow = keycount_flow(source, form, num_key_groups, value_bytes, source_parallelism, pre_map)
     state_dir = None
     if prefill:
         import tempfile
@@ -573,6 +613,7 @@ def main(
                 **({"checkpoint_dir": checkpoint_dir} if checkpoint_dir else {}),
                 **({"state_dir": state_dir} if state_dir else {}),
                 migration_support=migration_support,
+                chaining=chaining,
                 batch_rows=batch_rows,
                 source_batch_rows=batch_rows,
                 linger_ms=linger_ms,

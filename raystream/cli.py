@@ -164,6 +164,12 @@ def main() -> None:
 )
 @click.option("--from-savepoint", default=None, help="resume from a savepoint folder")
 @click.option(
+    "--chaining/--no-chaining",
+    default=True,
+    show_default=True,
+    help="operator chaining: steps joined by a forward edge at equal parallelism share an actor",
+)
+@click.option(
     "--address",
     default=None,
     metavar="HOST:PORT",
@@ -188,6 +194,7 @@ def run(
     checkpoint_dir: str | None,
     from_checkpoint: str | None,
     from_savepoint: str | None,
+    chaining: bool,
     address: str | None,
     progress_s: float,
 ) -> None:
@@ -217,6 +224,7 @@ def run(
         autoscaler=autoscaler,
         from_checkpoint=from_checkpoint,
         from_savepoint=from_savepoint,
+        chaining=chaining,
         **checkpoints,
     )
     result = follow(job, progress_s, Progress())
@@ -460,6 +468,11 @@ def status_view(
     for r in rows:
         if r.get("nodes"):
             notes.append(f"{r['operator']} runs on (node ip/id: instances): {r['nodes']}")
+    chains = list(dict.fromkeys(r["chain"] for r in rows if r.get("chain")))
+    if chains:
+        notes.append(
+            "chained (one actor per index, records passed in-process): " + "; ".join(chains)
+        )
     busy_note = (
         f"share of time spent processing over the last {watching:g} s"
         if recent and watching

@@ -28,6 +28,7 @@ from raystream.plan import PhysicalPlan, physical_plan
 from raystream.plugins import MIGRATION_STRATEGIES
 from raystream.plugins import load as load_plugin
 from raystream.rescale import FetchPolicy, RescaleContext
+from raystream.runtime.actors import actor_of
 from raystream.runtime.instance import RuntimeConfig
 from raystream.reconfigurations import Reconfigurations
 from raystream.recovery import Recovery
@@ -146,26 +147,38 @@ class Controller(Recovery, Reconfigurations, Rewiring):
     async def _deploy(self) -> None:
         """Create every instance actor of ``self.plan`` (named), wire them, start the loops
         (sources last)."""
-        from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
+        from raystream.runtime.actors import (
+            NAMESPACE,
+            InstanceActor,
+            MemberHandle,
+            instance_actor_name,
+        )
+        from raystream.runtime.chain import ChainSpec
 
         self.handles = {}
         nodes = await asyncio.to_thread(cluster_nodes)
         for step in self.plan.steps.values():
             check_satisfiable(step.name, step.actor, nodes)
+        # an operator chain is one actor, its head's; the other instances are reached in it
+        chained = {m: head for head, ids in self.plan.chains.items() for m in ids[1:]}
         chosen: dict[ChannelId, str | None] = {}
         job_placed: Counter[str] = Counter()
         for name, step in self.plan.steps.items():
-            iids = [iid for iid in self.specs if iid[0] == name]
+            iids = [iid for iid in self.specs if iid[0] == name and iid not in chained]
             picks = choose_nodes(name, step.actor, nodes, len(iids), job_placed=job_placed)
             chosen.update(zip(iids, picks, strict=True))
             job_placed.update(p for p in picks if p is not None)
         for iid, spec in self.specs.items():
+            if iid in chained:
+                self.handles[iid] = MemberHandle(self.handles[chained[iid]], iid)
+                continue
+            ids = self.plan.chains.get(iid)
             self.handles[iid] = InstanceActor.options(
                 name=instance_actor_name(self.flow.name, *iid),
                 namespace=NAMESPACE,
                 max_concurrency=10_000,
                 **self.plan.steps[iid[0]].actor.ray_options(chosen[iid]),
-            ).remote(spec)
+            ).remote(ChainSpec(tuple(self.specs[i] for i in ids)) if ids else spec)
         where = await asyncio.gather(*(h.ping.remote() for h in self.handles.values()))
         self.nodes = dict(zip(self.handles, where, strict=True))
         await asyncio.gather(
@@ -211,7 +224,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                 self.outcomes[iid] = out
                 if out.get("error") and self.error is None and self.state == "running":
                     cause = {
-                        "instance": iid,
+                        "instance": tuple(out.get("error_instance") or iid),
                         "error": self._hung.pop(iid, None) or out["error"],
                         "traceback": out.get("traceback"),
                         "context": out.get("context"),
@@ -285,7 +298,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                 [asyncio.ensure_future(_quietly(h.abort.remote())) for h in live], timeout=5
             )
         for h in self.handles.values():
-            ray.kill(h, no_restart=True)
+            ray.kill(actor_of(h), no_restart=True)
         self.ended_at = self.ended_at or time.time()
         await self._release()
 
@@ -293,7 +306,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
         standby, self._standby = self._standby, []
         for h in [*self.handles.values(), *(h for h, *_ in standby)]:
             try:
-                ray.kill(h, no_restart=True)
+                ray.kill(actor_of(h), no_restart=True)
             except Exception:  # noqa: BLE001, S110 - already gone
                 pass
         if self.cleanup_state:

@@ -221,6 +221,7 @@ class Step:
     keys: tuple[KeySpec, ...] = ()  # two-input keyed steps: how each input is keyed
     ports: tuple[str, ...] = ()  # per upstream step: which of its outputs ('' main, or a side)
     actor: ActorOptions = field(default_factory=ActorOptions)  # Ray actor options, placement
+    chain: bool = True  # may share an actor with its neighbours (raystream.chaining)
 
     @property
     def is_keyed(self) -> bool:
@@ -306,11 +307,13 @@ class Stream:
         ``scheduling_strategy`` and ``runtime_env`` (Ray's: ``env_vars``, ``pip``,
         ``working_dir``, ...; merged by Ray with the job's; a step with one gets no warm
         standby actor). Without a strategy raystream spreads the step's instances over the
-        nodes that have room for them. Unknown options or runtime_env keys raise
-        :class:`ConfigError` here. Example::
+        nodes that have room for them. ``chain=False`` keeps the step out of operator chains
+        (its own actors; see :mod:`raystream.chaining`). Unknown options or runtime_env keys
+        raise :class:`ConfigError` here. Example::
 
             counts = events.key_by("user").apply(count).options(num_cpus=1)
             parsed = raw.map(parse).options(runtime_env={"env_vars": {"TZ": "UTC"}})
+            tagged = events.map(tag).options(chain=False)
         """
         if len(self.upstream) != 1 or self.ports[0] or self.step not in self._flow.steps:
             msg = (
@@ -645,15 +648,24 @@ class Dataflow:
         return Stream(self, name, schema)
 
     def options(self, step: str, **actor_options: Any) -> None:
-        """Ray actor options for the instances of step ``step`` (sinks too); see
-        :meth:`Stream.options`. Example: ``flow.options("sink_0", resources={"ssd": 1})``."""
+        """Ray actor options for the instances of step ``step`` (sinks too), and ``chain=False``
+        to keep it out of operator chains; see :meth:`Stream.options`. Example:
+        ``flow.options("sink_0", resources={"ssd": 1})``, ``flow.options("parse", chain=False)``."""
         if step not in self.steps:
             msg = (
                 f"options(): no step {step!r} in dataflow {self.name!r} (steps: "
                 f"{list(self.steps)})"
             )
             raise DataflowDefinitionError(msg)
-        self.steps[step] = replace(self.steps[step], actor=ActorOptions.of(step, **actor_options))
+        chain = actor_options.pop("chain", None)
+        if chain is not None:
+            if not isinstance(chain, bool):
+                msg = f"options(): chain= takes True or False, got {chain!r} for step {step!r}"
+                raise DataflowDefinitionError(msg)
+            self.steps[step] = replace(self.steps[step], chain=chain)
+        if actor_options or chain is None:
+            actor = ActorOptions.of(step, **actor_options)
+            self.steps[step] = replace(self.steps[step], actor=actor)
 
     def _add(self, step: Step) -> None:
         if not _NAME.match(step.name):

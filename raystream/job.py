@@ -290,6 +290,9 @@ def start(
     takes aligned checkpoints and recovers the job from the latest after a failure.
     ``from_checkpoint="latest"`` (or a checkpoint id) resumes from the job's own checkpoints,
     ``from_savepoint=path`` from a savepoint; ``parallelism`` may differ from theirs.
+
+    ``chaining=False`` runs every step in its own actors (operator chaining is on by default:
+    see :mod:`raystream.chaining`; ``flow.options(step, chain=False)`` for one step).
     """
     if not isinstance(flow, Dataflow):
         msg = f"expected a raystream Dataflow, got {type(flow).__name__}: {flow!r}"

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from raystream.chaining import chain_instances, plan_chains
 from raystream.dataflow import Dataflow, Step
 from raystream.keys import RoutingTable
 from raystream.runtime.instance import InstanceSpec, OutputSpec, RuntimeConfig
@@ -19,6 +20,15 @@ class PhysicalPlan:
     steps: dict[str, Step]
     instances: dict[ChannelId, InstanceSpec]
     routing: dict[str, RoutingTable]  # keyed step -> its routing table
+    # operator chains: head instance -> the instances in its actor, head first (2 or more)
+    chains: dict[ChannelId, tuple[ChannelId, ...]] = field(default_factory=dict)
+
+    def actor_of(self, iid: ChannelId) -> ChannelId:
+        """The instance whose actor runs ``iid`` (its chain's head; itself if not chained)."""
+        for head, ids in self.chains.items():
+            if iid in ids:
+                return head
+        return iid
 
     def of_step(self, step: str) -> list[InstanceSpec]:
         return sorted(
@@ -112,4 +122,5 @@ def physical_plan(
                 owned_key_groups=owned,
                 source_parallelism=p if step.kind == "source" else 1,
             )
-    return PhysicalPlan(flow.name, steps, instances, routing)
+    instances, chains = chain_instances(instances, plan_chains(steps, enabled=config.chaining))
+    return PhysicalPlan(flow.name, steps, instances, routing, chains)

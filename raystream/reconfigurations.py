@@ -427,6 +427,7 @@ class Reconfigurations:
                     "function": what,
                     "parallelism": self.parallelism.get(name),
                     "upstream": list(st.upstream),
+                    "chain": self.chain_of(name),  # the steps sharing its actors
                 }
             )
         return rows

@@ -32,6 +32,7 @@ import ray
 from raystream.checkpointing import build_manifest, manifest_routing, restore_specs
 from raystream.errors import CheckpointError, RaystreamError
 from raystream.metrics import step_totals, sum_totals
+from raystream.runtime.actors import actor_of
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.snapshots import FINAL_CHECKPOINT
 
@@ -192,7 +193,7 @@ class Recovery:
                         f"(heartbeat_timeout_s={timeout}): its event loop is stuck"
                     )
                     log.warning("job %s: %s; killing it", self.flow.name, self._hung[iid])
-                    ray.kill(h, no_restart=True)
+                    ray.kill(actor_of(h), no_restart=True)
 
     async def _beat(self: Any, iid: ChannelId, handle: Any, attempt: int) -> None:
         try:
@@ -467,7 +468,7 @@ class Recovery:
         futures = list(self._run_futures.values())
         for h in old.values():
             try:
-                ray.kill(h, no_restart=True)
+                ray.kill(actor_of(h), no_restart=True)
             except Exception:  # noqa: BLE001, S110 - already gone
                 pass
         if futures:

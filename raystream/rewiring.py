@@ -52,6 +52,11 @@ class Rewiring:
             self._queued = max(0, self._queued)
 
     # ---- insert / remove a stateless step -------------------------------------------------------
+    def chain_of(self: Any, step: str) -> list[str]:
+        """The steps whose instances run in the actors of ``step``, head first (operator
+        chaining); [] when it runs alone."""
+        return _chain_of(self.plan, step)
+
     def _live_ids(self: Any, step: str) -> list[Any]:
         """The instance ids of ``step`` by routing index (or index, for a step without routing)."""
         if step in self.routing:
@@ -109,6 +114,14 @@ class Rewiring:
                 f"cannot insert a step between {after!r} and {before!r}: {before!r} reads "
                 f"{list(d.upstream)}{' (a side output)' if d.port_for(after) else ''}; only a "
                 "step that reads the main output of one step can get a step put before it"
+            )
+            raise ReconfigurationError(msg)
+        if before in _chained_with(self.plan, after):
+            msg = (
+                f"cannot insert a step between {after!r} and {before!r}: they run chained in "
+                f"one actor (operator chaining), with no channel between them to rewire; start "
+                f"the job with flow.options({before!r}, chain=False) (or chaining=False) to "
+                "insert steps there"
             )
             raise ReconfigurationError(msg)
         if not isinstance(op, Operator) or op.kind not in _STATELESS:
@@ -234,6 +247,12 @@ class Rewiring:
             )
         elif len(steps[down[0]].upstream) != 1:
             problem = f"its downstream step {down[0]!r} has several inputs"
+        elif _chained_with(self.plan, step):
+            problem = (
+                f"it runs chained in one actor with {sorted(_chained_with(self.plan, step))} "
+                f"(operator chaining); start the job with flow.options({step!r}, chain=False) "
+                "(or chaining=False) to remove it while the job runs"
+            )
         if problem is not None:
             msg = f"cannot remove {step!r}: {problem}"
             raise ReconfigurationError(msg)
@@ -309,3 +328,16 @@ class Rewiring:
             outs = tuple(replace(new, port=o.port) if o.step == old else o for o in spec.outputs)
             self.specs[u] = replace(spec, outputs=outs)
 
+
+
+def _chain_of(plan: Any, step: str) -> list[str]:
+    for ids in getattr(plan, "chains", {}).values():
+        names = [s for s, _ in ids]
+        if step in names:
+            return names
+    return []
+
+
+def _chained_with(plan: Any, step: str) -> set[str]:
+    """The other steps that run in the actors of ``step`` (operator chaining)."""
+    return set(_chain_of(plan, step)) - {step}

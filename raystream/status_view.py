@@ -93,7 +93,8 @@ def operator_rows(
     """Per operator (step): its role (source, operator, sink), parallelism, records in/out,
     recent input rate, busy % (since the instances started; ``busy_recent_pct``: since the
     ``previous`` status, None without one), backlog, sink latency p50/p99 (whole run),
-    migration progress and the nodes the live instances run on."""
+    migration progress, the nodes the live instances run on, and the operator chain it runs
+    in (``chain``: the steps sharing its actors, head first; '' when it runs alone)."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     before = {
         (str(m.get("step")), int(m.get("index", -1))): m
@@ -104,6 +105,7 @@ def operator_rows(
     for m in status.get("instances", []):
         if m.get("step") is not None:
             by_step.setdefault(str(m["step"]), []).append(m)
+    chains = {str(g.get("step")): g.get("chain") or [] for g in status.get("graph") or []}
     order = list(status.get("parallelism", {}))
     order += sorted(s for s in by_step if s not in order)
     rows = []
@@ -134,6 +136,8 @@ def operator_rows(
                 "latency_p99_ms": summary["p99_ms"] if summary else None,
                 "migration": _migration(insts),
                 "nodes": _nodes(live),
+                # the steps whose instances share this step's actors (an operator chain)
+                "chain": " > ".join(chains.get(step, [])),
             }
         )
     return rows

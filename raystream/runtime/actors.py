@@ -9,16 +9,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from raystream.runtime.chain import Chain, ChainSpec
 from raystream.runtime.instance import InstanceSpec, OperatorInstance
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.migration import MigrationTask
 
 __all__ = [
     "InstanceActor",
+    "InstanceEndpoint",
+    "MemberHandle",
+    "actor_of",
     "NAMESPACE",
     "controller_actor_class",
     "controller_name",
@@ -43,9 +49,8 @@ def instance_actor_name(job: str, step: str, index: int) -> str:
 source_actor_name = instance_actor_name
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
-class InstanceActor:
-    """An operator instance as an async Ray actor."""
+class InstanceEndpoint:
+    """The calls of one operator instance (the actor's, or a chained instance's in it)."""
 
     def __init__(self, spec: InstanceSpec | None) -> None:
         """``spec=None`` makes a warm standby: process started and imports done; a scale-out
@@ -82,7 +87,7 @@ class InstanceActor:
         """Run the instance to its end; returns its result or its error (never raises)."""
         exporter = self._start_metrics_export()
         try:
-            await self._instance.run()
+            await self._run_instance()
         finally:
             self._stop_metrics_export(exporter)
         inst = self._instance
@@ -90,12 +95,20 @@ class InstanceActor:
             "instance": inst.spec.id,
             "result": inst.result,
             "error": inst.error,
+            "error_instance": self._error_origin(),
             "traceback": inst.error_traceback,
             "context": inst.error_context,
             "metrics": {**inst.snapshot_metrics(), **_where()},
             "acked": sorted(inst.acked),
             "sink_state": inst.final_sink_state,
         }
+
+    async def _run_instance(self) -> None:
+        await self._instance.run()
+
+    def _error_origin(self) -> ChannelId | None:
+        """The instance an error came from when it is not this one (a chained step's)."""
+        return None
 
     async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
         await self._instance.push(channel, seq, item)
@@ -271,6 +284,85 @@ class InstanceActor:
         """Alive and imports done; returns the id of the node this actor runs on."""
         await asyncio.sleep(0)
         return ray.get_runtime_context().get_node_id()
+
+
+class _ChainMember(InstanceEndpoint):
+    """A chained instance's calls, answered by the actor of its chain's head."""
+
+    def __init__(self, instance: OperatorInstance, chain: Chain) -> None:  # noqa: D107
+        self._instance = instance
+        self._chain = chain
+        self._receivers = {}
+        self._events = []
+        self._controller = None
+        self._metrics_task = None
+
+    async def _run_instance(self) -> None:
+        await self._chain.done.wait()  # the head's loop drives this instance
+
+
+class _InstanceActor(InstanceEndpoint):
+    """An operator instance as an async Ray actor, or an operator chain (a ChainSpec): the
+    chained instances are reached through :class:`MemberHandle` (``call_member``)."""
+
+    def __init__(self, spec: InstanceSpec | ChainSpec | None) -> None:
+        chain = Chain(spec) if isinstance(spec, ChainSpec) else None
+        super().__init__(None if chain is not None else spec)
+        self._chain = chain
+        self._members: dict[ChannelId, _ChainMember] = {}
+        if chain is not None:
+            self._instance = chain.head
+            self._members = {m.spec.id: _ChainMember(m, chain) for m in chain.members}
+
+    async def _run_instance(self) -> None:
+        if self._chain is None:
+            await self._instance.run()
+        else:
+            await self._chain.run()
+
+    def _error_origin(self) -> ChannelId | None:
+        return self._chain.origin() if self._chain is not None else None
+
+    async def call_member(self, iid: ChannelId, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` of chained instance ``iid`` (what its MemberHandle forwards)."""
+        result = getattr(self._members[tuple(iid)], method)(*args, **kwargs)  # type: ignore[index]
+        return await result if inspect.isawaitable(result) else result
+
+
+InstanceActor = ray.remote(num_cpus=0, max_restarts=0)(_InstanceActor)
+
+
+class MemberHandle:
+    """The handle of a chained instance: ``h.method.remote(...)`` calls ``method`` of that
+    instance in the actor of its chain's head (``actor``), so the controller addresses every
+    instance alike. Stopping it (:func:`actor_of`) stops the whole chain's actor."""
+
+    def __init__(self, actor: Any, iid: ChannelId) -> None:
+        self.actor = actor
+        self.iid = iid
+
+    def __getattr__(self, name: str) -> _MemberMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _MemberMethod(self.actor, self.iid, name)
+
+    def __repr__(self) -> str:
+        return f"MemberHandle({self.iid}, in {self.actor!r})"
+
+
+@dataclass(frozen=True)
+class _MemberMethod:
+    actor: Any
+    iid: ChannelId
+    name: str
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.actor.call_member.remote(self.iid, self.name, *args, **kwargs)
+
+
+def actor_of(handle: Any) -> Any:
+    """The Ray actor behind ``handle`` (a chained instance's: its chain's actor)."""
+    return handle.actor if isinstance(handle, MemberHandle) else handle
 
 
 def _where() -> dict[str, str]:

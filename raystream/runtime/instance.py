@@ -92,6 +92,7 @@ class RuntimeConfig:
     restart_failure_rate: tuple[int, float] | None = None  # at most N failures within S seconds
     heartbeat_timeout_s: float = 60.0  # an instance that answers no heartbeat this long is hung
     rescale_timeout_s: float = 120.0  # a migration step not settled by then fails the job
+    chaining: bool = True  # forward-connected steps of equal parallelism share one actor
 
     def __post_init__(self) -> None:
         from raystream.errors import ConfigError
@@ -106,6 +107,9 @@ class RuntimeConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 msg = f"{name} must be a number >= 0, got {v!r}"
                 raise ConfigError(msg)
+        if not isinstance(self.chaining, bool):
+            msg = f"chaining must be True or False, got {self.chaining!r}"
+            raise ConfigError(msg)
         if not isinstance(self.adaptive_batching, bool):
             msg = f"adaptive_batching must be True or False, got {self.adaptive_batching!r}"
             raise ConfigError(msg)
@@ -260,6 +264,8 @@ class OperatorInstance:
         self._switched_epoch = 0  # the last rescale epoch this instance switched at
         self.row_cost_s = 0.0  # keyed steps: seconds of work per record (moving average)
         self.inbox.on_overtaking = self._overtake_outputs
+        # receivers in this process (an operator chain, raystream.runtime.chain): a direct call
+        self.local: dict[ChannelId, Any] = {}
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
@@ -291,6 +297,8 @@ class OperatorInstance:
             part: Any = ByKeyGroup(out.key, self.spec.key_space, out.routing)
         elif out.partitioning == "forward":
             part = Forward(self.spec.index)
+        elif out.partitioning == "local":  # the next step of a chain: one receiver, here
+            part = Forward(0)
         else:
             part = Rebalance(out.parallelism, start=self.spec.index)
         return part, [self._channel_to(r) for r in out.receiver_ids]
@@ -319,6 +327,8 @@ class OperatorInstance:
         self.spec = replace(self.spec, outputs=tuple(outputs))
 
     def _channel_to(self, receiver: ChannelId) -> OutputChannel:
+        if receiver in self.local:
+            return self.local[receiver]  # type: ignore[no-any-return]
         assert self._sender is not None
         cfg = self.spec.config
         ch = OutputChannel(
@@ -717,10 +727,13 @@ class OperatorInstance:
                 info.update(snapshots.source_state(self))
             self._report("barrier", info)
 
-    async def _run_receiver(self) -> None:
+    async def _open_receiver(self) -> None:
         if self.role == "sink":
             self.writer = self.step.fn.open(self.spec.index, self.step.parallelism)
             await snapshots.restore_sink(self)
+
+    async def _run_receiver(self) -> None:
+        await self._open_receiver()
         engine = self.engine
         while not self._stop:
             if engine is not None:
@@ -758,6 +771,11 @@ class OperatorInstance:
             await self._fire_processing_timers()
             await self._flush_due()
             await asyncio.sleep(0)
+        await self._close_receiver()
+
+    async def _close_receiver(self) -> None:
+        """End of input: settle a migration, fire every timer, end the outputs, close."""
+        engine = self.engine
         if engine is not None:
             await self._settle(engine)
         if isinstance(self.processor, KeyedProcessor):  # end of input: every timer fires

@@ -2,7 +2,7 @@
 
 Every instance is the real :class:`OperatorInstance` with its real channels, barriers,
 watermarks and RocksDB state; only the transport differs (a direct call instead of a Ray actor
-call). No rescaling, no controller. Example::
+call; operator chains run as they do in an actor). No rescaling, no controller. Example::
 
     >>> import asyncio, tempfile, pyarrow as pa, raystream as rs
     >>> flow = rs.Dataflow("local-demo")
@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 
 from raystream.dataflow import Dataflow
+from raystream.runtime.chain import Chain, ChainSpec
 from raystream.runtime.instance import OperatorInstance, RuntimeConfig
 from raystream.runtime.messages import ChannelId
 
@@ -41,7 +42,14 @@ async def run_local(
     from raystream.plan import physical_plan
 
     plan = physical_plan(flow, parallelism, config or RuntimeConfig(), time.time_ns(), state_dir)
-    instances = {iid: OperatorInstance(spec) for iid, spec in plan.instances.items()}
+    chains = {
+        head: Chain(ChainSpec(tuple(plan.instances[i] for i in ids)))
+        for head, ids in plan.chains.items()
+    }
+    chained = {iid: inst for c in chains.values() for iid, inst in c.by_id().items()}
+    instances = {
+        iid: chained.get(iid) or OperatorInstance(spec) for iid, spec in plan.instances.items()
+    }
 
     def sender(receiver: ChannelId, payload: tuple[ChannelId, int, Any]) -> Any:
         channel, seq, item = payload
@@ -57,7 +65,11 @@ async def run_local(
 
     for inst in instances.values():
         inst.connect(sender, report)
-    runs = [asyncio.ensure_future(i.run()) for i in instances.values()]
+    runs = [
+        asyncio.ensure_future(chains[iid].run() if iid in chains else inst.run())
+        for iid, inst in instances.items()
+        if iid in chains or iid not in chained
+    ]
     watch = asyncio.ensure_future(failed.wait())
     await asyncio.wait(
         [asyncio.gather(*runs), watch], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED

@@ -1,0 +1,364 @@
+"""Operator chaining without Ray: which steps chain (and why not), and chains running in-process
+(results against collections.Counter, per-step metrics, barriers through the chain, no copies,
+errors named after the chained step, reconfigurations refused with a hint)."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections import Counter
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+import raystream as rs
+from raystream.chaining import not_chained_because, plan_chains
+from raystream.plan import physical_plan
+from raystream.runtime.chain import Chain, ChainSpec
+from raystream.runtime.instance import RuntimeConfig
+from raystream.runtime.local import run_local
+from raystream.runtime.messages import Barrier
+
+EVENTS = 20_000
+KEYS = 50
+
+
+@rs.keyed_batches(state=rs.ValueState(int, default=0))
+def count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    return batch.output({"count": new})
+
+
+def _gen() -> Any:
+    return rs.sources.generator(events=EVENTS, keys=KEYS, zipf=1.1, seed=3, chunk_rows=2048)
+
+
+@rs.map_batches
+def tag(batch: pa.RecordBatch) -> pa.RecordBatch:
+    return batch.append_column("odd", pc.equal(pc.bit_wise_and(batch["key"], 1), 1))
+
+
+@rs.filter
+def odd(record: dict[str, Any]) -> bool:
+    return bool(record["odd"])
+
+
+def _keycount(flow: rs.Dataflow, **opts: Any) -> None:
+    src = flow.source(_gen(), name="source", parallelism=2)
+    src.apply(tag, parallelism=2).apply(odd, parallelism=2).key_by("key").apply(
+        count, parallelism=2
+    ).sink(rs.sinks.collect(), name="out")
+
+
+def _oracle() -> Counter[int]:
+    keys = _gen().generate_all()["key"].to_pylist()
+    return Counter(k for k in keys if k % 2 == 1)
+
+
+def _final_counts(table: pa.Table) -> dict[int, int]:
+    got: dict[int, int] = {}
+    for k, c in zip(table["key"].to_pylist(), table["count"].to_pylist(), strict=True):
+        got[k] = max(got.get(k, 0), c)
+    return got
+
+
+# ---- planning ------------------------------------------------------------------------------
+
+
+def test_source_and_stateless_steps_chain_up_to_the_key_partitioning() -> None:
+    flow = rs.Dataflow("chains")
+    _keycount(flow)
+    steps = flow.with_parallelism(None)
+    assert plan_chains(steps) == [("source", "tag", "odd")]
+    assert "hash edge" in str(not_chained_because(steps["odd"], steps["count"], steps))
+    assert "rescales" in str(not_chained_because(steps["count"], steps["out"], steps))
+    assert plan_chains(steps, enabled=False) == []
+
+    plan = physical_plan(flow, None, RuntimeConfig(), 0, tempfile.mkdtemp())
+    assert plan.chains == {("source", i): (("source", i), ("tag", i), ("odd", i)) for i in range(2)}
+    assert plan.actor_of(("odd", 1)) == ("source", 1) and plan.actor_of(("count", 0)) == (
+        "count",
+        0,
+    )
+    head, mid, tail = (plan.instances[(s, 1)] for s in ("source", "tag", "odd"))
+    assert [o.partitioning for o in head.outputs] == ["local"]
+    assert head.outputs[0].receiver_ids == (("tag", 1),)
+    assert mid.inputs == (("source", 1),) and tail.inputs == (("tag", 1),)
+    # the tail partitions by key group for the keyed step, as an unchained step would
+    assert [o.partitioning for o in tail.outputs] == ["key_group"]
+    off = physical_plan(flow, None, RuntimeConfig(chaining=False), 0, tempfile.mkdtemp())
+    assert off.chains == {} and [o.partitioning for o in off.instances[("source", 1)].outputs] == [
+        "forward"
+    ]
+
+
+def test_what_does_not_chain() -> None:
+    flow = rs.Dataflow("nochains")
+    a = flow.source(_gen(), name="a", parallelism=2)
+    b = flow.source(_gen(), name="b", parallelism=2)
+    # different parallelism (set below)
+    a.map(lambda r: r, name="wide")
+    # fan-out: b feeds two steps
+    b.map(lambda r: r, name="left").sink(rs.sinks.collect(), name="s1", parallelism=2)
+    b.map(lambda r: r, name="right").sink(rs.sinks.collect(), name="s2", parallelism=1)
+    # union input
+    c = flow.source(_gen(), name="c")
+    d = flow.source(_gen(), name="d")
+    c.union(d).map(lambda r: r, name="both").sink(rs.sinks.collect(), name="s3")
+    # chain=False on a step, and different actor options
+    e = flow.source(_gen(), name="e")
+    e.map(lambda r: r, name="own").options(chain=False).map(lambda r: r, name="after").options(
+        num_cpus=0.5
+    ).sink(rs.sinks.collect(), name="s4")
+    steps = flow.with_parallelism({"wide": 3, "left": 2, "right": 2})
+    why = {
+        (u, d): not_chained_because(steps[u], steps[d], steps)
+        for u, d in [
+            ("a", "wide"),
+            ("b", "left"),
+            ("c", "both"),
+            ("e", "own"),
+            ("own", "after"),
+            ("after", "s4"),
+            ("left", "s1"),
+            ("right", "s2"),
+        ]
+    }
+    assert "parallelism differs" in str(why[("a", "wide")])
+    assert "feeds several steps" in str(why[("b", "left")])
+    assert "reads several steps" in str(why[("c", "both")])
+    assert "chain=False" in str(why[("e", "own")]) and "chain=False" in str(why[("own", "after")])
+    assert "actor options" in str(why[("after", "s4")])
+    assert why[("left", "s1")] is None  # a sink after a stateless step at equal parallelism
+    assert "parallelism differs" in str(why[("right", "s2")])
+    assert plan_chains(steps) == [("left", "s1"), ("both", "s3")]
+
+
+def test_chain_false_and_side_outputs_on_the_flow() -> None:
+    flow = rs.Dataflow("opts")
+
+    @rs.map_batches
+    def split(batch: pa.RecordBatch) -> Any:
+        return rs.Outputs(main=batch, odd=batch)
+
+    s = flow.source(_gen(), name="src").apply(split)
+    s.side_output("odd").sink(rs.sinks.collect(), name="odd_out")
+    flow.options("src", num_cpus=0)
+    flow.options("src", chain=False)
+    assert (
+        flow.steps["src"].chain is False
+        and flow.steps["src"].actor.ray_options(None).get("num_cpus") == 0
+    )  # chain= alone keeps the actor options
+    steps = flow.with_parallelism(None)
+    assert "side output" in str(not_chained_because(steps["split"], steps["odd_out"], steps))
+    with pytest.raises(rs.DataflowDefinitionError, match="chain= takes True or False"):
+        flow.options("src", chain="no")
+    with pytest.raises(rs.ConfigError, match="chaining must be True or False"):
+        RuntimeConfig(chaining="yes")  # type: ignore[arg-type]
+
+
+# ---- running chains in-process ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chaining", [True, False])
+def test_chained_keycount_matches_counter(chaining: bool) -> None:
+    flow = rs.Dataflow(f"chained-{chaining}")
+    _keycount(flow)
+    out = asyncio.run(
+        run_local(flow, state_dir=tempfile.mkdtemp(), config=RuntimeConfig(chaining=chaining))
+    )
+    table = out["out"]
+    assert table is not None
+    assert _final_counts(table) == dict(_oracle())
+
+
+def _run_chain(flow: rs.Dataflow, barriers: Any = None) -> tuple[Chain, list]:
+    """The whole flow as one chain (source -> ... -> sink, parallelism 1), run to its end;
+    ``barriers(chain)`` is called once the chain is built (to inject barriers from a step)."""
+    plan = physical_plan(flow, None, RuntimeConfig(), time.time_ns(), tempfile.mkdtemp())
+    (ids,) = plan.chains.values()
+    assert len(ids) == len(plan.instances)
+    storage = (tempfile.mkdtemp(), flow.name)  # a two-phase sink pre-commits at barriers
+    chain = Chain(ChainSpec(tuple(replace(plan.instances[i], storage=storage) for i in ids)))
+    events: list[tuple[str, Any]] = []
+
+    def sender(receiver: Any, payload: Any) -> Any:
+        raise AssertionError(f"a whole-flow chain sends nothing out, got one to {receiver}")
+
+    chain.connect(sender, lambda event, info: events.append((event, info)))
+    if barriers is not None:
+        barriers(chain)
+    asyncio.run(chain.run())
+    assert chain.head.error is None, chain.head.error_traceback
+    return chain, events
+
+
+class _CountingSink:
+    """A two-phase sink that remembers how many rows it had at each pre-commit."""
+
+    def __init__(self) -> None:
+        self.at_pre_commit: dict[int, int] = {}
+        self.rows = 0
+
+    def open(self, index: int, parallelism: int) -> _CountingSink:
+        return self
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self.rows += batch.num_rows
+
+    def pre_commit(self, checkpoint_id: int) -> dict[str, int]:
+        self.at_pre_commit[checkpoint_id] = self.rows
+        return {"rows_so_far": self.rows}
+
+    def commit(self, checkpoint_id: int) -> None:
+        pass
+
+    def close(self) -> int:
+        return self.rows
+
+    def abort(self) -> None:
+        pass
+
+
+def test_a_chain_passes_the_same_batch_and_keeps_metrics_per_step() -> None:
+    seen: list[tuple[int, int]] = []  # (address the first step made, address the second got)
+    made: list[int] = []
+
+    @rs.map_batches
+    def first(batch: pa.RecordBatch) -> pa.RecordBatch:
+        out = pa.record_batch({"key": pc.multiply(batch["key"], 2)})
+        made.append(out.column(0).buffers()[1].address)
+        return out
+
+    @rs.map_batches
+    def second(batch: pa.RecordBatch) -> pa.RecordBatch:
+        seen.append((made[-1], batch.column(0).buffers()[1].address))
+        time.sleep(0.002)  # work of this step, not of the steps before it
+        return batch
+
+    flow = rs.Dataflow("nocopy")
+    flow.source(_gen(), name="src").apply(first).apply(second).filter(
+        lambda r: r["key"] % 4 == 0, name="quarter"
+    ).sink(rs.sinks.collect(), name="out")
+    chain, _ = _run_chain(flow)
+    assert seen and all(a == b for a, b in seen)  # the very buffers, no copy on the way
+    keys = _gen().generate_all()["key"].to_numpy()
+    kept = int(np.sum((keys * 2) % 4 == 0))
+    m = {i.spec.step.name: i.metrics for i in chain.instances}
+    assert m["src"].records_out == EVENTS
+    assert m["first"].records_in == EVENTS and m["first"].records_out == EVENTS
+    assert m["second"].records_in == EVENTS and m["quarter"].records_in == EVENTS
+    assert m["quarter"].records_out == kept and m["out"].records_in == kept
+    result = chain.instances[-1].result
+    assert result.num_rows == kept
+    assert sorted(result["key"].to_pylist()) == sorted(int(k) * 2 for k in keys if k * 2 % 4 == 0)
+    # busy time per step: second's sleeps are its own, not its predecessors'
+    slept = 0.002 * len(seen)
+    assert m["second"].busy_s >= slept * 0.9
+    assert m["first"].busy_s < slept * 0.5 and m["src"].busy_s < slept * 0.5
+
+
+def test_barriers_pass_the_chain_in_order_and_each_step_acknowledges() -> None:
+    sink = _CountingSink()
+    at_rows = (3000, 11000)  # a step injects a checkpoint barrier at the source past these rows
+    seen = [0]
+    holder: list[Chain] = []
+
+    @rs.map_batches
+    def inject(batch: pa.RecordBatch) -> pa.RecordBatch:
+        before, seen[0] = seen[0], seen[0] + batch.num_rows
+        for epoch, rows in enumerate(at_rows, start=1):
+            if before < rows <= seen[0]:
+                assert holder[0].head.inject_barrier(Barrier(epoch, "checkpoint", {}))
+        return batch
+
+    flow = rs.Dataflow("barriers")
+    flow.source(_gen(), name="src").apply(inject).map(lambda r: r, name="m").sink(sink, name="out")
+    chain, events = _run_chain(flow, barriers=holder.append)
+    acks = [e for ev, e in events if ev == "barrier"]
+    for epoch in (1, 2):
+        mine = [e for e in acks if e["epoch"] == epoch]
+        # the barrier reaches the sink first (each step forwards it, then acknowledges)
+        assert [tuple(e["instance"]) for e in mine] == [
+            ("out", 0),
+            ("m", 0),
+            ("inject", 0),
+            ("src", 0),
+        ]
+        offset = next(e["source_offset"] for e in mine if e["instance"] == ("src", 0))
+        assert offset >= at_rows[epoch - 1]
+        # aligned: the sink pre-committed exactly the rows the source emitted before the barrier
+        assert sink.at_pre_commit[epoch] == offset
+        assert next(e for e in mine if e["instance"] == ("out", 0))["sink_state"] == {
+            "rows_so_far": offset
+        }
+    assert [tuple(e["instance"]) for ev, e in events if ev == "finished"] == [
+        ("src", 0),
+        ("inject", 0),
+        ("m", 0),
+        ("out", 0),
+    ]
+    assert sink.rows == EVENTS
+
+
+def test_an_error_in_a_chained_step_names_that_step() -> None:
+    @rs.map
+    def boom(record: dict[str, Any]) -> dict[str, Any]:
+        if record["key"] == 7:
+            raise ValueError("key seven")
+        return record
+
+    flow = rs.Dataflow("boom")
+    flow.source(_gen(), name="src").apply(boom).sink(rs.sinks.collect(), name="out")
+    with pytest.raises(rs.JobFailedError, match=r"boom.*key seven") as err:
+        asyncio.run(run_local(flow, state_dir=tempfile.mkdtemp()))
+    assert "'src'" not in str(err.value).split("key seven")[0]
+
+
+def test_insert_and_remove_refuse_to_cut_a_chain() -> None:
+    from raystream.rewiring import Rewiring
+
+    flow = rs.Dataflow("rewire")
+    _keycount(flow)
+    plan = physical_plan(flow, None, RuntimeConfig(), 0, tempfile.mkdtemp())
+    ctl = SimpleNamespace(plan=plan)
+
+    @rs.filter
+    def keep(record: dict[str, Any]) -> bool:
+        return True
+
+    with pytest.raises(rs.ReconfigurationError, match=r"chained.*chain=False"):
+        asyncio.run(Rewiring.insert(ctl, "tag", keep))
+    with pytest.raises(rs.ReconfigurationError, match=r"chained.*chain=False"):
+        asyncio.run(Rewiring.remove(ctl, "odd"))
+    assert Rewiring.chain_of(ctl, "odd") == ["source", "tag", "odd"]
+    assert Rewiring.chain_of(ctl, "count") == []
+
+
+def test_status_rows_name_the_chain() -> None:
+    from raystream.status_view import operator_rows
+
+    st = {
+        "parallelism": {"source": 1, "tag": 1, "count": 1},
+        "graph": [
+            {"step": "source", "chain": ["source", "tag"]},
+            {"step": "tag", "chain": ["source", "tag"]},
+            {"step": "count", "chain": []},
+        ],
+        "instances": [
+            {"step": "source", "index": 0, "role": "source", "records_out": 5},
+            {"step": "tag", "index": 0, "role": "operator", "records_in": 5, "records_out": 5},
+            {"step": "count", "index": 0, "role": "operator", "records_in": 5},
+        ],
+    }
+    rows = {r["operator"]: r for r in operator_rows(st, now_ns=0)}
+    assert rows["source"]["chain"] == rows["tag"]["chain"] == "source > tag"
+    assert rows["count"]["chain"] == ""
+    assert rows["tag"]["records_in"] == 5  # per step, not per actor
