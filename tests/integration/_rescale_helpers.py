@@ -121,16 +121,18 @@ class UntilGate:
         return f"until_gate({self.gen.describe()}, after_rows={self.after_rows})"
 
     def open(self, index: int, parallelism: int) -> Any:
-        assert parallelism == 1, "the per-key seq check needs one source instance"
-        return _UntilGateReader(self, self.gen.open(index, parallelism))
+        """Several instances: each emits ``after_rows`` more after the gate and writes its count
+        to ``gate + ".events.<index>"`` (one instance: ``gate + ".events"``)."""
+        return _UntilGateReader(self, self.gen.open(index, parallelism), index, parallelism)
 
 
 class _UntilGateReader:
-    def __init__(self, spec: UntilGate, inner: Any) -> None:
+    def __init__(self, spec: UntilGate, inner: Any, index: int, parallelism: int) -> None:
         self.spec = spec
         self.inner = inner
         self.emitted = 0
         self.stop_at: int | None = None
+        self.suffix = "" if parallelism == 1 else f".{index}"
 
     def read(self, max_rows: int) -> pa.RecordBatch | None:
         if self.stop_at is None and os.path.exists(self.spec.gate):
@@ -146,16 +148,19 @@ class _UntilGateReader:
 
     def close(self) -> None:
         self.inner.close()
-        tmp = self.spec.gate + ".events.tmp"
+        tmp = self.spec.gate + f".events{self.suffix}.tmp"
         with open(tmp, "w") as f:
             f.write(str(self.emitted))
-        os.replace(tmp, self.spec.gate + ".events")
+        os.replace(tmp, self.spec.gate + f".events{self.suffix}")
 
 
-def prefix_counts(gen: Any, events: int) -> collections.Counter[Any]:
-    """Events per key in the first ``events`` events of ``gen``'s stream (the oracle: plain
-    Python over the generator's own rows, nothing of raystream's runtime)."""
-    reader = gen.open(0, 1)
+def prefix_counts(
+    gen: Any, events: int, index: int = 0, parallelism: int = 1
+) -> collections.Counter[Any]:
+    """Events per key in the first ``events`` events of ``gen``'s stream (of its instance
+    ``index`` of ``parallelism``; the oracle: plain Python over the generator's own rows,
+    nothing of raystream's runtime)."""
+    reader = gen.open(index, parallelism)
     keys: list[Any] = []
     while len(keys) < events:
         batch = reader.read(min(gen.chunk_rows, events - len(keys)))
