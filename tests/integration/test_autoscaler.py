@@ -109,7 +109,7 @@ def test_ds2_follows_a_4x_rate_step_in_few_decisions_and_stays_exact() -> None:
 
 
 def test_a_policy_from_this_module_loads_by_import_path_and_bad_answers_are_clamped() -> None:
-    source = rs.sources.generator(events=40_000, keys=500, seed=3, rate_eps=8_000)
+    source = rs.sources.generator(events=24_000, keys=500, seed=3, rate_eps=8_000)
     result = rs.run(
         slow_flow("autoscale-user-policy", source),
         parallelism={"count": 1},
