@@ -182,9 +182,11 @@ class FiredTimers:
 
 class _Queue:
     """The timers of one domain (event or processing time) of the indexed sub-groups, in memory:
-    ``ts`` (sorted), ``g`` (global sub-group) and ``raw`` (the RocksDB key: ``S20`` for int keys,
-    bytes objects otherwise), plus registrations not merged in yet. A timer registered twice is
-    in RocksDB once; here duplicates are dropped when timers fire and when they pile up."""
+    ``ts`` (sorted), ``g`` (global sub-group) and ``raw`` (the RocksDB key: ``V20`` for int keys,
+    bytes objects otherwise), plus a young part of recent registrations (unsorted) that is
+    merged in once it holds a quarter as many (so a registration costs O(log n) amortised). A
+    timer registered twice is in RocksDB once; here duplicates are dropped when timers fire and
+    when they pile up."""
 
     def __init__(self) -> None:
         self.ts = np.empty(0, np.int64)
@@ -211,19 +213,37 @@ class _Queue:
             raise StateError(msg)
         self._new.append((ts, g, raw))
         self._unmerged += len(ts)
+        if self._unmerged > max(len(self.ts) // 4, 4096):
+            self.merge()
+
+    def _young(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The young part as one chunk."""
+        if not self._new:
+            return None
+        if len(self._new) > 1:
+            parts = self._new
+            self._new = [
+                (
+                    np.concatenate([p[0] for p in parts]),
+                    np.concatenate([p[1] for p in parts]),
+                    np.concatenate([p[2] for p in parts]),
+                )
+            ]
+        return self._new[0]
 
     def merge(self) -> None:
-        """Merge the registrations in (stable: timestamp order, then arrival)."""
-        if not self._new:
+        """Merge the young part in (stable: timestamp order, then arrival)."""
+        young = self._young()
+        if young is None:
             return
-        parts = self._new
         self._new = []
         self._unmerged = 0
-        added = sum(len(p[0]) for p in parts)
+        added = len(young[0])
+        parts = [young]
         if self.raw is not None and len(self.ts):
-            parts = [(self.ts, self.g, self.raw), *parts]
+            parts = [(self.ts, self.g, self.raw), young]
         ts = np.concatenate([p[0] for p in parts])
-        order = np.argsort(ts, kind="stable")  # sorted runs: timsort merges them
+        order = np.argsort(ts, kind="stable")  # a sorted run and a short one: timsort
         self.ts = ts[order]
         self.g = np.concatenate([p[1] for p in parts])[order]
         self.raw = np.concatenate([p[2] for p in parts])[order]
@@ -253,28 +273,48 @@ class _Queue:
             self._keep(np.flatnonzero(~gone[self.g]))
 
     def first(self, firing: np.ndarray) -> int | None:
-        self.merge()
-        if not len(self.ts):
-            return None
-        if firing[self.g[0]]:
-            return int(self.ts[0])
-        ok = firing[self.g]
-        return int(self.ts[int(np.argmax(ok))]) if ok.any() else None
+        best: int | None = None
+        if len(self.ts):
+            if firing[self.g[0]]:
+                best = int(self.ts[0])
+            else:
+                ok = firing[self.g]
+                best = int(self.ts[int(np.argmax(ok))]) if ok.any() else None
+        young = self._young()
+        if young is not None:
+            ok = firing[young[1]]
+            if ok.any():
+                m = int(young[0][ok].min())
+                best = m if best is None else min(best, m)
+        return best
 
     def take(self, limit_ms: int, firing: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Remove the timers at or before ``limit_ms`` of the firing sub-groups: their raw keys
         (distinct, in key order) and sub-groups."""
-        self.merge()
+        raws: list[np.ndarray] = []
+        groups: list[np.ndarray] = []
         n = int(np.searchsorted(self.ts, limit_ms, side="right"))
-        if not n:
+        if n:
+            ok = firing[self.g[:n]]
+            if ok.any():
+                assert self.raw is not None
+                raws.append(self.raw[:n][ok])
+                groups.append(self.g[:n][ok])
+                self._keep(np.r_[np.flatnonzero(~ok), np.arange(n, len(self.ts))])
+        young = self._young()
+        if young is not None:
+            ts, g, raw = young
+            due = (ts <= limit_ms) & firing[g]
+            if due.any():
+                raws.append(raw[due])
+                groups.append(g[due])
+                stay = ~due
+                self._new = [(ts[stay], g[stay], raw[stay])] if stay.any() else []
+                self._unmerged = int(stay.sum())
+        if not raws:
             return None
-        ok = firing[self.g[:n]]
-        if not ok.any():
-            return None
-        assert self.raw is not None
-        due_raw, due_g = self.raw[:n][ok], self.g[:n][ok]
-        stay = np.r_[np.flatnonzero(~ok), np.arange(n, len(self.ts))]
-        self._keep(stay)
+        due_raw = raws[0] if len(raws) == 1 else np.concatenate(raws)
+        due_g = groups[0] if len(groups) == 1 else np.concatenate(groups)
         first = _distinct(due_raw)
         return due_raw[first], due_g[first]
 
@@ -354,6 +394,8 @@ class TimerService:
             msg = f"held mask has {len(held)} sub-groups, the timer index {len(self._indexed)}"
             raise StateError(msg)
         task = self._task()
+        if task is self._last_task and np.array_equal(held, self._indexed):
+            return  # nothing arrived or left (the common case: checked on every use)
         stale = self._indexed & ~held
         if task is not None and task is not self._last_task:
             self._last_task = task
