@@ -18,7 +18,9 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +143,9 @@ class WindowTable:
     @staticmethod
     def from_state(values: list[Any]) -> WindowTable:
         """The windows stored for every key (``values[i]`` of key ``i``; None: no windows)."""
+        fast = _from_packed(values)
+        if fast is not None:
+            return fast
         packed: list[tuple[int, bytes]] = []
         tables = []
         layout = None
@@ -212,6 +217,24 @@ def _dtype_of(layout: str) -> np.dtype:
         got = np.dtype([tuple(f) for f in json.loads(layout)])
         _LAYOUTS[layout] = got
     return got
+
+
+def _from_packed(values: list[Any]) -> WindowTable | None:
+    """The common case of :meth:`WindowTable.from_state`, with the loops in C: every stored
+    value is ``(layout, bytes)`` of one layout. None when it is not that case."""
+    present = list(itertools.compress(range(len(values)), values))
+    if not present:
+        return WindowTable.empty()
+    stored = [values[i] for i in present]
+    if set(map(type, stored)) != {tuple} or len(set(map(operator.itemgetter(0), stored))) != 1:
+        return None
+    dtype = _dtype_of(stored[0][0])
+    raws = list(map(operator.itemgetter(1), stored))
+    rec = np.frombuffer(b"".join(raws), dtype)
+    counts = np.fromiter(map(len, raws), np.int64, len(raws)) // dtype.itemsize
+    key = np.repeat(np.array(present, np.int64), counts)
+    parts = {n[2:]: rec[n].copy() for n in dtype.names if n.startswith("p.")}
+    return WindowTable(key, rec["start"].copy(), rec["end"].copy(), rec["fired"].copy(), parts)
 
 
 def _unpack(dtype: np.dtype, packed: list[tuple[int, bytes]]) -> WindowTable:

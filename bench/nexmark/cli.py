@@ -259,6 +259,7 @@ def build_report(
             for k in ("p50", "p99", "max")
         }
         base["latency_records"] = summary["count"]
+    base.update(active_rate(result, spec.step, events))
     lag = watermark_lag(result, sources) if spec.windowed else None
     if lag is not None:
         base["watermark_lag_ms"] = lag
@@ -274,6 +275,29 @@ def build_report(
         }
     )
     return base
+
+
+def active_rate(result: rs.JobResult, step: str, events: int) -> dict[str, Any]:
+    """events/s over the span in which the query's step received records: from the start of
+    the first 250 ms throughput window with a record into the step to the end of the last one
+    (deploy and shutdown left out; resolution one window, so the span is at most one window
+    too long at each end and the rate errs low)."""
+    from raystream.metrics import WindowedCounter
+
+    snaps = [m["throughput"] for m in result.step_metrics(step) if m.get("throughput")]
+    timeline = WindowedCounter.merge_snapshots(snaps).timeline() if snaps else []
+    if not timeline:
+        return {}
+    window_s = WindowedCounter.merge_snapshots(snaps).window_ms / 1000
+    span = timeline[-1][0] - timeline[0][0] + window_s
+    return {
+        "active_span_s": round(span, 3),
+        "active_throughput_eps": round(events / span, 1),
+        "active_definition": (
+            "events the sources emitted / span from the start of the first to the end of the "
+            f"last {window_s * 1000:g} ms window in which step {step!r} received records"
+        ),
+    }
 
 
 def _parse_rescales(values: tuple[str, ...], num_key_groups: int) -> list[tuple[int, float]]:
@@ -498,6 +522,12 @@ def _print(r: dict[str, Any]) -> None:
         f"{r['throughput_eps']:,.0f} events/s (parallelism {r['parallelism']})",
         f"latency p50 {lat['p50']} ms, p99 {lat['p99']} ms, max {lat['max']} ms",
     ]
+    if r.get("active_throughput_eps"):
+        lines.insert(
+            1,
+            f"while the {r['step']} step received records ({r['active_span_s']:.2f} s): "
+            f"{r['active_throughput_eps']:,.0f} events/s",
+        )
     wl = r.get("watermark_lag_ms")
     if wl and wl.get("p99") is not None:
         lines.append(

@@ -335,7 +335,11 @@ class KeyedProcessor:
         self.key_kind: str | None = None
         self.watermark = WATERMARK_MIN  # set by the instance as its watermark advances
         self.timers = TimerService(
-            self.backend, key_space, lambda: self.engine.held, self._firing_sub_groups
+            self.backend,
+            key_space,
+            lambda: self.engine.held,
+            self._firing_sub_groups,
+            lambda: self.engine.task,
         )
 
     def process(

@@ -6,10 +6,13 @@ time order, move with the sub-group on a rescale and are in every snapshot. Even
 state id :data:`EVENT_TIMERS`, processing-time (wall clock) timers :data:`PROCESSING_TIMERS`; user
 states get ids 1..250.
 
-An in-memory index holds, per global sub-group, the earliest timer (a lower bound: deleting a
-timer leaves it low, a scan corrects it). A watermark then scans only the sub-groups with due
-timers. The index follows the sub-groups the instance holds: a sub-group that arrived (migration,
-restore) is indexed by one seek to its first timer; one that left is forgotten.
+RocksDB is the truth; the instance also keeps the timers of the sub-groups it holds in memory,
+per domain sorted by timestamp (:class:`_Queue`: timestamp, sub-group, RocksDB key). A watermark
+takes the due timers from there with a binary search (numpy, no RocksDB scan, so no walking past
+the tombstones of fired timers) and deletes them from RocksDB with point deletes in one write.
+The copy follows the sub-groups the instance holds: a sub-group that arrived (migration, restore,
+or one a new migration task brings in) is read from RocksDB by one range scan; one that left is
+forgotten. Memory: about 40 bytes per pending timer of int64 keys, more for string keys.
 
 In the user function (``@rs.keyed_batches(..., on_timer=fire)``)::
 
@@ -23,6 +26,8 @@ and ``fire(timers: rs.FiredTimers, state)`` gets the due ones, in timestamp orde
 
 from __future__ import annotations
 
+import collections
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +59,7 @@ _KIND_OF_BYTE = {v: k for k, v in _KIND_BYTE.items()}
 _INT_TIMER = np.dtype([("p", ">u4"), ("ts", ">u8"), ("k", ">u8")])
 _TIMER_HEAD = np.dtype([("p", ">u4"), ("ts", ">u8")])
 MAX_FIRING_ROUNDS = 1000
+MAX_UNWRITTEN = 1_000_000  # new timers held back from RocksDB at most (then all are written)
 
 
 def _ts_bytes(ts: int) -> bytes:
@@ -68,6 +74,14 @@ def encode_timers(
     key_group: np.ndarray, sub_group: np.ndarray, state_id: int, keys: pa.Array, ts: np.ndarray
 ) -> list[bytes]:
     """One timer key per row: the state key of ``keys`` with the timestamp after the prefix."""
+    return encode_timer_rows(key_group, sub_group, state_id, keys, ts)[0]
+
+
+def encode_timer_rows(
+    key_group: np.ndarray, sub_group: np.ndarray, state_id: int, keys: pa.Array, ts: np.ndarray
+) -> tuple[list[bytes], np.ndarray]:
+    """The timer keys as bytes (for RocksDB) and as an array (``V20`` for int64 keys, else an
+    object array of the same bytes)."""
     if keys.type == pa.int64():  # vectorised: [kg u16][sg u8][sid u8][ts][key], big-endian
         rows = np.empty(len(keys), _INT_TIMER)
         rows["p"] = (
@@ -75,12 +89,37 @@ def encode_timers(
         )
         rows["ts"] = np.asarray(ts, np.int64).view(np.uint64) ^ _SIGN
         rows["k"] = keys.to_numpy(zero_copy_only=False).view(np.uint64) ^ _SIGN
-        return rows.view("V20").tolist()  # type: ignore[no-any-return]
+        raw = rows.view("V20")
+        return raw.tolist(), raw
     plain = encode_keys(key_group, sub_group, state_id, keys)
     stamps = (np.asarray(ts, np.int64).view(np.uint64) ^ _SIGN).astype(">u8").tobytes()
-    return [
-        k[:PREFIX_LEN] + stamps[8 * i : 8 * i + 8] + k[PREFIX_LEN:] for i, k in enumerate(plain)
-    ]
+    enc = [k[:PREFIX_LEN] + stamps[8 * i : 8 * i + 8] + k[PREFIX_LEN:] for i, k in enumerate(plain)]
+    return enc, _objects(enc)
+
+
+def _objects(items: list[bytes]) -> np.ndarray:
+    out = np.empty(len(items), object)
+    out[:] = items
+    return out
+
+
+def _as_bytes(raw: np.ndarray) -> list[bytes]:
+    return raw.tolist()  # type: ignore[no-any-return]  # V20 and object rows: whole bytes
+
+
+def _distinct(raw: np.ndarray) -> np.ndarray:
+    """Index of the first of each distinct timer key, in key order."""
+    if raw.dtype == object:
+        return np.unique(raw, return_index=True)[1]  # type: ignore[no-any-return]
+    rows = raw.view(_INT_TIMER)
+    p = rows["p"].astype(np.uint32)
+    ts = rows["ts"].astype(np.uint64)
+    k = rows["k"].astype(np.uint64)
+    order = np.lexsort((k, ts, p))
+    p, ts, k = p[order], ts[order], k[order]
+    new = np.ones(len(order), bool)
+    new[1:] = (p[1:] != p[:-1]) | (ts[1:] != ts[:-1]) | (k[1:] != k[:-1])
+    return order[new]  # type: ignore[no-any-return]
 
 
 def _decode_key(raw: bytes, kind: str) -> Any:
@@ -141,8 +180,157 @@ class FiredTimers:
         return pa.RecordBatch.from_pydict(data)
 
 
+class _Queue:
+    """The timers of one domain (event or processing time) of the indexed sub-groups, in memory:
+    ``ts`` (sorted), ``g`` (global sub-group) and ``raw`` (the RocksDB key: ``V20`` for int keys,
+    bytes objects otherwise), plus a young part of recent registrations (unsorted) that is
+    merged in once it holds a quarter as many (so a registration costs O(log n) amortised). A
+    timer registered twice is in RocksDB once; here duplicates are dropped when timers fire and
+    when they pile up."""
+
+    def __init__(self) -> None:
+        self.ts = np.empty(0, np.int64)
+        self.g = np.empty(0, np.int64)
+        self.raw: np.ndarray | None = None
+        self.kind: str | None = None
+        self._new: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._unmerged = 0
+        self._since_dedupe = 0
+
+    def __len__(self) -> int:
+        return len(self.ts) + self._unmerged
+
+    def add(self, kind: str, ts: np.ndarray, g: np.ndarray, raw: np.ndarray) -> None:
+        if not len(ts):
+            return
+        if self.kind is None or not len(self):
+            self.kind = kind
+        elif kind != self.kind:
+            msg = (
+                f"timers of one operator hold keys of several types ({self.kind!r} and "
+                f"{kind!r}); key every input of the step by the same type"
+            )
+            raise StateError(msg)
+        self._new.append((ts, g, raw))
+        self._unmerged += len(ts)
+        if self._unmerged > max(len(self.ts) // 4, 4096):
+            self.merge()
+
+    def _young(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The young part as one chunk."""
+        if not self._new:
+            return None
+        if len(self._new) > 1:
+            parts = self._new
+            self._new = [
+                (
+                    np.concatenate([p[0] for p in parts]),
+                    np.concatenate([p[1] for p in parts]),
+                    np.concatenate([p[2] for p in parts]),
+                )
+            ]
+        return self._new[0]
+
+    def merge(self) -> None:
+        """Merge the young part in (stable: timestamp order, then arrival)."""
+        young = self._young()
+        if young is None:
+            return
+        self._new = []
+        self._unmerged = 0
+        added = len(young[0])
+        parts = [young]
+        if self.raw is not None and len(self.ts):
+            parts = [(self.ts, self.g, self.raw), young]
+        ts = np.concatenate([p[0] for p in parts])
+        order = np.argsort(ts, kind="stable")  # a sorted run and a short one: timsort
+        self.ts = ts[order]
+        self.g = np.concatenate([p[1] for p in parts])[order]
+        self.raw = np.concatenate([p[2] for p in parts])[order]
+        self._since_dedupe += added
+        if self._since_dedupe > max(len(self.ts) // 2, 4096):
+            self._keep(np.sort(_distinct(self.raw)))
+            self._since_dedupe = 0
+
+    def _keep(self, idx: np.ndarray) -> None:
+        self.ts, self.g = self.ts[idx], self.g[idx]
+        assert self.raw is not None
+        self.raw = self.raw[idx]
+
+    def remove(self, raw: np.ndarray) -> None:
+        """Forget the timers ``raw`` (deleted by the user)."""
+        self.merge()
+        if self.raw is None or not len(self.ts) or not len(raw):
+            return
+        gone = set(_as_bytes(raw))
+        hit = np.fromiter(map(gone.__contains__, _as_bytes(self.raw)), bool, len(self.raw))
+        self._keep(np.flatnonzero(~hit))
+
+    def forget(self, gone: np.ndarray) -> None:
+        """Drop the timers of sub-groups (bool mask over global sub-groups) that left."""
+        self.merge()
+        if len(self.ts):
+            self._keep(np.flatnonzero(~gone[self.g]))
+
+    def first(self, firing: np.ndarray) -> int | None:
+        best: int | None = None
+        if len(self.ts):
+            if firing[self.g[0]]:
+                best = int(self.ts[0])
+            else:
+                ok = firing[self.g]
+                best = int(self.ts[int(np.argmax(ok))]) if ok.any() else None
+        young = self._young()
+        if young is not None:
+            ok = firing[young[1]]
+            if ok.any():
+                m = int(young[0][ok].min())
+                best = m if best is None else min(best, m)
+        return best
+
+    def take(self, limit_ms: int, firing: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Remove the timers at or before ``limit_ms`` of the firing sub-groups: their raw keys
+        (distinct, in key order) and sub-groups."""
+        raws: list[np.ndarray] = []
+        groups: list[np.ndarray] = []
+        n = int(np.searchsorted(self.ts, limit_ms, side="right"))
+        if n:
+            ok = firing[self.g[:n]]
+            if ok.any():
+                assert self.raw is not None
+                raws.append(self.raw[:n][ok])
+                groups.append(self.g[:n][ok])
+                self._keep(np.r_[np.flatnonzero(~ok), np.arange(n, len(self.ts))])
+        young = self._young()
+        if young is not None:
+            ts, g, raw = young
+            due = (ts <= limit_ms) & firing[g]
+            if due.any():
+                raws.append(raw[due])
+                groups.append(g[due])
+                stay = ~due
+                self._new = [(ts[stay], g[stay], raw[stay])] if stay.any() else []
+                self._unmerged = int(stay.sum())
+        if not raws:
+            return None
+        due_raw = raws[0] if len(raws) == 1 else np.concatenate(raws)
+        due_g = groups[0] if len(groups) == 1 else np.concatenate(groups)
+        first = _distinct(due_raw)
+        return due_raw[first], due_g[first]
+
+
 class TimerService:
-    """Timers of one keyed instance in its RocksDB, with the per-sub-group index."""
+    """Timers of one keyed instance: in RocksDB (the truth: checkpoints, moves) and, for the
+    sub-groups held here, in memory per domain (:class:`_Queue`), so that firing reads no
+    RocksDB range and walks past no tombstones.
+
+    Writes to RocksDB are deferred like the state's write-back cache: a new timer is put only
+    when the backend is about to be read or copied as a whole (snapshot, flush, close) or its
+    sub-group is evicted for a move (:meth:`RocksStateBackend.add_pending_writer`), or when
+    :data:`MAX_UNWRITTEN` are waiting. A timer that fires before that is never written, so
+    most short-lived timers (a window's end) cost RocksDB nothing; one that was written is
+    deleted (a point delete) when it fires.
+    """
 
     def __init__(
         self,
@@ -150,126 +338,196 @@ class TimerService:
         key_space: KeySpace,
         held: Callable[[], np.ndarray],
         firing: Callable[[], np.ndarray] | None = None,
+        task: Callable[[], Any] | None = None,
     ) -> None:
+        self._unwritten: dict[bytes, bytes] = {}  # timer key -> kind byte, not in RocksDB yet
+        self._written: set[bytes] = set()  # timer keys of the queues that are in RocksDB
+        self._backend: Any = None
         self.backend = backend
         self.key_space = key_space
         self._held = held  # sub-groups whose state is here
         self._firing = firing or held  # sub-groups whose timers may fire now
+        self._task = task or (lambda: None)  # the migration task (its ``incoming`` sub-groups)
+        self._last_task: Any = None
         n = key_space.num_key_groups * key_space.sub_groups
-        self.next_ts = {
-            EVENT_TIMERS: np.full(n, NO_TIMER, np.int64),
-            PROCESSING_TIMERS: np.full(n, NO_TIMER, np.int64),
-        }
+        self.queues = {EVENT_TIMERS: _Queue(), PROCESSING_TIMERS: _Queue()}
         self._indexed = np.zeros(n, bool)
         self.registered = 0
         self.fired = 0
+        self.loaded = 0  # timers read from RocksDB into memory (sub-groups that arrived)
 
-    # ---- the index ----------------------------------------------------------------------------
+    @property
+    def backend(self) -> Any:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: Any) -> None:
+        self._backend = backend
+        if hasattr(backend, "add_pending_writer"):
+            backend.add_pending_writer(lambda prefixes: self._write_unwritten(backend, prefixes))
+
+    def _write_unwritten(self, backend: Any, prefixes: set[bytes] | None) -> None:
+        """Put the timers not written yet (of the sub-groups with these 3-byte prefixes; None:
+        all) into RocksDB."""
+        if backend is not self._backend or not self._unwritten:
+            return
+        pending = self._unwritten
+        if prefixes is None:
+            items = sorted(pending.items())
+            self._unwritten = {}
+        else:
+            items = sorted((k, v) for k, v in pending.items() if k[:3] in prefixes)
+            for k, _ in items:
+                del pending[k]
+        if items:
+            keys = [k for k, _ in items]
+            backend.write_direct(keys, [v for _, v in items])
+            self._written.update(keys)
+
+    # ---- the in-memory copy -----------------------------------------------------------------
     def sync(self) -> None:
-        """Index sub-groups that arrived, forget those that left."""
+        """Load the timers of sub-groups that arrived, forget those of sub-groups that left.
+        A sub-group that a new migration task brings in is loaded again, even if it was here
+        before (it may have left and come back in between)."""
         held = self._held()
         if len(held) != len(self._indexed):  # pragma: no cover - a key space never changes
             msg = f"held mask has {len(held)} sub-groups, the timer index {len(self._indexed)}"
             raise StateError(msg)
-        gone = self._indexed & ~held
-        if gone.any():
-            for arr in self.next_ts.values():
-                arr[gone] = NO_TIMER
-        for g in np.flatnonzero(held & ~self._indexed).tolist():
-            for sid in self.next_ts:
-                self.next_ts[sid][g] = self._first(g, sid)
-        self._indexed = held.copy()
+        task = self._task()
+        if task is self._last_task and np.array_equal(held, self._indexed):
+            return  # nothing arrived or left (the common case: checked on every use)
+        stale = self._indexed & ~held
+        if task is not None and task is not self._last_task:
+            self._last_task = task
+            incoming = np.fromiter(getattr(task, "incoming", ()), np.int64)
+            stale[incoming[self._indexed[incoming]]] = True
+        if stale.any():
+            s = self.key_space.sub_groups
+            prefixes = {_prefix(*divmod(g, s), 0)[:3] for g in np.flatnonzero(stale).tolist()}
+            back = {p for p in prefixes if held[int.from_bytes(p[:2], "big") * s + p[2]]}
+            if back:  # loaded again below: RocksDB must have all of them
+                self._write_unwritten(self._backend, back)
+            gone = prefixes - back
+            if gone and self._unwritten:  # written when they were evicted; nothing left
+                self._unwritten = {k: v for k, v in self._unwritten.items() if k[:3] not in gone}
+            self._written = {k for k in self._written if k[:3] not in prefixes}
+            for q in self.queues.values():
+                q.forget(stale)
+            self._indexed &= ~stale
+        arrived = np.flatnonzero(held & ~self._indexed)
+        if len(arrived):
+            for sid, q in self.queues.items():
+                self._load(q, sid, arrived)
+            self._indexed |= held
 
     def reindex(self) -> None:
-        """Forget the whole index (the backend was replaced by a restore); it is rebuilt on its
-        next use, so steps that never use timers pay nothing."""
+        """Forget the whole copy (the backend was replaced by a restore); it is loaded again on
+        its next use, so steps that never use timers pay nothing."""
         self._indexed[:] = False
-        for arr in self.next_ts.values():
-            arr[:] = NO_TIMER
+        self.queues = {EVENT_TIMERS: _Queue(), PROCESSING_TIMERS: _Queue()}
+        self._unwritten = {}
+        self._written = set()
 
-    def _first(self, g: int, sid: int) -> int:
-        kg, sg = divmod(g, self.key_space.sub_groups)
-        lower = _prefix(kg, sg, sid)
-        upper = _prefix(kg, sg, sid + 1)
-        for k, _ in self.backend.scan(lower, upper, flush=False):
-            u = int.from_bytes(k[PREFIX_LEN : PREFIX_LEN + 8], "big") ^ (1 << 63)
-            return u - (1 << 64) if u >= 1 << 63 else u
-        return int(NO_TIMER)
+    def _load(self, q: _Queue, sid: int, groups: np.ndarray) -> None:
+        s = self.key_space.sub_groups
+        for g in groups.tolist():
+            kg, sg = divmod(g, s)
+            raws: list[bytes] = []
+            kinds: set[bytes] = set()
+            lower, upper = _prefix(kg, sg, sid), _prefix(kg, sg, sid + 1)
+            for k, v in self.backend.scan(lower, upper, flush=False):
+                raws.append(k)
+                kinds.add(bytes(v))
+            if not raws:
+                continue
+            if len(kinds) != 1:
+                msg = f"timers of one operator hold keys of several types {sorted(kinds)}"
+                raise StateError(msg)
+            kind = _KIND_OF_BYTE[kinds.pop()]
+            heads = np.frombuffer(b"".join(r[: PREFIX_LEN + 8] for r in raws), _TIMER_HEAD)
+            ts = (heads["ts"].astype(np.uint64) ^ _SIGN).view(np.int64)
+            raw = np.frombuffer(b"".join(raws), "V20") if kind == "int" else _objects(raws)
+            q.add(kind, ts, np.full(len(raws), g, np.int64), raw)
+            self._written.update(raws)
+            self.loaded += len(raws)
 
     # ---- registering ----------------------------------------------------------------------------
     def register(self, sid: int, keys: KeySet, ts: np.ndarray, *, delete: bool = False) -> None:
         """Set (or delete) one timer per row of ``keys`` at ``ts`` (same length)."""
         if len(keys) == 0:
             return
+        self.sync()
         kind = _kind_of(keys.keys)
-        enc = encode_timers(keys.key_group, keys.sub_group, sid, keys.keys, ts)
+        enc, raw = encode_timer_rows(keys.key_group, keys.sub_group, sid, keys.keys, ts)
+        g = self.key_space.global_sub_group(keys.key_group, keys.sub_group)
+        here = self._indexed[g]
+        every = bool(here.all())
+        q = self.queues[sid]
         if delete:
             self.backend.write_direct([], [], deletes=enc)
+            q.remove(raw if every else raw[here])
+            for k in enc:
+                self._unwritten.pop(k, None)
+            self._written.difference_update(enc)
             return
-        self.backend.write_direct(enc, [_KIND_BYTE[kind]] * len(enc))
-        g = self.key_space.global_sub_group(keys.key_group, keys.sub_group)
-        np.minimum.at(self.next_ts[sid], g, ts)
+        ts = np.asarray(ts, np.int64)
+        kind_byte = _KIND_BYTE[kind]
+        if every:
+            q.add(kind, ts, g, raw)
+            self._unwritten.update(zip(enc, itertools.repeat(kind_byte)))
+        else:  # sub-groups not held here (yet): straight to RocksDB, loaded when they arrive
+            q.add(kind, ts[here], g[here], raw[here])
+            self._unwritten.update(
+                (k, kind_byte) for k, h in zip(enc, here.tolist(), strict=True) if h
+            )
+            away = [k for k, h in zip(enc, here.tolist(), strict=True) if not h]
+            self.backend.write_direct(away, [kind_byte] * len(away))
         self.registered += len(enc)
+        if len(self._unwritten) > MAX_UNWRITTEN:
+            self._write_unwritten(self._backend, None)
 
     # ---- firing ---------------------------------------------------------------------------------
     def next_due(self, sid: int) -> int | None:
-        """The earliest timer of the sub-groups that may fire (a lower bound), or None."""
+        """The earliest timer of the sub-groups that may fire, or None."""
         self.sync()
-        arr = self.next_ts[sid][self._firing()]
-        m = int(arr.min()) if len(arr) else int(NO_TIMER)
-        return None if m == NO_TIMER else m
+        return self.queues[sid].first(self._firing())
 
     def take_due(self, sid: int, limit_ms: int) -> _Due | None:
         """Remove and return every timer with timestamp <= ``limit_ms`` of the sub-groups that
-        may fire, sorted by timestamp (stable: sub-group, then key order)."""
+        may fire, sorted by timestamp (stable: sub-group, then key order); each is deleted from
+        RocksDB (point deletes: range tombstones would slow every read of the instance)."""
         self.sync()
-        index = self.next_ts[sid]
-        groups = np.flatnonzero(self._firing() & (index <= limit_ms))
-        if not len(groups):
+        q = self.queues[sid]
+        got = q.take(limit_ms, self._firing())
+        if got is None:
             return None
-        raws: list[bytes] = []
-        kinds: set[bytes] = set()
-        s = self.key_space.sub_groups
-        end = PREFIX_LEN + 8
-        for g in groups.tolist():
-            # one scan per sub-group: the due timers, then the first later one (the new minimum)
-            kg, sg = divmod(g, s)
-            limit = _ts_bytes(limit_ms) if limit_ms < NO_TIMER else b"\xff" * 8
-            nxt = int(NO_TIMER)
-            for k, v in self.backend.scan(
-                _prefix(kg, sg, sid), _prefix(kg, sg, sid + 1), flush=False
-            ):
-                if k[PREFIX_LEN:end] > limit:
-                    u = int.from_bytes(k[PREFIX_LEN:end], "big") ^ (1 << 63)
-                    nxt = u - (1 << 64) if u >= 1 << 63 else u
-                    break
-                raws.append(k)
-                kinds.add(bytes(v))
-            index[g] = nxt
-        if raws:
-            self.backend.write_direct([], [], deletes=raws)
-        if not raws:
-            return None
-        if len(kinds) != 1:
-            msg = f"timers of one operator hold keys of several types {sorted(kinds)}"
-            raise StateError(msg)
-        kind = _KIND_OF_BYTE[kinds.pop()]
-        if kind == "int":
-            rows = np.frombuffer(b"".join(raws), _INT_TIMER)
+        raw, _ = got
+        fired = _as_bytes(raw)
+        unwritten = self._unwritten
+        collections.deque(map(unwritten.pop, fired, itertools.repeat(None)), maxlen=0)
+        written = self._written
+        if written:
+            stored = list(filter(written.__contains__, fired))
+            if stored:
+                written.difference_update(stored)
+                self.backend.write_direct([], [], deletes=stored)
+        if q.kind == "int":
+            rows = raw.view(_INT_TIMER)
             ts = (rows["ts"].astype(np.uint64) ^ _SIGN).view(np.int64)
             keys: list[Any] = (rows["k"].astype(np.uint64) ^ _SIGN).view(np.int64)  # type: ignore[assignment]
             prefix = rows["p"].astype(np.int64)
         else:
+            raws = raw.tolist()
             heads = np.frombuffer(b"".join(r[: PREFIX_LEN + 8] for r in raws), _TIMER_HEAD)
             ts = (heads["ts"].astype(np.uint64) ^ _SIGN).view(np.int64)
-            keys = [_decode_key(r, kind) for r in raws]
+            keys = [_decode_key(r, q.kind or "bytes") for r in raws]
             prefix = heads["p"].astype(np.int64)
         order = np.argsort(ts, kind="stable")
         kg = (prefix >> 16)[order]
         sg = ((prefix >> 8) & 0xFF)[order]
         keys = keys[order] if isinstance(keys, np.ndarray) else [keys[i] for i in order]
-        self.fired += len(raws)
-        return _Due(keys, kind, ts[order], kg, sg)
+        self.fired += len(raw)
+        return _Due(keys, q.kind or "bytes", ts[order], kg, sg)
 
 
 def rounds(due: _Due) -> list[tuple[pa.Array, np.ndarray, KeySet]]:

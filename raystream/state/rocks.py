@@ -14,7 +14,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -159,6 +159,8 @@ class RocksStateBackend:
         self._write_opt.disable_wal = True
         self._db.set_write_options(self._write_opt)
         self._closed = False
+        # writers that hold rows for RocksDB in memory (timers): see add_pending_writer
+        self._pending_writers: list[Callable[[set[bytes] | None], None]] = []
 
     # ---- point access -------------------------------------------------------------------
     def multi_get(self, keys: list[bytes]) -> list[bytes | None]:
@@ -226,8 +228,7 @@ class RocksStateBackend:
                     wb.put(k, v)
         else:  # puts only: the loop runs in C
             collections.deque(map(wb.put, keys, values), maxlen=0)
-        for k in deletes:
-            wb.delete(k)
+        collections.deque(map(wb.delete, deletes), maxlen=0)
         if not wb.is_empty():
             self._db.write(wb, self._write_opt)
 
@@ -300,9 +301,21 @@ class RocksStateBackend:
                 self._dirty = dirty
                 raise
 
+    def add_pending_writer(self, write: Callable[[set[bytes] | None], None]) -> None:
+        """Register ``write(prefixes)``, which writes rows held in memory outside the cache (the
+        timers not written yet) to RocksDB: called with None before the whole DB is read or
+        copied (cache flush, range scans, snapshots, close), with the 3-byte prefixes of
+        sub-groups before they are evicted for an export."""
+        self._pending_writers.append(write)
+
+    def _write_pending(self, prefixes: set[bytes] | None) -> None:
+        for write in self._pending_writers:
+            write(prefixes)
+
     def flush_cache(self) -> None:
         """Write dirty entries to RocksDB (sorted, one WriteBatch) and empty the cache."""
         self.wait_snapshot()
+        self._write_pending(None)
         self._write_dirty()
         self._cache.clear()
         self._cache_added = 0
@@ -313,6 +326,8 @@ class RocksStateBackend:
         evicted. After this, and while no record of them is processed here, they can be exported
         past the cache (:meth:`export_chunk`)."""
         prefixes = {sub_group_bounds(kg, sg)[0] for kg, sg in sub_groups}
+        if prefixes:
+            self._write_pending(prefixes)
         if not prefixes or not self._cache:
             return 0
         self.wait_snapshot()  # entries a checkpoint thread writes are in RocksDB before they go
@@ -474,6 +489,7 @@ class RocksStateBackend:
             raise StateError(msg)
         self.wait_snapshot()
         directory.parent.mkdir(parents=True, exist_ok=True)
+        self._write_pending(None)  # timers not written yet: straight to RocksDB, before the copy
         frozen, self._dirty = self._dirty, {}  # the state now (O(1)); the cache goes on
         future: Future[Path] = Future()
         db = self._db
@@ -567,6 +583,7 @@ def snapshot_chunks(
         reader = RocksStateBackend.__new__(RocksStateBackend)
         reader._db = src  # noqa: SLF001 - a read-only view for export_ranges
         reader._cache, reader._dirty = {}, {}
+        reader._pending_writers = []
         yield from reader.export_key_groups(key_groups, chunk_bytes=chunk_bytes)
     finally:
         src.close()
