@@ -295,6 +295,7 @@ class Reconfigurations:
         self.specs[new_iid] = spec
         self.handles[new_iid] = handle
         self.nodes[new_iid] = await handle.ping.remote()
+        t_actor = time.time()
         downstream = {r for o in outputs for r in o.receiver_ids}
         await handle.connect.remote(self._receivers_of(new_iid), self._self)
         await asyncio.gather(*(self.handles[d].add_inputs.remote([new_iid]) for d in downstream))
@@ -330,6 +331,7 @@ class Reconfigurations:
                 for i in self.plan.sources
             )
         )
+        t_injected = time.time()
         if not any(taken):
             msg = (
                 f"job {self.flow.name!r} reached the end of its input before the move of "
@@ -364,6 +366,7 @@ class Reconfigurations:
             node_id=self.nodes[new_iid],
             actors=[actor_name],
             fetch_wait_ms_p99=float(np.percentile(waits, 99)) if waits else 0.0,
+            phases_s=_move_phases(t0, t_actor, t_injected, t1, stats[index], stats[p]),
         )
 
     # ---- records, graph ------------------------------------------------------------------------
@@ -431,3 +434,29 @@ class Reconfigurations:
             )
         return rows
 
+
+def _move_phases(
+    t0: float,
+    actor_ready: float,
+    injected: float,
+    end: float,
+    old: dict[str, Any],
+    new: dict[str, Any],
+) -> dict[str, Any]:
+    """Seconds from a move's start to each of its phases: the new actor answers, the barrier is
+    injected, the new owner switches, the old owner seals, the first on-demand chunk is served,
+    the move is done; and the calls and chunks that carried the state."""
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else round(t - t0, 3)
+
+    return {
+        "actor_ready": since(actor_ready),
+        "barrier_injected": since(injected),
+        "switched": since(new.get("activated_wall")),
+        "sealed": since(old.get("sealed_wall")),
+        "first_on_demand_served": since(old.get("first_urgent_served_wall")),
+        "done": since(end),
+        "fetch_calls": new.get("fetch_calls"),
+        "chunks_out": old.get("chunks_out"),
+    }
