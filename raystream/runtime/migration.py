@@ -188,6 +188,8 @@ class MigrationTask:
     activated_wall: float | None = None
     sealed_wall: float | None = None
     first_urgent_served_wall: float | None = None
+    all_arrived_wall: float | None = None  # new owner: the last incoming sub-group arrived
+    finished_wall: float | None = None
 
 
 class MigrationEngine:
@@ -339,7 +341,9 @@ class MigrationEngine:
 
     def take_released(self) -> list[pa.RecordBatch]:
         """Buffered records of sub-groups that may now be processed, in arrival order per
-        sub-group; the sub-groups are held from now on."""
+        sub-group; the sub-groups are held from now on. The pieces (one per sub-group and
+        batch it came in) are joined into as few batches as their schemas allow, sub-group
+        after sub-group: a keyed step runs them as it runs any batch, not piece by piece."""
         task = self.task
         if task is None or not self._releasable:
             return []
@@ -359,7 +363,7 @@ class MigrationEngine:
                 out.extend(pieces)
         self._check_done()
         self._released.set()
-        return out
+        return _merge_runs(out)
 
     # ---- protocol ------------------------------------------------------------------------
     def prepare(self, task: MigrationTask) -> None:
@@ -421,6 +425,7 @@ class MigrationEngine:
         ):
             if task.sealed.is_set() or not task.outgoing:
                 task.finished_at = time.monotonic()
+                task.finished_wall = time.time()
                 task.done.set()
 
     # ---- new owner: fetching -----------------------------------------------------------------
@@ -510,6 +515,8 @@ class MigrationEngine:
                 msg = f"instance {owner} served nothing of sub-groups {remaining[:5]}..."
                 raise StateError(msg)
             task.arrived.update(done)
+            if task.all_arrived_wall is None and len(task.arrived) == len(task.incoming):
+                task.all_arrived_wall = time.time()
             for g, pieces in handed.items():
                 self._hand_in(task, g, pieces)
             self._releasable.extend(done)
@@ -713,6 +720,8 @@ class MigrationEngine:
             "activated_wall": t.activated_wall,
             "sealed_wall": t.sealed_wall,
             "first_urgent_served_wall": t.first_urgent_served_wall,
+            "all_arrived_wall": t.all_arrived_wall,
+            "finished_wall": t.finished_wall,
             "duration_s": (t.finished_at - t.activated_at)
             if t.finished_at and t.activated_at
             else None,
@@ -730,6 +739,27 @@ class MigrationEngine:
             self.poke()
 
     error: BaseException | None = None
+
+
+def _merge_runs(pieces: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
+    """Consecutive pieces with the same schema (metadata included: e.g. which input) joined
+    into one batch each; the order of rows stays."""
+    out: list[pa.RecordBatch] = []
+    run: list[pa.RecordBatch] = []
+    for piece in pieces:
+        if run and not piece.schema.equals(run[0].schema, check_metadata=True):
+            out.append(_join(run))
+            run = []
+        run.append(piece)
+    if run:
+        out.append(_join(run))
+    return out
+
+
+def _join(run: list[pa.RecordBatch]) -> pa.RecordBatch:
+    if len(run) == 1 or not any(p.num_rows for p in run):
+        return run[0]
+    return pa.Table.from_batches(run, schema=run[0].schema).combine_chunks().to_batches()[0]
 
 
 def _tag(batch: pa.RecordBatch, g: int) -> pa.RecordBatch:

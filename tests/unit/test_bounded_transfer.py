@@ -447,3 +447,42 @@ def test_an_on_demand_fetch_brings_the_owners_other_sub_groups_hottest_first(
     assert _dump(pair.new_db) == moved
     assert _dump(pair.old_db) == {k: v for k, v in rows.items() if k not in moved}
     pair.close()
+
+
+def test_released_records_come_as_one_batch_in_arrival_order_per_sub_group(
+    tmp_path: Path,
+) -> None:
+    """Records buffered in many small pieces (one per sub-group and batch) are released as few
+    batches: every record once, each sub-group's in the order they came."""
+    rows = _rows(range(NUM_KEY_GROUPS), per_sub_group=3, value_bytes=20, seed=17)
+    policy = FetchPolicy(on_demand=False, background="none", background_after_s=0.05)
+    pair = Pair(tmp_path, policy, rows)
+    rng = np.random.default_rng(17)
+    sent: list[tuple[int, int]] = []  # (sub-group, seq) in arrival order
+
+    async def go() -> list[pa.RecordBatch]:
+        pair.prepare()
+        pair.old.activate(1)
+        pair.old.seal(1)
+        pair.new.activate(1)
+        for _ in range(12):  # batches of records of random moving sub-groups
+            groups = rng.choice(pair.moving, size=int(rng.integers(1, 9)))
+            seq = np.arange(len(sent), len(sent) + len(groups))
+            sent.extend(zip(groups.tolist(), seq.tolist(), strict=True))
+            batch = pa.RecordBatch.from_pydict({"g": groups, "seq": seq})
+            assert pair.new.split(batch, groups.astype(np.int64)) is None
+        pair.new.seal(1)
+        released: list[pa.RecordBatch] = []
+        await _until(
+            lambda: released.extend(pair.new.take_released()) or pair.new.task.done.is_set()
+        )
+        return released
+
+    released = asyncio.run(go())
+    assert len(released) == 1, [b.num_rows for b in released]
+    got = list(zip(*(released[0].column(c).to_pylist() for c in ("g", "seq")), strict=True))
+    assert sorted(got) == sorted(sent)
+    for g in {g for g, _ in sent}:
+        seqs = [s for h, s in got if h == g]
+        assert seqs == [s for h, s in sent if h == g], g
+    pair.close()
