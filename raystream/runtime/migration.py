@@ -13,9 +13,9 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
   most ``chunk_bytes`` (one ``serve`` call each, resumed where the last stopped), with at most
   ``inflight_chunks`` calls outstanding per (new owner, old owner) pair. Calls are few: an
   on-demand fetch asks for its sub-groups and then for every other sub-group of that old owner
-  not asked for yet (they fill the chunk's room; what does not fit follows as a bulk pull), and
-  before each call the sub-groups with records waiting here go first, then the hottest. A chunk
-  is filled in the order asked and sent in key order.
+  not asked for yet (they fill the chunk's room, at most ``RIDER_ROOM_BYTES``; what does not
+  fit follows as a bulk pull), and before each call the sub-groups with records waiting here go
+  first, then the hottest. A chunk is filled in the order asked and sent in key order.
 * The old owner serves one chunk at a time, on-demand requests before background pulls (the
   requests queued meanwhile back to back, for up to ``SERVE_BURST_S``); the
   sub-groups it hands out are evicted from its write-back cache once, at the seal, and the
@@ -50,6 +50,8 @@ __all__ = ["HANDOVER_META", "DecayingHeat", "MigrationEngine", "MigrationTask", 
 
 # the old owner serves queued requests back to back for up to this long before records run again
 SERVE_BURST_S = 0.02
+# an on-demand chunk that carries other sub-groups along is at most this large (or chunk_bytes)
+RIDER_ROOM_BYTES = 256 << 10
 # schema metadata of a batch of records handed over with a sub-group's state: its sub-group
 HANDOVER_META = b"raystream.handover"
 
@@ -498,9 +500,10 @@ class MigrationEngine:
             try:
                 task.max_inflight_chunks = max(task.max_inflight_chunks, slots.used)
                 task.fetch_calls += 1
-                done, chunks = await self.fetcher(
-                    owner, task.epoch, remaining, task.policy.chunk_bytes, urgent
-                )
+                room = task.policy.chunk_bytes
+                if first and riders:  # the records waiting here need only the first groups
+                    room = min(room, RIDER_ROOM_BYTES)
+                done, chunks = await self.fetcher(owner, task.epoch, remaining, room, urgent)
                 handed: dict[int, list[pa.RecordBatch]] = {}
                 for chunk in chunks:
                     meta = chunk.schema.metadata or {}
