@@ -258,6 +258,7 @@ def main(
                     "end_s": round(rec["end_s"], 3),
                     "duration_s": round(rec["duration_s"], 3),
                     "moved": rec["moved"],
+                    **({"phases_s": rec["phases_s"]} if "phases_s" in rec else {}),
                     "change": rec["change"],
                     "graph_version": rec["graph_version"],
                     **change_spans(lat, rec, window_s),

@@ -295,6 +295,7 @@ class Reconfigurations:
         self.specs[new_iid] = spec
         self.handles[new_iid] = handle
         self.nodes[new_iid] = await handle.ping.remote()
+        t_actor = time.time()
         downstream = {r for o in outputs for r in o.receiver_ids}
         await handle.connect.remote(self._receivers_of(new_iid), self._self)
         await asyncio.gather(*(self.handles[d].add_inputs.remote([new_iid]) for d in downstream))
@@ -330,6 +331,7 @@ class Reconfigurations:
                 for i in self.plan.sources
             )
         )
+        t_injected = time.time()
         if not any(taken):
             msg = (
                 f"job {self.flow.name!r} reached the end of its input before the move of "
@@ -364,6 +366,7 @@ class Reconfigurations:
             node_id=self.nodes[new_iid],
             actors=[actor_name],
             fetch_wait_ms_p99=float(np.percentile(waits, 99)) if waits else 0.0,
+            phases_s=_move_phases(t0, t_actor, t_injected, t1, stats),
         )
 
     # ---- records, graph ------------------------------------------------------------------------
@@ -432,3 +435,36 @@ class Reconfigurations:
             )
         return rows
 
+
+def _move_phases(
+    t0: float, actor_ready: float, injected: float, end: float, stats: list[Any]
+) -> dict[str, Any]:
+    """Seconds from a move's start to each of its phases: the new actor answers, the barrier is
+    injected, the new owner switches, the old owner seals and serves its first on-demand chunk,
+    the last sub-group arrives, each instance finishes its part (the new one last in the list),
+    the move is done; the calls and chunks that carried the state; how long records waited for
+    their state at the new owner (p50 and max, ms)."""
+    import numpy as np
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else round(t - t0, 3)
+
+    new = stats[-1]
+    old = next((st for st in stats[:-1] if st.get("chunks_out")), {})
+    waits = new.get("fetch_wait_ms") or [0.0]
+    return {
+        "actor_ready": since(actor_ready),
+        "barrier_injected": since(injected),
+        "switched": since(new.get("activated_wall")),
+        "sealed": since(old.get("sealed_wall")),
+        "first_on_demand_served": since(old.get("first_urgent_served_wall")),
+        "all_arrived": since(new.get("all_arrived_wall")),
+        "finished": [since(st.get("finished_wall")) for st in stats],
+        "done": since(end),
+        "fetch_calls": new.get("fetch_calls"),
+        "chunks_out": old.get("chunks_out"),
+        "record_wait_ms": {
+            "p50": round(float(np.percentile(waits, 50)), 1),
+            "max": round(float(max(waits)), 1),
+        },
+    }

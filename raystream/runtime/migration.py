@@ -11,7 +11,11 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
 * New owners pull: on demand when a record needs a sub-group, in the background hottest first,
   or all at once, as the strategy's :class:`FetchPolicy` says. A sub-group comes in chunks of at
   most ``chunk_bytes`` (one ``serve`` call each, resumed where the last stopped), with at most
-  ``inflight_chunks`` calls outstanding per (new owner, old owner) pair.
+  ``inflight_chunks`` calls outstanding per (new owner, old owner) pair. Calls are few: an
+  on-demand fetch asks for its sub-groups and then for every other sub-group of that old owner
+  not asked for yet (they fill the chunk's room, at most ``RIDER_ROOM_BYTES``; what does not
+  fit follows as a bulk pull), and before each call the sub-groups with records waiting here go
+  first, then the hottest. A chunk is filled in the order asked and sent in key order.
 * The old owner serves one chunk at a time, on-demand requests before background pulls (the
   requests queued meanwhile back to back, for up to ``SERVE_BURST_S``); the
   sub-groups it hands out are evicted from its write-back cache once, at the seal, and the
@@ -46,6 +50,8 @@ __all__ = ["HANDOVER_META", "DecayingHeat", "MigrationEngine", "MigrationTask", 
 
 # the old owner serves queued requests back to back for up to this long before records run again
 SERVE_BURST_S = 0.02
+# an on-demand chunk that carries other sub-groups along is at most this large (or chunk_bytes)
+RIDER_ROOM_BYTES = 256 << 10
 # schema metadata of a batch of records handed over with a sub-group's state: its sub-group
 HANDOVER_META = b"raystream.handover"
 
@@ -161,6 +167,7 @@ class MigrationTask:
     arrived: set[int] = field(default_factory=set)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     on_demand_fetches: int = 0
+    fetch_calls: int = 0  # serve calls made (new owner)
     bytes_in: int = 0
     bytes_out: int = 0
     rows_in: int = 0
@@ -183,6 +190,8 @@ class MigrationTask:
     activated_wall: float | None = None
     sealed_wall: float | None = None
     first_urgent_served_wall: float | None = None
+    all_arrived_wall: float | None = None  # new owner: the last incoming sub-group arrived
+    finished_wall: float | None = None
 
 
 class MigrationEngine:
@@ -334,7 +343,9 @@ class MigrationEngine:
 
     def take_released(self) -> list[pa.RecordBatch]:
         """Buffered records of sub-groups that may now be processed, in arrival order per
-        sub-group; the sub-groups are held from now on."""
+        sub-group; the sub-groups are held from now on. The pieces (one per sub-group and
+        batch it came in) are joined into as few batches as their schemas allow, sub-group
+        after sub-group: a keyed step runs them as it runs any batch, not piece by piece."""
         task = self.task
         if task is None or not self._releasable:
             return []
@@ -354,7 +365,7 @@ class MigrationEngine:
                 out.extend(pieces)
         self._check_done()
         self._released.set()
-        return out
+        return _merge_runs(out)
 
     # ---- protocol ------------------------------------------------------------------------
     def prepare(self, task: MigrationTask) -> None:
@@ -416,6 +427,7 @@ class MigrationEngine:
         ):
             if task.sealed.is_set() or not task.outgoing:
                 task.finished_at = time.monotonic()
+                task.finished_wall = time.time()
                 task.done.set()
 
     # ---- new owner: fetching -----------------------------------------------------------------
@@ -430,15 +442,31 @@ class MigrationEngine:
             by_owner.setdefault(task.incoming[g], []).append(g)
         for owner, gs in by_owner.items():
             if on_demand:
-                self._spawn(self._fetch(task, owner, gs, urgent=True))
+                # the owner's other sub-groups not asked for yet ride along, hottest first, in
+                # the room the chunk has left (one call instead of one per sub-group later)
+                riders = self._riders(task, owner) if task.policy.background != "none" else []
+                task.requested.update(riders)
+                self._spawn(self._fetch(task, owner, self._hot_first(task, gs), riders=riders))
                 continue
-            # a bulk pull: one sequence of calls per slot of the pair, in key order each
-            # (so a chunk's rows are sorted), to keep the pair's pipeline full
-            gs.sort()
-            k = self._slots_of(task, owner).size - self._slots_of(task, owner).reserved
-            step = max(1, math.ceil(len(gs) / k))
-            for start in range(0, len(gs), step):
-                self._spawn(self._fetch(task, owner, gs[start : start + step], urgent=False))
+            self._pull(task, owner, gs)
+
+    def _riders(self, task: MigrationTask, owner: int) -> list[int]:
+        return self._hot_first(
+            task, [g for g, o in task.incoming.items() if o == owner and g not in task.requested]
+        )
+
+    def _hot_first(self, task: MigrationTask, groups: list[int]) -> list[int]:
+        """Sub-groups with records waiting here first, then the rest; hottest first in each."""
+        pending = self.pending
+        return sorted(groups, key=lambda g: (g not in pending, -task.heat.get(g, 0.0), g))
+
+    def _pull(self, task: MigrationTask, owner: int, gs: list[int]) -> None:
+        """A bulk pull: one sequence of calls per background slot of the pair, to keep the
+        pair's pipeline full; sequence i takes every k-th sub-group in hot-first order."""
+        gs = self._hot_first(task, gs)
+        k = self._slots_of(task, owner).size - self._slots_of(task, owner).reserved
+        for i in range(min(k, len(gs))):
+            self._spawn(self._fetch(task, owner, gs[i::k], urgent=False))
 
     def _slots_of(self, task: MigrationTask, owner: int) -> PrioritySlots:
         slots = self._slots.get(owner)
@@ -449,20 +477,33 @@ class MigrationEngine:
         return slots
 
     async def _fetch(
-        self, task: MigrationTask, owner: int, groups: list[int], *, urgent: bool
+        self,
+        task: MigrationTask,
+        owner: int,
+        groups: list[int],
+        *,
+        urgent: bool = True,
+        riders: list[int] | None = None,
     ) -> None:
         """Pull ``groups`` from ``owner``: one chunk per call, each call holding one of the
-        pair's ``inflight_chunks`` slots until its chunk is imported."""
+        pair's ``inflight_chunks`` slots until its chunk is imported; before each call the
+        sub-groups with records waiting here go first. ``riders`` (urgent calls only) come
+        after ``groups`` in the first call; those that did not fit go on as a bulk pull."""
         assert self.fetcher is not None
         slots = self._slots_of(task, owner)
-        remaining = list(groups)
+        remaining = list(groups) + list(riders or ())
+        first = True
         while remaining:
+            if not first:
+                remaining = self._hot_first(task, remaining)
             await slots.acquire(urgent)
             try:
                 task.max_inflight_chunks = max(task.max_inflight_chunks, slots.used)
-                done, chunks = await self.fetcher(
-                    owner, task.epoch, remaining, task.policy.chunk_bytes, urgent
-                )
+                task.fetch_calls += 1
+                room = task.policy.chunk_bytes
+                if first and riders:  # the records waiting here need only the first groups
+                    room = min(room, RIDER_ROOM_BYTES)
+                done, chunks = await self.fetcher(owner, task.epoch, remaining, room, urgent)
                 handed: dict[int, list[pa.RecordBatch]] = {}
                 for chunk in chunks:
                     meta = chunk.schema.metadata or {}
@@ -477,11 +518,19 @@ class MigrationEngine:
                 msg = f"instance {owner} served nothing of sub-groups {remaining[:5]}..."
                 raise StateError(msg)
             task.arrived.update(done)
+            if task.all_arrived_wall is None and len(task.arrived) == len(task.incoming):
+                task.all_arrived_wall = time.time()
             for g, pieces in handed.items():
                 self._hand_in(task, g, pieces)
             self._releasable.extend(done)
             finished = set(done)
             remaining = [g for g in remaining if g not in finished]
+            if first and riders:
+                left = set(riders) - finished
+                remaining = [g for g in remaining if g not in left]
+                if left:
+                    self._pull(task, owner, [g for g in riders if g in left])
+            first = False
             self.poke()
 
     def _hand_in(self, task: MigrationTask, g: int, pieces: list[pa.RecordBatch]) -> None:
@@ -529,7 +578,7 @@ class MigrationEngine:
             for g in chunk:
                 task.requested.add(g)
                 by_owner.setdefault(task.incoming[g], []).append(g)
-            jobs = [self._fetch(task, o, sorted(gs), urgent=False) for o, gs in by_owner.items()]
+            jobs = [self._fetch(task, o, gs, urgent=False) for o, gs in by_owner.items()]
 
             async def run(jobs: list[Any] = jobs) -> None:
                 try:
@@ -603,7 +652,7 @@ class MigrationEngine:
         self, task: MigrationTask, groups: list[int], max_bytes: int
     ) -> tuple[list[int], list[pa.RecordBatch]]:
         done: list[int] = []
-        pieces: list[pa.RecordBatch] = []
+        pieces: list[tuple[int, pa.RecordBatch]] = []  # (sub-group, rows)
         records: list[pa.RecordBatch] = []
         room = max_bytes
         for g in groups:
@@ -615,7 +664,7 @@ class MigrationEngine:
             if piece.num_rows and pieces and piece.nbytes > room:
                 break  # a single row larger than the room left: it goes in the next chunk
             if piece.num_rows:
-                pieces.append(piece)
+                pieces.append((g, piece))
                 room -= piece.nbytes
             if resume is not None:
                 task.cursors[g] = resume
@@ -630,7 +679,8 @@ class MigrationEngine:
                 records.append(_tag(rec, g))
             if room <= 0:
                 break
-        chunk = _concat(pieces)
+        # served in the order asked (hottest first), sent in key order (a chunk's rows sorted)
+        chunk = _concat([piece for _, piece in sorted(pieces, key=lambda p: p[0])])
         task.chunks_out += 1
         task.bytes_out += chunk.nbytes
         task.max_chunk_bytes = max(task.max_chunk_bytes, chunk.nbytes)
@@ -659,6 +709,7 @@ class MigrationEngine:
             "incoming": len(t.incoming),
             "outgoing_left": len(t.outgoing),
             "on_demand_fetches": t.on_demand_fetches,
+            "fetch_calls": t.fetch_calls,
             "bytes_in": t.bytes_in,
             "bytes_out": t.bytes_out,
             "rows_in": t.rows_in,
@@ -672,6 +723,8 @@ class MigrationEngine:
             "activated_wall": t.activated_wall,
             "sealed_wall": t.sealed_wall,
             "first_urgent_served_wall": t.first_urgent_served_wall,
+            "all_arrived_wall": t.all_arrived_wall,
+            "finished_wall": t.finished_wall,
             "duration_s": (t.finished_at - t.activated_at)
             if t.finished_at and t.activated_at
             else None,
@@ -689,6 +742,27 @@ class MigrationEngine:
             self.poke()
 
     error: BaseException | None = None
+
+
+def _merge_runs(pieces: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
+    """Consecutive pieces with the same schema (metadata included: e.g. which input) joined
+    into one batch each; the order of rows stays."""
+    out: list[pa.RecordBatch] = []
+    run: list[pa.RecordBatch] = []
+    for piece in pieces:
+        if run and not piece.schema.equals(run[0].schema, check_metadata=True):
+            out.append(_join(run))
+            run = []
+        run.append(piece)
+    if run:
+        out.append(_join(run))
+    return out
+
+
+def _join(run: list[pa.RecordBatch]) -> pa.RecordBatch:
+    if len(run) == 1 or not any(p.num_rows for p in run):
+        return run[0]
+    return pa.Table.from_batches(run, schema=run[0].schema).combine_chunks().to_batches()[0]
 
 
 def _tag(batch: pa.RecordBatch, g: int) -> pa.RecordBatch:

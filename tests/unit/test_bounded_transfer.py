@@ -379,3 +379,110 @@ def test_fetch_policy_replace_keeps_validation() -> None:
     assert replace(p, inflight_chunks=3).inflight_chunks == 3
     with pytest.raises(ConfigError):
         replace(p, chunk_bytes=-5)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 2_000])
+def test_an_on_demand_fetch_brings_the_owners_other_sub_groups_hottest_first(
+    tmp_path: Path, chunk_bytes: int
+) -> None:
+    """A record of one missing sub-group fetches it first and, in the room left in the same
+    chunk, the owner's other sub-groups not asked for yet, hottest first; what does not fit
+    follows in background pulls. Every row arrives once, each chunk's rows in key order."""
+    rows = _rows(range(NUM_KEY_GROUPS), per_sub_group=20, value_bytes=60, seed=13)
+    policy = FetchPolicy(
+        on_demand=True,
+        background="hot_first",
+        chunk_bytes=chunk_bytes,
+        chunk_sub_groups=1,
+        fetch_concurrency=1,
+        inflight_chunks=3,
+    )
+    pair = Pair(tmp_path, policy, rows)
+    moving = pair.moving
+    rng = np.random.default_rng(chunk_bytes)
+    heat = {g: float(h) for g, h in zip(moving, rng.permutation(len(moving)), strict=True)}
+    wanted = min(moving, key=lambda g: heat[g])  # the coldest: only its record makes it first
+    chunks: list[pa.RecordBatch] = []
+
+    async def go() -> list[pa.RecordBatch]:
+        pair.prepare(heat=heat)
+        fetch = pair.new.fetcher
+
+        async def keep(*args: Any) -> Any:
+            done, got = await fetch(*args)
+            chunks.extend(got)
+            return done, got
+
+        pair.new.fetcher = keep
+        pair.old.activate(1)
+        pair.old.seal(1)
+        pair.new.activate(1)
+        batch = pa.RecordBatch.from_pydict({"x": [1, 2]})
+        assert pair.new.split(batch, np.array([wanted, wanted])) is None
+        pair.new.seal(1)
+        released: list[pa.RecordBatch] = []
+        await _until(
+            lambda: released.extend(pair.new.take_released()) or pair.new.task.done.is_set()
+        )
+        return released
+
+    released = asyncio.run(go())
+    assert [b.num_rows for b in released] == [2]  # the buffered record, after its state
+    first = pair.calls[0]
+    others = sorted((g for g in moving if g != wanted), key=lambda g: -heat[g])
+    assert first["urgent"] and first["groups"] == [wanted, *others], first
+    assert wanted in first["done"]
+    if chunk_bytes >= sum(len(k) + len(v) + 8 for k, v in rows.items()):
+        assert len(pair.calls) == 1 and sorted(first["done"]) == moving  # one call moved all
+    else:
+        # what did not fit came in background pulls, each asking hottest first
+        assert len(pair.calls) > 1 and not any(c["urgent"] for c in pair.calls[1:])
+        for c in pair.calls[1:]:
+            assert c["groups"] == sorted(c["groups"], key=lambda g: -heat[g]), c
+    for chunk in chunks:
+        keys = chunk.column(0).to_pylist()
+        assert keys == sorted(keys), "a chunk's rows must be in key order"
+    assert sum(len(c["done"]) for c in pair.calls) == len(moving)
+    moved = _moved(rows, NUM_KEY_GROUPS // 2)
+    assert _dump(pair.new_db) == moved
+    assert _dump(pair.old_db) == {k: v for k, v in rows.items() if k not in moved}
+    pair.close()
+
+
+def test_released_records_come_as_one_batch_in_arrival_order_per_sub_group(
+    tmp_path: Path,
+) -> None:
+    """Records buffered in many small pieces (one per sub-group and batch) are released as few
+    batches: every record once, each sub-group's in the order they came."""
+    rows = _rows(range(NUM_KEY_GROUPS), per_sub_group=3, value_bytes=20, seed=17)
+    policy = FetchPolicy(on_demand=False, background="none", background_after_s=0.05)
+    pair = Pair(tmp_path, policy, rows)
+    rng = np.random.default_rng(17)
+    sent: list[tuple[int, int]] = []  # (sub-group, seq) in arrival order
+
+    async def go() -> list[pa.RecordBatch]:
+        pair.prepare()
+        pair.old.activate(1)
+        pair.old.seal(1)
+        pair.new.activate(1)
+        for _ in range(12):  # batches of records of random moving sub-groups
+            groups = rng.choice(pair.moving, size=int(rng.integers(1, 9)))
+            seq = np.arange(len(sent), len(sent) + len(groups))
+            sent.extend(zip(groups.tolist(), seq.tolist(), strict=True))
+            batch = pa.RecordBatch.from_pydict({"g": groups, "seq": seq})
+            assert pair.new.split(batch, groups.astype(np.int64)) is None
+        pair.new.seal(1)
+        released: list[pa.RecordBatch] = []
+        await _until(
+            lambda: released.extend(pair.new.take_released()) or pair.new.task.done.is_set()
+        )
+        return released
+
+    released = asyncio.run(go())
+    assert len(released) == 1, [b.num_rows for b in released]
+    got = list(zip(*(released[0].column(c).to_pylist() for c in ("g", "seq")), strict=True))
+    assert sorted(got) == sorted(sent)
+    for g in {g for g, _ in sent}:
+        seqs = [s for h, s in got if h == g]
+        assert seqs == [s for h, s in sent if h == g], g
+    pair.close()

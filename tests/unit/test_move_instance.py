@@ -179,3 +179,33 @@ def test_cli_move_and_update_call_the_job_and_print_the_change(monkeypatch: Any)
     assert "7 state rows migrated" in updated.output
     assert calls[0] == ("move", "count", 1, "n2")
     assert calls[1][0] == "replace" and calls[1][2].fn.__name__ == "count" and calls[1][3] is abs
+
+
+def test_a_moves_phases_are_seconds_from_its_start_per_instance() -> None:
+    from raystream.reconfigurations import _move_phases
+
+    t0 = 1_000.0
+    old = {"sealed_wall": t0 + 2.0, "first_urgent_served_wall": t0 + 2.25, "chunks_out": 3}
+    old["finished_wall"] = t0 + 2.5
+    peer = {"finished_wall": t0 + 1.75, "chunks_out": 0}
+    new = {
+        "activated_wall": t0 + 1.5,
+        "all_arrived_wall": t0 + 3.0,
+        "finished_wall": t0 + 3.25,
+        "fetch_calls": 3,
+        "fetch_wait_ms": [10.0, 30.0, 20.0],
+    }
+    got = _move_phases(t0, t0 + 1.0, t0 + 1.25, t0 + 3.5, [peer, old, new])
+    assert got == {
+        "actor_ready": 1.0,
+        "barrier_injected": 1.25,
+        "switched": 1.5,
+        "sealed": 2.0,
+        "first_on_demand_served": 2.25,
+        "all_arrived": 3.0,
+        "finished": [1.75, 2.5, 3.25],
+        "done": 3.5,
+        "fetch_calls": 3,
+        "chunks_out": 3,
+        "record_wait_ms": {"p50": float(np.median([10.0, 30.0, 20.0])), "max": 30.0},
+    }
