@@ -151,9 +151,16 @@ def split_by_owner(
     runs = owner_runs(kg, table)
     if len(runs) <= MAX_RUNS_PER_RECEIVER * table.parallelism:
         return [(r, batch.slice(s, e - s)) for r, s, e in runs]
-    dest = table.owners[kg]
-    order = np.argsort(dest.astype(np.uint16), kind="stable")
-    counts = np.bincount(dest, minlength=table.parallelism)
+    return split_by_destination(batch, table.owners[kg], table.parallelism)
+
+
+def split_by_destination(
+    batch: pa.RecordBatch, dest: np.ndarray, parallelism: int
+) -> list[tuple[int, pa.RecordBatch]]:
+    """``batch`` cut into ``(receiver, rows)`` pieces by ``dest`` (a receiver per row, below
+    ``parallelism``), rows of each receiver in batch order: one stable sort by receiver."""
+    order = np.argsort(dest.astype(np.uint16), kind="stable")  # a radix sort (< 32768)
+    counts = np.bincount(dest, minlength=parallelism)
     taken = batch.take(pa.array(order))
     out = []
     offset = 0

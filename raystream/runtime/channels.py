@@ -22,13 +22,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from raystream.dataflow import KeySpec
 from raystream.errors import InternalError, SchemaError
 from raystream.keys import KeySpace, RoutingTable, stable_hash, to_key_array
-from raystream.presort import split_by_owner, take_key_groups
+from raystream.presort import split_by_destination, split_by_owner, take_key_groups
 from raystream.runtime.messages import Barrier, ChannelId
 
 __all__ = [
@@ -495,13 +494,4 @@ class ByKeyGroup:
         first = int(dest[0])
         if (dest == first).all():
             return [(first, batch)]
-        order = np.argsort(dest.astype(np.uint16), kind="stable")  # a radix sort (< 32768)
-        counts = np.bincount(dest, minlength=self.table.parallelism)
-        taken = batch.take(pa.array(order))
-        out = []
-        offset = 0
-        for receiver, n in enumerate(counts.tolist()):
-            if n:
-                out.append((receiver, taken.slice(offset, n)))
-                offset += n
-        return out
+        return split_by_destination(batch, dest, self.table.parallelism)

@@ -10,9 +10,7 @@ status must show the chain with metrics per step.
 from __future__ import annotations
 
 import collections
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,70 +22,18 @@ import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
 
 from ._helpers import count_vec, last_counts
+from ._rescale_helpers import UntilGate, prefix_counts
 
 KEYS = 2_000
 AFTER_GATE_ROWS = 2_000  # rows each source instance reads once the test opens the gate
 
 
-@dataclass(frozen=True)
-class _Gated:
-    """The rate-limited generator ``gen`` until the file ``gate`` exists, then
-    ``AFTER_GATE_ROWS`` more per instance; each instance writes how many rows of its share it
-    read to ``gate.<index>`` when it closes (the oracle takes those first rows of each share)."""
-
-    gen: Any
-    gate: str
-
-    def schema(self) -> pa.Schema:
-        return self.gen.schema()  # type: ignore[no-any-return]
-
-    @property
-    def rate_eps(self) -> float:
-        return float(self.gen.rate_eps)
-
-    def describe(self) -> str:
-        return f"gated({self.gen.describe()})"
-
-    def open(self, index: int, parallelism: int) -> Any:
-        return _GatedReader(self, self.gen.open(index, parallelism), index)
-
-
-class _GatedReader:
-    def __init__(self, spec: _Gated, inner: Any, index: int) -> None:
-        self.spec, self.inner, self.index = spec, inner, index
-        self.read_rows = 0
-        self.stop_at: int | None = None
-
-    def read(self, max_rows: int) -> pa.RecordBatch | None:
-        if self.stop_at is None and os.path.exists(self.spec.gate):
-            self.stop_at = self.read_rows + AFTER_GATE_ROWS
-        if self.stop_at is not None:
-            max_rows = min(max_rows, self.stop_at - self.read_rows)
-            if max_rows <= 0:
-                return None
-        batch = self.inner.read(max_rows)
-        if batch is not None:
-            self.read_rows += batch.num_rows
-        return batch
-
-    def close(self) -> None:
-        self.inner.close()
-        Path(f"{self.spec.gate}.{self.index}").write_text(str(self.read_rows))
-
-
 def _expected(gen: Any, gate: str) -> collections.Counter[int]:
     """Odd keys of the rows each source instance read (the first rows of its share)."""
-    keys: list[int] = []
+    total: collections.Counter[int] = collections.Counter()
     for i in range(2):
-        want = int(Path(f"{gate}.{i}").read_text())
-        reader = gen.open(i, 2)
-        got = 0
-        while got < want:
-            batch = reader.read(min(8192, want - got))
-            assert batch is not None
-            got += batch.num_rows
-            keys += batch["key"].to_pylist()
-    return collections.Counter(k for k in keys if k % 2 == 1)
+        total += prefix_counts(gen, int(Path(f"{gate}.events.{i}").read_text()), i, 2)
+    return collections.Counter({k: n for k, n in total.items() if k % 2 == 1})
 
 
 @rs.map_batches
@@ -112,7 +58,7 @@ def test_chained_job_checkpoints_recovers_and_rescales(tmp_path: Path) -> None:
     gate = str(tmp_path / "gate")
     flow = rs.Dataflow("chained", num_key_groups=32, sub_groups=8)
     (
-        flow.source(_Gated(gen, gate), parallelism=2)
+        flow.source(UntilGate(gen, gate, after_rows=AFTER_GATE_ROWS), parallelism=2)
         .apply(tag, parallelism=2)
         .apply(odd, parallelism=2)
         .key_by("key")
