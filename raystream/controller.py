@@ -591,6 +591,12 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             "sealed_s": since_start("sealed_wall", max),
             "first_on_demand_served_s": since_start("first_urgent_served_wall", min),
             "backlog_at_start": backlog,
+            # the longest an old owner waited after its seal for downstream to read what it had
+            # sent (its fence) before it handed out state
+            "fence_ms": max(
+                (float(st["fence_ms"]) for st in stats if st.get("fence_ms") is not None),
+                default=None,
+            ),
             "handover_rows": int(sum(st.get("handover_rows_out", 0) for st in stats)),
             "chunks": int(sum(st.get("chunks_out", 0) for st in stats)),
             "max_chunk_bytes": int(max((st.get("max_chunk_bytes", 0) for st in stats), default=0)),
@@ -999,6 +1005,8 @@ def _waiting_for(snap: Any, epoch: int) -> str:
         parts.append(f"has not seen the rescale barrier on any of its {live} live inputs")
     elif not mig.get("sealed"):
         parts.append(f"saw the rescale barrier on {seen} of {live} live inputs (not sealed)")
+    elif not mig.get("fenced", True):
+        parts.append("sealed, waiting for downstream to read what it sent before (fence)")
     parts.append(
         f"{mig.get('arrived', 0)}/{mig.get('incoming', 0)} sub-groups in "
         f"({mig.get('requested', 0)} requested, {mig.get('pending_rows', 0)} records "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,14 @@ class LocalChannel:
 
     async def push(self, item: Any) -> None:
         await self._deliver(item)
+
+    async def fence(self) -> list[Awaitable[Any]]:
+        """The member processed what came here when it came; fence what it sent on."""
+        acks: list[Awaitable[Any]] = []
+        for _, channels in self.member.outputs:
+            for c in channels:
+                acks += await c.fence()
+        return acks
 
     async def drain(self) -> None:
         """Until what the member sent on was acknowledged."""

@@ -28,7 +28,7 @@ from raystream.dataflow import KeySpec
 from raystream.errors import InternalError, SchemaError
 from raystream.keys import KeySpace, RoutingTable, stable_hash, to_key_array
 from raystream.presort import split_by_destination, split_by_owner, take_key_groups
-from raystream.runtime.messages import Barrier, ChannelId
+from raystream.runtime.messages import Barrier, ChannelId, Fence
 
 __all__ = [
     "ByKeyGroup",
@@ -63,6 +63,13 @@ class OvertakingBarrier:
     @property
     def rows(self) -> int:
         return sum(b.num_rows for b in self.pre_barrier)
+
+
+@dataclass
+class _ReadFence:
+    """A :class:`Fence` queued at a receiver; ``event`` is set once the reader passes it."""
+
+    event: asyncio.Event
 
 
 class Inbox:
@@ -100,6 +107,7 @@ class Inbox:
     def reset_channel(self, channel: ChannelId) -> None:
         """(Re)open ``channel`` at sequence 0; a known channel must have nothing left unread."""
         if channel in self._queues:
+            self._pass_fences(channel)
             if self._queues[channel]:
                 msg = f"channel {channel} reopened with {len(self._queues[channel])} unread items"
                 raise InternalError(msg)
@@ -110,6 +118,8 @@ class Inbox:
             self.add_channel(channel)
 
     def remove_channel(self, channel: ChannelId) -> None:
+        if channel in self._queues:
+            self._pass_fences(channel)
         q = self._queues.pop(channel, None)
         if q:
             msg = f"channel {channel} removed with {len(q)} unread items"
@@ -153,6 +163,9 @@ class Inbox:
             self.add_channel(channel)
         q = self._queues[channel]
         cond = self._space[channel]
+        if isinstance(item, Fence):
+            await self._put_fence(channel, seq)
+            return
         if overtakes(item):
             # the pushes before it are pre-barrier records: they come in without room, so the
             # barrier's turn comes without waiting for the reader
@@ -180,6 +193,27 @@ class Inbox:
             cond.notify_all()
         self.max_depth_seen = max(self.max_depth_seen, len(q))
         self._readable.set()
+
+    async def _put_fence(self, channel: ChannelId, seq: int) -> None:
+        """Queue a fence in its turn (it takes no room) and return once the reader reached it:
+        everything queued before it on ``channel`` was read and processed."""
+        q = self._queues[channel]
+        cond = self._space[channel]
+        read = _ReadFence(asyncio.Event())
+        async with cond:
+            await cond.wait_for(lambda: self._next_seq[channel] == seq)
+            q.append(read)
+            self._next_seq[channel] = seq + 1
+            cond.notify_all()
+        self._readable.set()
+        await read.event.wait()
+
+    def _pass_fences(self, channel: ChannelId) -> None:
+        """Release the fences at the front of ``channel``'s queue: the reader is back for the
+        next item, so what came before them was processed."""
+        q = self._queues[channel]
+        while q and isinstance(q[0], _ReadFence):
+            q.popleft().event.set()
 
     async def let_overtaking_in(self, timeout_s: float = 1.0) -> None:
         """Yield until the overtaking barriers pushed here are queued (each needs the pushes
@@ -220,6 +254,8 @@ class Inbox:
 
     def get_nowait(self) -> tuple[ChannelId, Any] | None:
         n = len(self._order)
+        for ch in self._order:
+            self._pass_fences(ch)
         if self.overtaking:  # a rescale barrier at the front of a channel goes first
             for ch in self._order:
                 q = self._queues[ch]
@@ -398,6 +434,13 @@ class OutputChannel:
         finally:
             waker.cancel()
             self._credit_wake = None
+
+    async def fence(self) -> list[Awaitable[Any]]:
+        """Flush buffered rows and send a :class:`Fence`; the awaitable returned completes once
+        the receiver has read everything sent before it."""
+        await self.flush()
+        await self.push(Fence())
+        return [self._inflight[-1]]
 
     async def drain(self) -> None:
         """Flush buffered rows and wait until every push was acknowledged."""

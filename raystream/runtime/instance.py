@@ -22,6 +22,7 @@ from raystream.errors import RescaleError, SourceError, context_of
 from raystream.ingest import IngestBuffer
 from raystream.keys import KeySpace, RoutingTable
 from raystream.metrics import InstanceMetrics, LatencyRecorder
+from raystream.runtime import snapshots
 from raystream.runtime.channels import (
     ByKeyGroup,
     Forward,
@@ -32,7 +33,6 @@ from raystream.runtime.channels import (
     concat_batches,
     overtakes,
 )
-from raystream.runtime import snapshots
 from raystream.runtime.messages import Barrier, ChannelId, EndOfStream, Watermark
 from raystream.runtime.migration import MigrationEngine, MigrationTask
 from raystream.runtime.outputs import port_of
@@ -1003,7 +1003,9 @@ class OperatorInstance:
                     engine.activate(epoch)
                 self.inbox.unblock_all()
             if mine and engine is not None:
-                engine.seal(epoch)
+                task = engine.task
+                hands_out = task is not None and task.epoch == epoch and bool(task.outgoing)
+                engine.seal(epoch, fence=await self._fence_outputs() if hands_out else None)
             self._report("barrier", info)
 
     async def _apply_replace(self, barrier: Barrier) -> int:
@@ -1041,6 +1043,21 @@ class OperatorInstance:
                         await c.push(EndOfStream())
                         await c.drain()
                     del channels[table.parallelism :]
+
+    async def _fence_outputs(self) -> Callable[[], Awaitable[None]] | None:
+        """Send a fence on every output (in order, after the rows before it); returns what waits
+        until the receivers read up to it (None: no outputs)."""
+        acks: list[Awaitable[Any]] = []
+        for _, channels in self.outputs:
+            for c in channels:
+                acks += await c.fence()
+        if not acks:
+            return None
+
+        async def wait() -> None:
+            await asyncio.gather(*acks)
+
+        return wait
 
     async def _forward_barrier(self, barrier: Barrier) -> None:
         for _, channels in self.outputs:

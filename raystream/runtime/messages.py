@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Barrier", "ChannelId", "EndOfStream", "Watermark"]
+__all__ = ["Barrier", "ChannelId", "EndOfStream", "Fence", "Watermark"]
 
 # A channel is one (sender instance -> receiver instance) edge: ("step", index) of the sender.
 ChannelId = tuple[str, int]
@@ -27,6 +27,13 @@ class Barrier:
 @dataclass(frozen=True)
 class EndOfStream:
     """The sender has no more records for this channel."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Acknowledged by the receiver only once it has read (and so processed) everything sent
+    before it on this channel. An old owner fences its outputs before it hands out state: every
+    output row it made for a moving sub-group is read downstream before the new owner's first."""
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,11 @@ class MigrationTask:
     heat: dict[int, float] = field(default_factory=dict)  # sub-group -> records/s (decayed)
     active: bool = False
     sealed: asyncio.Event = field(default_factory=asyncio.Event)
+    # old owner: every output it made before the seal was read downstream (Fence), so no new
+    # owner's output for a moving sub-group can be read before it; set with the seal when the
+    # instance has no outputs to fence
+    fenced: asyncio.Event = field(default_factory=asyncio.Event)
+    fence_ms: float | None = None
     activated_at: float = 0.0
     requested: set[int] = field(default_factory=set)
     arrived: set[int] = field(default_factory=set)
@@ -407,13 +412,30 @@ class MigrationEngine:
         self._check_done()
         self.poke()
 
-    def seal(self, epoch: int) -> None:
+    def seal(
+        self, epoch: int, *, fence: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """The barrier of ``epoch`` came on every input. ``fence``: waits until everything this
+        instance sent downstream so far was read there; an old owner hands out no state before
+        (else a new owner's output for a moving key could be read downstream before the old
+        owner's last output for it, e.g. at a sink fed by both)."""
         task = self.task
         if task is not None and task.epoch == epoch and not task.sealed.is_set():
             task.sealed_at = time.monotonic()
             task.sealed_wall = time.time()
             task.sealed.set()
+            if fence is None or not task.outgoing:
+                task.fenced.set()
+            else:
+                self._spawn(self._fence(task, fence))
             self._check_done()
+
+    async def _fence(self, task: MigrationTask, fence: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await fence()
+        finally:  # a failed fence fails the instance (the job recovers); serving may go on
+            task.fence_ms = (time.monotonic() - task.sealed_at) * 1000
+            task.fenced.set()
 
     def _check_done(self) -> None:
         task = self.task
@@ -623,6 +645,7 @@ class MigrationEngine:
 
     async def _serve_requests(self, task: MigrationTask) -> None:
         await task.sealed.wait()
+        await task.fenced.wait()
         if not task.evicted:  # once: the moving sub-groups leave the cache, the rest stays
             self.backend.evict_sub_groups(divmod(g, self.sub_groups) for g in task.outgoing)
             task.evicted = True
@@ -715,6 +738,8 @@ class MigrationEngine:
             "rows_in": t.rows_in,
             "fetch_wait_ms": list(t.fetch_wait_ms),
             "serve_wait_ms": list(t.serve_wait_ms),
+            "fence_ms": t.fence_ms,
+            "fenced": t.fenced.is_set(),
             "chunks_out": t.chunks_out,
             "max_chunk_bytes": t.max_chunk_bytes,
             "max_inflight_chunks": t.max_inflight_chunks,

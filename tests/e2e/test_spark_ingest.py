@@ -103,7 +103,7 @@ def test_backpressure_reaches_spark_tasks_and_the_buffer_stays_bounded(spark: An
     df = spark.range(0, 120_000, numPartitions=2).selectExpr("id % 997 as key", "id as seq")
     src = rs.sources.spark(df, push_rows=10_000, capacity_rows=20_000)
     flow = rs.Dataflow("e2e-spark-backpressure", num_key_groups=64)
-    flow.source(src).apply(slow).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
+    flow.source(src).apply(slow).options(chain=False).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
     job = rs.start(flow, batch_rows=10_000, max_inflight=1, inbox_capacity=1)
     result = job.wait(300)
     assert final_counts(result) == oracle(np.arange(120_000) % 997)

@@ -343,10 +343,10 @@ async def _overloaded_scale_out(state_dir: Path) -> tuple[Job, int, int]:
     at_seal: list[int] = []
     seal = engine.seal
 
-    def seal_and_note(epoch: int) -> None:
+    def seal_and_note(epoch: int, **how: Any) -> None:
         # records the old owner processed itself (those it hands over count at the new owner)
         at_seal.append(old.metrics.snapshot()["records_in"])
-        seal(epoch)
+        seal(epoch, **how)
 
     engine.seal = seal_and_note  # type: ignore[method-assign]
     job.run(COUNT)

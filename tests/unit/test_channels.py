@@ -23,6 +23,7 @@ from raystream.runtime.channels import (
     Rebalance,
     materialise_key,
 )
+from raystream.runtime.messages import Fence
 
 A, B, C = ("up", 0), ("up", 1), ("up", 2)
 
@@ -76,6 +77,84 @@ def test_round_robin_across_channels() -> None:
 
     got = asyncio.run(main())
     assert got == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (0, 2), (2, 2), (0, 3)]
+
+
+def test_a_fence_is_acknowledged_only_once_the_reader_is_past_what_came_before_it() -> None:
+    """An old owner hands out state only after its fence was acknowledged: the receiver has read
+    (and so processed) every batch the old owner sent before it, whatever other channels bring."""
+
+    async def main() -> None:
+        inbox = Inbox(capacity=2)
+        await inbox.put(A, 0, "a0")
+        await inbox.put(A, 1, "a1")
+        fence = asyncio.create_task(inbox.put(A, 2, Fence()))  # takes no room: queued at once
+        await inbox.put(B, 0, "b0")
+        await settle()
+        assert not fence.done() and inbox.depth() == 4
+        assert await inbox.get() == (A, "a0")
+        await settle()
+        assert not fence.done()  # a1 not read yet
+        assert await inbox.get() == (B, "b0")
+        assert await inbox.get() == (A, "a1")
+        await settle()
+        assert not fence.done()  # a1 read, not processed: the reader is not back yet
+        assert inbox.get_nowait() is None  # back for more: a1 was processed
+        await settle()
+        assert fence.done() and inbox.depth() == 0
+        # a fence on a blocked channel (aligned barrier read before it) passes too
+        await inbox.put(A, 3, "barrier")
+        assert await inbox.get() == (A, "barrier")
+        inbox.block(A)
+        fence = asyncio.create_task(inbox.put(A, 4, Fence()))
+        await settle()
+        assert inbox.get_nowait() is None
+        await settle()
+        assert fence.done()
+
+    asyncio.run(main())
+
+
+def test_an_output_channel_fence_waits_for_the_receiver_to_read_its_rows() -> None:
+    async def main() -> None:
+        inbox = Inbox(capacity=10)
+
+        def send(seq_item: tuple) -> asyncio.Future:
+            seq, item = seq_item
+            return asyncio.ensure_future(inbox.put(A, seq, item))
+
+        out = OutputChannel(send, batch_rows=1000, linger_ms=10_000, max_inflight=4)
+        await out.add(batch(0, 5))  # buffered (linger): the fence flushes it first
+        (ack,) = await out.fence()
+        await settle()
+        assert not ack.done()
+        ch, got = await inbox.get()
+        assert ch == A and got.num_rows == 5
+        assert inbox.get_nowait() is None
+        await asyncio.wait_for(ack, 1)
+        # the channel goes on: the next push comes after the fence
+        await out.add(batch(5, 1))
+        await out.flush()
+        ch, got = await asyncio.wait_for(inbox.get(), 1)
+        assert got.column("x").to_pylist() == [5]
+
+    asyncio.run(main())
+
+
+def test_removing_or_reopening_a_channel_releases_its_fences() -> None:
+    async def main() -> None:
+        inbox = Inbox(capacity=2)
+        fence = asyncio.create_task(inbox.put(A, 0, Fence()))
+        await settle()
+        inbox.reset_channel(A)
+        await settle()
+        assert fence.done()
+        fence = asyncio.create_task(inbox.put(B, 0, Fence()))
+        await settle()
+        inbox.remove_channel(B)
+        await settle()
+        assert fence.done() and B not in inbox.channels
+
+    asyncio.run(main())
 
 
 def test_block_and_unblock_all() -> None:
