@@ -107,6 +107,10 @@ def build_report(
                         "steps",
                     )
                 },
+                **{
+                    k: r.get(k)
+                    for k in ("fence_ms", "max_rss_growth_mb", "max_rss_peak_mb")
+                },
                 **impact,
             }
         )

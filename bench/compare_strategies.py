@@ -157,6 +157,7 @@ FIGURES: list[tuple[str, str, int, Callable[[dict[str, Any]], float | None]]] = 
     ("moved_key_groups", "moved key groups", 0, _field("moved_key_groups")),
     ("moved_mb", "moved MB", 2, _field("moved_bytes", 1e-6)),
     ("on_demand_fetches", "on-demand fetches", 0, _field("on_demand_fetches")),
+    ("max_rss_growth_mb", "max RSS growth MB", 0, _field("max_rss_growth_mb")),
     ("fetch_wait_p50_ms", "fetch wait p50 ms", 0, _fetch_wait("p50")),
     ("fetch_wait_p99_ms", "fetch wait p99 ms", 0, _fetch_wait("p99")),
     ("run_p99_ms", "run p99 ms", 0, lambda rep: rep["latency_ms"]["p99"]),

@@ -597,6 +597,16 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                 (float(st["fence_ms"]) for st in stats if st.get("fence_ms") is not None),
                 default=None,
             ),
+            # resident memory per instance from its switch to the end of its move: the most any
+            # instance grew (peak minus its reading at the switch), and the highest peak
+            "max_rss_growth_mb": _max_mb(
+                st["rss_peak_bytes"] - st["rss_start_bytes"]
+                for st in stats
+                if st.get("rss_peak_bytes") is not None and st.get("rss_start_bytes") is not None
+            ),
+            "max_rss_peak_mb": _max_mb(
+                st["rss_peak_bytes"] for st in stats if st.get("rss_peak_bytes") is not None
+            ),
             "handover_rows": int(sum(st.get("handover_rows_out", 0) for st in stats)),
             "chunks": int(sum(st.get("chunks_out", 0) for st in stats)),
             "max_chunk_bytes": int(max((st.get("max_chunk_bytes", 0) for st in stats), default=0)),
@@ -989,6 +999,12 @@ async def _quietly(ref: Any) -> None:
 
 async def _result_of(ref: Any) -> Any:
     return await ref
+
+
+def _max_mb(values: Any) -> float | None:
+    """The largest of ``values`` (bytes) in MiB, None if there are none."""
+    top = max(values, default=None)
+    return None if top is None else round(top / 2**20, 1)
 
 
 def _waiting_for(snap: Any, epoch: int) -> str:

@@ -45,6 +45,7 @@ import pyarrow as pa
 
 from raystream.errors import StateError
 from raystream.rescale import FetchPolicy
+from raystream.runtime.memory import PeakRss
 
 __all__ = ["HANDOVER_META", "DecayingHeat", "MigrationEngine", "MigrationTask", "PrioritySlots"]
 
@@ -167,6 +168,8 @@ class MigrationTask:
     # instance has no outputs to fence
     fenced: asyncio.Event = field(default_factory=asyncio.Event)
     fence_ms: float | None = None
+    # this process's resident memory from the switch here to the end of the move (bytes)
+    rss: PeakRss | None = None
     activated_at: float = 0.0
     requested: set[int] = field(default_factory=set)
     arrived: set[int] = field(default_factory=set)
@@ -395,6 +398,7 @@ class MigrationEngine:
         task.active = True
         task.activated_at = time.monotonic()
         task.activated_wall = time.time()
+        task.rss = PeakRss()
         if task.policy.full_restore:
             return  # stop-and-restart: the controller drives snapshot and restore
         self._spawn(self._background(task))
@@ -450,6 +454,8 @@ class MigrationEngine:
             if task.sealed.is_set() or not task.outgoing:
                 task.finished_at = time.monotonic()
                 task.finished_wall = time.time()
+                if task.rss is not None:
+                    task.rss.stop()
                 task.done.set()
 
     # ---- new owner: fetching -----------------------------------------------------------------
@@ -739,6 +745,8 @@ class MigrationEngine:
             "fetch_wait_ms": list(t.fetch_wait_ms),
             "serve_wait_ms": list(t.serve_wait_ms),
             "fence_ms": t.fence_ms,
+            "rss_start_bytes": t.rss.start if t.rss is not None else None,
+            "rss_peak_bytes": t.rss.peak if t.rss is not None else None,
             "fenced": t.fenced.is_set(),
             "chunks_out": t.chunks_out,
             "max_chunk_bytes": t.max_chunk_bytes,

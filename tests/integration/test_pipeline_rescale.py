@@ -176,3 +176,7 @@ def test_a_moving_keys_outputs_reach_the_sink_in_order_when_the_keyed_step_has_t
     assert last_counts(result.table("out")) == dict(expected)
     assert [r["to"] for r in result.rescales] == [3, 2, 4]
     assert all(r["fence_ms"] is not None for r in result.rescales), result.rescales
+    # resident memory of the moving instances was sampled (a peak at or above the start)
+    assert all(
+        r["max_rss_peak_mb"] > 0 and r["max_rss_growth_mb"] >= 0 for r in result.rescales
+    ), result.rescales
