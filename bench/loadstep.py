@@ -75,6 +75,7 @@ def _rescale_timing(r: dict[str, Any]) -> dict[str, Any]:
         "to": r["to"],
         "strategy": r["strategy"],
         "start_s": r["start_s"],
+        "prepare_phases_s": r.get("prepare_phases_s"),
         "switch_s": r.get("switch_s"),
         "sealed_s": r.get("sealed_s"),
         "first_on_demand_served_s": r.get("first_on_demand_served_s"),
@@ -333,6 +334,8 @@ def main(
             f"{r['backlog_queued_rows']} queued + {r['backlog_source_lag_rows']} at the source "
             f"= {_fmt(r['backlog_work_s'])} s of work; handed over {r['handover_rows']} records"
         )
+        if r.get("prepare_phases_s"):
+            click.echo(f"    preparation (s): {r['prepare_phases_s']}")
     click.echo(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     if not exact:
         raise click.ClickException("final counts differ from the generator's stream")

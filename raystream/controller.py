@@ -484,12 +484,15 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             asyncio.gather(*(self.handles[self._at(step, i)].sub_group_load.remote() for i in live)),
             self._backlog(step, live),
         )
+        marks = {"load": time.time()}  # when each preparation phase ended
         heat = np.sum(loads, axis=0)
         kg_load = heat.reshape(-1, s).sum(axis=1)
         target = rebalance(old, parallelism, kg_load)
         plan = strategy.plan(RescaleContext(step, old, target, kg_load, s))
+        marks["plan"] = time.time()
         if parallelism > old.parallelism:
             await self._spawn(step, range(old.parallelism, parallelism))
+        marks["spawn"] = time.time()
         width = max(parallelism, old.parallelism)
         peers = {i: self.handles[self._at(step, i)] for i in range(width)}
         current = old
@@ -512,6 +515,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             await asyncio.gather(
                 *(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(width))
             )
+            marks.setdefault("prepare", time.time())
             payload = {"step": step, "table": table, "final": final, "aligned": policy.full_restore}
             barrier = Barrier(epoch, "rescale", payload)
             if policy.pause_sources:
@@ -587,6 +591,14 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             },
             # from the request (the decision) to: the first instance switching its routing, the
             # last old owner sealing, the first on-demand chunk served; the backlog then
+            # the preparation before the first barrier: measured load and backlog at every old
+            # owner, the plan, new instances started and wired, migration tasks handed out
+            "prepare_phases_s": {
+                phase: round(at - before, 4)
+                for (phase, at), before in zip(
+                    marks.items(), [t0, *list(marks.values())[:-1]], strict=True
+                )
+            },
             "switch_s": since_start("activated_wall", min),
             "sealed_s": since_start("sealed_wall", max),
             "first_on_demand_served_s": since_start("first_urgent_served_wall", min),
