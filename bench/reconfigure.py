@@ -27,7 +27,9 @@ count of the same seeded generator's stream; if they differ it writes nothing an
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -110,12 +112,13 @@ def _drive(
     value_bytes: int | None,
     log: list[Any],
     move_fetch: dict[str, Any] | None = None,
+    changes: tuple[str, ...] = CHANGES,
 ) -> None:
-    """The four changes, ``every_s`` apart (the first ``every_s`` after the start)."""
+    """The ``changes``, ``every_s`` apart (the first ``every_s`` after the start)."""
     import ray
 
     t0 = time.monotonic()
-    for i, kind in enumerate(CHANGES):
+    for i, kind in enumerate(changes):
         time.sleep(max(0.0, (i + 1) * every_s - (time.monotonic() - t0)))
         try:
             if kind == "replace":
@@ -198,6 +201,19 @@ def _fetch_options(values: tuple[str, ...]) -> dict[str, Any]:
     multiple=True,
     help="a FetchPolicy option for the move, KEY=VALUE (e.g. on_demand=false, background=all)",
 )
+@click.option(
+    "--changes",
+    "change_list",
+    default=",".join(CHANGES),
+    show_default=True,
+    help="which changes, in this order (a comma-separated subset of replace,insert,remove,move)",
+)
+@click.option(
+    "--prefill",
+    is_flag=True,
+    help="write the state of all --keys keys before the stream starts (with --value-bytes: "
+    "keys x (B + 8) bytes from the first second, e.g. 1,000,000 x 1024 B = 1 GB)",
+)
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
     rate: float,
@@ -209,6 +225,8 @@ def main(
     value_bytes: int | None,
     seed: int,
     move_fetch: tuple[str, ...],
+    change_list: str,
+    prefill: bool,
     report: Path | None,
 ) -> None:
     if rate <= 0 or keys < 1 or every_s <= window_s or parallelism < 1:
@@ -218,17 +236,42 @@ def main(
         )
         raise click.BadParameter(msg)
     fetch = _fetch_options(move_fetch)
+    changes = tuple(c.strip() for c in change_list.split(",") if c.strip())
+    if not changes or set(changes) - set(CHANGES) or ("remove" in changes) != ("insert" in changes):
+        msg = (
+            f"expected a comma-separated subset of {','.join(CHANGES)} (insert and remove "
+            f"together), got {change_list!r}"
+        )
+        raise click.BadParameter(msg, param_hint="'--changes'")
     # the stream outlasts the last change's after-span (a move may take seconds)
-    duration_s = every_s * (len(CHANGES) + 1) + AFTER_S + window_s + 5.0
+    duration_s = every_s * (len(changes) + 1) + AFTER_S + window_s + 5.0
     events = int(rate * duration_s)
     gen = rs.sources.generator(events=events, keys=keys, zipf=zipf, seed=seed, rate_eps=rate)
     started = _connect_ray()
     _pickle_by_value(("bench.keycount", "bench._latest", "bench._payload", "bench.reconfigure"))
+    state_dir = None
     try:
         flow = keycount_flow(gen, "vectorised", value_bytes=value_bytes)
-        job = rs.start(flow, parallelism={STEP: parallelism}, linger_ms=10.0)
+        prefilled = None
+        if prefill:
+            from bench._payload import prefill_state
+
+            state_dir = tempfile.mkdtemp(prefix="raystream-bench-reconfigure-")
+            prefilled = prefill_state(state_dir, flow, STEP, parallelism, keys, "int", value_bytes)
+            click.echo(
+                f"prefilled {prefilled['rows']:,} keys, {prefilled['bytes'] / 1e6:,.0f} MB of "
+                f"state in {prefilled['seconds']:.1f} s"
+            )
+        job = rs.start(
+            flow,
+            parallelism={STEP: parallelism},
+            linger_ms=10.0,
+            **({"state_dir": state_dir} if state_dir else {}),
+        )
         log: list[Any] = []
-        driver = threading.Thread(target=_drive, args=(job, every_s, value_bytes, log, fetch))
+        driver = threading.Thread(
+            target=_drive, args=(job, every_s, value_bytes, log, fetch, changes)
+        )
         driver.start()
         driver.join()
         result = job.wait(duration_s + 120)
@@ -283,6 +326,8 @@ def main(
                 "window_s": window_s,
                 "seed": seed,
                 "move_fetch": fetch,
+                "changes": list(changes),
+                "prefilled": prefilled,
                 "nodes": len({m.get("node_id") for m in result.metrics if m.get("node_id")}),
             },
             "exact": True,
@@ -303,6 +348,8 @@ def main(
             import ray
 
             ray.shutdown()
+        if state_dir is not None:
+            shutil.rmtree(state_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
