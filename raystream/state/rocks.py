@@ -302,9 +302,8 @@ class RocksStateBackend:
         oldest = dict(itertools.islice(dirty.items(), n))
         keys = sorted(oldest)
         self._write_through(keys, list(map(oldest.__getitem__, keys)))
-        for k in keys:  # only once written: a failed write leaves them dirty
-            if dirty.get(k, _MISS) is oldest[k]:
-                del dirty[k]
+        # only once written (a failed write leaves them dirty); nothing wrote them meanwhile
+        collections.deque(map(dirty.pop, keys), maxlen=0)
 
     def _write_dirty(self) -> None:
         if self._dirty:
