@@ -3,6 +3,8 @@ deleted per key, output batches, side outputs. Public API only."""
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from typing import Any
 
@@ -46,7 +48,7 @@ def times_ms(batch: pa.RecordBatch, column: str, where: str) -> np.ndarray:
 
 def store(state: Any, keys: rs.KeySet, values: list[Any]) -> None:
     """Write ``values[i]`` for ``keys[i]``; None deletes the key's state."""
-    present = np.fromiter((v is not None for v in values), bool, len(values))
+    present = np.fromiter(map(operator.is_not, values, itertools.repeat(None)), bool, len(values))
     if present.all():
         state.put(keys, values)
         return

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import operator
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 from raystream.operators.aggregations import Aggregation, Groups, Parts, Rows
 
 from raystream.errors import DataflowDefinitionError
@@ -136,9 +137,11 @@ class WindowTable:
         return WindowTable(e, e, e, np.empty(0, bool), {})
 
     # ---- per-key state values ----------------------------------------------------------------
-    # A key's windows are stored as one record array in bytes, ``(layout, bytes)``, when every
-    # partial is numeric (one vectorised encode for all keys of a batch, cheap to pickle); as a
-    # dict of arrays when a partial holds objects (top_k, user aggregates).
+    # A key's windows are stored as one bytes value (``ValueState(bytes)``: no pickling). When
+    # every partial is numeric: b"P", the length of the layout (u8), the layout (the partials'
+    # names and dtypes), then one fixed-size record per window (start, end, fired, partials), so
+    # all keys of a batch are read and written with a few numpy calls. When a partial holds
+    # objects (top_k, user aggregates): b"O" and the pickled dict of arrays.
 
     @staticmethod
     def from_state(values: list[Any]) -> WindowTable:
@@ -146,31 +149,28 @@ class WindowTable:
         fast = _from_packed(values)
         if fast is not None:
             return fast
-        packed: list[tuple[int, bytes]] = []
+        packed: dict[bytes, tuple[list[int], list[bytes]]] = {}
         tables = []
-        layout = None
         for i, v in enumerate(values):
             if not v:
                 continue
-            if isinstance(v, tuple) and (layout is None or v[0] == layout):
-                layout = v[0]
-                packed.append((i, v[1]))
-            elif isinstance(v, tuple):  # another layout (not written by one operator)
-                tables.append(_unpack(_dtype_of(v[0]), [(i, v[1])]))
-            else:
-                n = len(v["start"])
-                tables.append(
-                    WindowTable(
-                        np.full(n, i, np.int64), v["start"], v["end"], v["fired"], v["parts"]
-                    )
-                )
-        if packed:
-            assert layout is not None
-            tables.append(_unpack(_dtype_of(layout), packed))
+            if v[:1] == _PACKED:
+                head = _head_of(v)
+                index, raws = packed.setdefault(head, ([], []))
+                index.append(i)
+                raws.append(v[len(head) :])
+                continue
+            d = pickle.loads(v[1:])
+            n = len(d["start"])
+            tables.append(
+                WindowTable(np.full(n, i, np.int64), d["start"], d["end"], d["fired"], d["parts"])
+            )
+        for head, (index, raws) in packed.items():
+            tables.append(_unpack(_dtype_of(head), index, raws))
         return WindowTable.concat(tables)
 
     def to_state(self, n_keys: int) -> list[Any]:
-        """Per key its windows as a storable value, or None when it has none left."""
+        """Per key its windows as a storable bytes value, or None when it has none left."""
         out: list[Any] = [None] * n_keys
         if not len(self):
             return out
@@ -179,68 +179,116 @@ class WindowTable:
         bounds = np.flatnonzero(np.r_[True, t.key[1:] != t.key[:-1], True])
         keys = t.key[bounds[:-1]].tolist()
         if all(v.dtype != object for v in t.parts.values()):
-            layout, dtype = _layout_of(t)
+            head, dtype = _layout_of(t)
             rec = np.empty(len(t), dtype)
             rec["start"], rec["end"], rec["fired"] = t.start, t.end, t.fired
             for name, v in t.parts.items():
                 rec["p." + name] = v
-            raw = rec.tobytes()
-            size = dtype.itemsize
-            for k, a, b in zip(keys, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-                out[k] = (layout, raw[a * size : b * size])
+            blobs = pack_runs(head, rec.view(np.uint8).reshape(len(t), -1), np.diff(bounds))
+            for k, blob in zip(keys, blobs, strict=True):
+                out[k] = blob
             return out
         for k, a, b in zip(keys, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-            out[k] = {
+            value = {
                 "start": t.start[a:b].copy(),
                 "end": t.end[a:b].copy(),
                 "fired": t.fired[a:b].copy(),
                 "parts": {name: v[a:b].copy() for name, v in t.parts.items()},
             }
+            out[k] = _OBJECTS + pickle.dumps(value, protocol=5)
         return out
 
 
-_LAYOUTS: dict[str, np.dtype] = {}
+_PACKED = b"P"
+_OBJECTS = b"O"
+_FIXED = [("start", "<i8"), ("end", "<i8"), ("fired", "|b1")]
+_LAYOUTS: dict[bytes, np.dtype] = {}
 
 
-def _layout_of(t: WindowTable) -> tuple[str, np.dtype]:
-    fields = [("start", "<i8"), ("end", "<i8"), ("fired", "|b1")]
-    fields += [("p." + name, v.dtype.str) for name, v in t.parts.items()]
-    layout = json.dumps(fields, separators=(",", ":"))
-    if layout not in _LAYOUTS:
-        _LAYOUTS[layout] = np.dtype(fields)
-    return layout, _LAYOUTS[layout]
+def pack_runs(head: bytes, rows: np.ndarray, counts: np.ndarray) -> list[bytes]:
+    """One bytes value per run: ``head`` then the run's rows (``rows``: (n, width) uint8, runs
+    of ``counts[i]`` consecutive rows). Built in one buffer with numpy, split by Arrow."""
+    width = rows.shape[1]
+    hl = len(head)
+    sizes = hl + counts.astype(np.int64) * width
+    offsets = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    buf = np.empty(int(offsets[-1]), np.uint8)
+    starts = offsets[:-1]
+    if hl:
+        buf[(starts[:, None] + np.arange(hl)).ravel()] = np.tile(
+            np.frombuffer(head, np.uint8), len(counts)
+        )
+    run = np.repeat(np.arange(len(counts)), counts)
+    first = np.cumsum(counts) - counts
+    at = starts[run] + hl + (np.arange(len(run)) - first[run]) * width
+    buf[(at[:, None] + np.arange(width)).ravel()] = rows.ravel()
+    split = pa.Array.from_buffers(
+        pa.large_binary(), len(counts), [None, pa.py_buffer(offsets), pa.py_buffer(buf)]
+    )
+    return split.to_pylist()  # type: ignore[no-any-return]
 
 
-def _dtype_of(layout: str) -> np.dtype:
-    got = _LAYOUTS.get(layout)
+def _layout_of(t: WindowTable) -> tuple[bytes, np.dtype]:
+    """The header of packed values of ``t``'s layout (b"P", its length, the partials' names and
+    dtypes as JSON; a length byte 0xFF means a 4-byte length follows) and the record dtype."""
+    parts = [("p." + name, v.dtype.str) for name, v in t.parts.items()]
+    text = json.dumps(parts, separators=(",", ":")).encode()
+    if len(text) < 0xFF:
+        head = _PACKED + bytes((len(text),)) + text
+    else:
+        head = _PACKED + b"\xff" + len(text).to_bytes(4, "little") + text
+    if head not in _LAYOUTS:
+        _LAYOUTS[head] = np.dtype(_FIXED + [tuple(f) for f in parts])
+    return head, _LAYOUTS[head]
+
+
+def _head_of(value: bytes) -> bytes:
+    """The header (b"P", layout) of a packed value."""
+    n = value[1]
+    if n == 0xFF:
+        return value[: 6 + int.from_bytes(value[2:6], "little")]
+    return value[: 2 + n]
+
+
+def _dtype_of(head: bytes) -> np.dtype:
+    got = _LAYOUTS.get(head)
     if got is None:
-        got = np.dtype([tuple(f) for f in json.loads(layout)])
-        _LAYOUTS[layout] = got
+        text = head[6:] if head[1] == 0xFF else head[2:]
+        got = np.dtype(_FIXED + [tuple(f) for f in json.loads(text)])
+        _LAYOUTS[head] = got
     return got
 
 
 def _from_packed(values: list[Any]) -> WindowTable | None:
-    """The common case of :meth:`WindowTable.from_state`, with the loops in C: every stored
-    value is ``(layout, bytes)`` of one layout. None when it is not that case."""
+    """The common case of :meth:`WindowTable.from_state`, with the loops in C or numpy: every
+    stored value is packed with one layout. None when it is not that case."""
     present = list(itertools.compress(range(len(values)), values))
     if not present:
         return WindowTable.empty()
     stored = [values[i] for i in present]
-    if set(map(type, stored)) != {tuple} or len(set(map(operator.itemgetter(0), stored))) != 1:
+    first = stored[0]
+    if first[:1] != _PACKED:
         return None
-    dtype = _dtype_of(stored[0][0])
-    raws = list(map(operator.itemgetter(1), stored))
-    rec = np.frombuffer(b"".join(raws), dtype)
-    counts = np.fromiter(map(len, raws), np.int64, len(raws)) // dtype.itemsize
-    key = np.repeat(np.array(present, np.int64), counts)
-    parts = {n[2:]: rec[n].copy() for n in dtype.names if n.startswith("p.")}
-    return WindowTable(key, rec["start"].copy(), rec["end"].copy(), rec["fired"].copy(), parts)
+    head = _head_of(first)
+    if not all(map(bytes.startswith, stored, itertools.repeat(head))):
+        return None
+    return _unpack(_dtype_of(head), present, stored, len(head))
 
 
-def _unpack(dtype: np.dtype, packed: list[tuple[int, bytes]]) -> WindowTable:
-    rec = np.frombuffer(b"".join(raw for _, raw in packed), dtype)
-    counts = np.fromiter((len(raw) // dtype.itemsize for _, raw in packed), np.int64, len(packed))
-    key = np.repeat(np.fromiter((i for i, _ in packed), np.int64, len(packed)), counts)
+def _unpack(dtype: np.dtype, index: list[int], raws: list[bytes], head: int = 0) -> WindowTable:
+    """Windows of the keys ``index`` stored as ``raws``, whose first ``head`` bytes are a
+    header."""
+    lens = np.fromiter(map(len, raws), np.int64, len(raws))
+    buf = np.frombuffer(b"".join(raws), np.uint8)
+    if head:
+        keep = np.ones(len(buf), bool)
+        starts = np.cumsum(lens) - lens
+        keep[(starts[:, None] + np.arange(head)).ravel()] = False
+        buf = buf[keep]
+    rec = buf.view(dtype)
+    counts = (lens - head) // dtype.itemsize
+    key = np.repeat(np.asarray(index, np.int64), counts)
     parts = {n[2:]: rec[n].copy() for n in dtype.names if n.startswith("p.")}
     return WindowTable(key, rec["start"].copy(), rec["end"].copy(), rec["fired"].copy(), parts)
 

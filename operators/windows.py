@@ -199,7 +199,7 @@ def _operator(logic: Any, time_column: str, name: str) -> rs.Operator:
         store(state, timers.keyset, res.state)
         return _rows(res.emit, logic, timers.keys, timers.key_column)
 
-    @rs.keyed_batches(name=name, state=rs.ValueState(object), on_timer=fire)
+    @rs.keyed_batches(name=name, state=rs.ValueState(bytes), on_timer=fire)
     def window(batch: rs.KeyedBatch, state: Any) -> Any:
         values = state.get(batch.keys)
         times = times_ms(batch.records, time_column, where)

@@ -628,68 +628,211 @@ def _q7(inputs: dict[str, rs.Stream]) -> rs.Stream:
 
 _Q8_GRACE_MS = 60_000
 
+# A key's q8 state is one bytes value: u32 n, then n records (w int64, tag int32), then the UTF-8
+# names of its persons one after the other. tag: the byte length of a person's name, or
+# _SOLD (a window the key sold in) or _NULL_NAME (a person without a name).
+_Q8_REC = np.dtype([("w", "<i8"), ("tag", "<i4")])
+_SOLD = -1
+_NULL_NAME = -2
 
-@rs.keyed_batches(name="new_sellers", state=rs.ValueState(object))
+
+@dataclass
+class _Entries:
+    """Packed q8 entries of many keys as flat arrays: ``key`` (index into the batch's keys),
+    ``w``, ``tag``, and ``name`` (a string array, null for windows and nameless persons)."""
+
+    key: np.ndarray
+    w: np.ndarray
+    tag: np.ndarray
+    name: pa.Array
+
+    def take(self, idx: np.ndarray) -> _Entries:
+        return _Entries(self.key[idx], self.w[idx], self.tag[idx], self.name.take(pa.array(idx)))
+
+    @staticmethod
+    def concat(parts: list[_Entries]) -> _Entries:
+        return _Entries(
+            np.concatenate([p.key for p in parts]),
+            np.concatenate([p.w for p in parts]),
+            np.concatenate([p.tag for p in parts]),
+            pa.concat_arrays([p.name for p in parts]),
+        )
+
+
+def _gather(buf: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """``width`` bytes at each of ``starts`` of ``buf``, as an (n, width) uint8 array."""
+    return buf[starts[:, None] + np.arange(width)]
+
+
+def _runs(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For runs of ``lengths``: the run of every item and its position within its run."""
+    run = np.repeat(np.arange(len(lengths)), lengths)
+    first = np.cumsum(lengths) - lengths
+    return run, np.arange(int(lengths.sum())) - first[run]
+
+
+def _q8_unpack(values: list[bytes | None]) -> _Entries:
+    """The entries of every key (``values[i]``: key ``i``'s stored bytes, None: nothing)."""
+    present = np.flatnonzero(np.fromiter(map(bool, values), bool, len(values)))
+    blobs = [values[i] for i in present.tolist()]
+    if not blobs:
+        e = np.empty(0, np.int64)
+        return _Entries(e, e, np.empty(0, np.int32), pa.nulls(0, pa.string()))
+    lens = np.fromiter(map(len, blobs), np.int64, len(blobs))
+    buf = np.frombuffer(b"".join(blobs), np.uint8)
+    starts = np.cumsum(lens) - lens
+    count = _gather(buf, starts, 4).copy().view("<u4").ravel().astype(np.int64)
+    blob, j = _runs(count)
+    rec_at = starts[blob] + 4 + _Q8_REC.itemsize * j
+    recs = _gather(buf, rec_at, _Q8_REC.itemsize).copy().view(_Q8_REC).ravel()
+    tag = recs["tag"].astype(np.int32)
+    size = np.maximum(tag, 0).astype(np.int64)
+    # a name's first byte: after its blob's records, behind the names before it in the blob
+    before = np.cumsum(size) - size
+    first_of_blob = np.cumsum(count) - count
+    base = before[np.minimum(first_of_blob, max(len(before) - 1, 0))]
+    name_at = starts[blob] + 4 + _Q8_REC.itemsize * count[blob] + before - base[blob]
+    item, pos = _runs(size)
+    data = buf[name_at[item] + pos] if len(item) else np.empty(0, np.uint8)
+    offsets = np.zeros(len(tag) + 1, np.int32)
+    np.cumsum(size, out=offsets[1:])
+    valid = tag >= 0
+    names = pa.Array.from_buffers(
+        pa.string(),
+        len(tag),
+        [pa.py_buffer(np.packbits(valid, bitorder="little")), pa.py_buffer(offsets),
+         pa.py_buffer(data)],
+    )  # fmt: skip
+    return _Entries(present[blob], recs["w"].astype(np.int64), tag, names)
+
+
+def _q8_pack(entries: _Entries, n_keys: int) -> list[bytes | None]:
+    """Per key its entries as one bytes value (None: it has none). ``entries`` sorted by key."""
+    out: list[bytes | None] = [None] * n_keys
+    if not len(entries.key):
+        return out
+    key = entries.key
+    bounds = np.flatnonzero(np.r_[True, key[1:] != key[:-1], True])
+    count = np.diff(bounds)
+    names = entries.name
+    name_off = np.frombuffer(names.buffers()[1], np.int32)[
+        names.offset : names.offset + len(key) + 1
+    ]
+    size = np.diff(name_off).astype(np.int64)
+    size[entries.tag < 0] = 0
+    name_bytes = np.add.reduceat(size, bounds[:-1])
+    blob_len = 4 + _Q8_REC.itemsize * count + name_bytes
+    blob_off = np.zeros(len(count) + 1, np.int64)
+    np.cumsum(blob_len, out=blob_off[1:])
+    buf = np.empty(int(blob_off[-1]), np.uint8)
+    starts = blob_off[:-1]
+    buf[starts[:, None] + np.arange(4)] = count.astype("<u4").view(np.uint8).reshape(-1, 4)
+    recs = np.empty(len(key), _Q8_REC)
+    recs["w"] = entries.w
+    recs["tag"] = entries.tag
+    blob, j = _runs(count)
+    rec_at = starts[blob] + 4 + _Q8_REC.itemsize * j
+    buf[rec_at[:, None] + np.arange(_Q8_REC.itemsize)] = recs.view(np.uint8).reshape(
+        -1, _Q8_REC.itemsize
+    )
+    if int(name_bytes.sum()):
+        before = np.cumsum(size) - size
+        name_at = starts[blob] + 4 + _Q8_REC.itemsize * count[blob] + before - before[bounds[blob]]
+        item, pos = _runs(size)
+        src = np.frombuffer(names.buffers()[2], np.uint8)
+        buf[name_at[item] + pos] = src[name_off[item] + pos]
+    packed = pa.Array.from_buffers(
+        pa.large_binary(), len(count), [None, pa.py_buffer(blob_off), pa.py_buffer(buf)]
+    )
+    for k, v in zip(key[bounds[:-1]].tolist(), packed.to_pylist(), strict=True):
+        out[k] = v
+    return out
+
+
+def _pairs_in(key: np.ndarray, w: np.ndarray, set_key: np.ndarray, set_w: np.ndarray) -> np.ndarray:
+    """Whether each (key, w) is among the pairs (set_key, set_w)."""
+    if not len(set_key) or not len(key):
+        return np.zeros(len(key), bool)
+    _, rank = np.unique(np.concatenate([w, set_w]), return_inverse=True)
+    span = int(rank.max()) + 1
+    code = np.concatenate([key, set_key]).astype(np.int64) * span + rank
+    return np.isin(code[: len(key)], code[len(key) :])
+
+
+@rs.keyed_batches(name="new_sellers", state=rs.ValueState(bytes))
 def new_sellers(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
     """Keyed by person id = seller: input 0 persons (name, w), input 1 auctions (w), ``w`` the
     10 s window start. Emits (id, name, w) once, as soon as a person and an auction of theirs
-    are seen in the same window. State per id: ``(persons, windows)``, the (w, name) pairs of
-    its persons and the windows it sold in; a pair is emitted when it comes into a window
-    already sold in, or a window is first sold in that has it (so each pair once). A window's
-    entries are dropped once the watermark passed its end by :data:`_Q8_GRACE_MS` (nothing of
-    it can come any more)."""
-    keys, offsets, rec = batch.keys, batch.offsets, batch.records
+    are seen in the same window. State per id: the (w, name) pairs of its persons and the windows
+    it sold in; a pair is emitted when it comes into a window already sold in, or a window is
+    first sold in that has it (so each pair once). A window's entries are dropped once the
+    watermark passed its end by :data:`_Q8_GRACE_MS` (nothing of it can come any more).
+    Vectorised over the batch: the keys' entries are unpacked into flat arrays, matched with
+    numpy, and packed again (one bytes value per key, no pickling)."""
+    keys, rec = batch.keys, batch.records
     values = state.get(keys)
-    w = rec.column("w").to_numpy().tolist()
-    names = rec.column("name").to_pylist() if batch.input == 0 else None
-    bounds = offsets.tolist()
+    stored = _q8_unpack(values)
     # windows starting at or before this are complete (with a grace period: records a new
     # owner buffered during a rescale can be processed after its watermark passed them)
     closed = batch.watermark - 10_000 - _Q8_GRACE_MS
-    out_idx: list[int] = []
-    out_name: list[str] = []
-    out_w: list[int] = []
-    for i, v in enumerate(values):
-        if v is None:
-            ps: set[tuple[int, str]] = set()
-            ws: set[int] = set()
-        else:
-            ps = {p for p in v[0] if p[0] > closed}
-            ws = {x for x in v[1] if x > closed}
-        lo, hi = bounds[i], bounds[i + 1]
-        if names is not None:
-            for r in range(lo, hi):
-                pair = (w[r], names[r])
-                if pair in ps:
-                    continue
-                ps.add(pair)
-                if pair[0] in ws:
-                    out_idx.append(i)
-                    out_name.append(pair[1])
-                    out_w.append(pair[0])
-        else:
-            for r in range(lo, hi):
-                start = w[r]
-                if start in ws:
-                    continue
-                ws.add(start)
-                for pw, pn in ps:
-                    if pw == start:
-                        out_idx.append(i)
-                        out_name.append(pn)
-                        out_w.append(start)
-        values[i] = (ps, ws) if ps or ws else None
-    present = np.fromiter((v is not None for v in values), bool, len(values))
+    live = stored.w > closed
+    if not live.all():
+        stored = stored.take(np.flatnonzero(live))
+    ki = batch.key_index()
+    w = rec.column("w").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    sold = stored.tag == _SOLD
+    if batch.input == 0:  # persons: new (w, name) pairs of a key, matched with its windows
+        name = rec.column("name")
+        if not pa.types.is_string(name.type):
+            name = name.cast(pa.string())
+        person = np.flatnonzero(~sold)
+        every = pa.concat_arrays([stored.name.take(pa.array(person)), name])
+        code = (
+            pc.dictionary_encode(every, null_encoding="encode")
+            .indices.to_numpy(zero_copy_only=False)
+            .astype(np.int64)
+        )
+        all_k = np.concatenate([stored.key[person], ki])
+        all_w = np.concatenate([stored.w[person], w])
+        order = np.lexsort((np.arange(len(all_k)), code, all_w, all_k))
+        s_k, s_w, s_c = all_k[order], all_w[order], code[order]
+        first = np.r_[True, (s_k[1:] != s_k[:-1]) | (s_w[1:] != s_w[:-1]) | (s_c[1:] != s_c[:-1])]
+        fresh_sorted = first & (order >= len(person))  # a new pair, not stored, first of the batch
+        fresh = np.sort(order[fresh_sorted]) - len(person)  # rows of the batch
+        size = pc.binary_length(name).fill_null(_NULL_NAME).to_numpy(zero_copy_only=False)
+        added = _Entries(
+            ki[fresh], w[fresh], size[fresh].astype(np.int32), name.take(pa.array(fresh))
+        )
+        hit = _pairs_in(ki[fresh], w[fresh], stored.key[sold], stored.w[sold])
+        out_rows = fresh[hit]
+        out_idx, out_w, out_name = ki[out_rows], w[out_rows], name.take(pa.array(out_rows))
+    else:  # auctions: windows first sold in, matched with the key's persons
+        pair = np.lexsort((w, ki))
+        s_k, s_w = ki[pair], w[pair]
+        first = pair[np.r_[True, (s_k[1:] != s_k[:-1]) | (s_w[1:] != s_w[:-1])]]
+        new = first[~_pairs_in(ki[first], w[first], stored.key[sold], stored.w[sold])]
+        added = _Entries(
+            ki[new], w[new], np.full(len(new), _SOLD, np.int32), pa.nulls(len(new), pa.string())
+        )
+        person = np.flatnonzero(~sold)
+        hit = person[_pairs_in(stored.key[person], stored.w[person], ki[new], w[new])]
+        out_idx, out_w = stored.key[hit], stored.w[hit]
+        out_name = stored.name.take(pa.array(hit))
+    table = _Entries.concat([stored, added])
+    table = table.take(np.argsort(table.key, kind="stable"))
+    packed = _q8_pack(table, len(keys))
+    present = np.fromiter((v is not None for v in packed), bool, len(packed))
     if present.any():
-        state.put(keys.take(np.flatnonzero(present)), [v for v in values if v is not None])
-    if not present.all():
-        state.delete(keys.take(np.flatnonzero(~present)))
-    if not out_idx:
+        state.put(keys.take(np.flatnonzero(present)), [v for v in packed if v is not None])
+    had = np.fromiter(map(bool, values), bool, len(values)) & ~present
+    if had.any():
+        state.delete(keys.take(np.flatnonzero(had)))
+    if not len(out_idx):
         return None
-    idx = np.array(out_idx, np.int64)
+    idx = np.asarray(out_idx, np.int64)
     out = {
         "id": keys.keys.take(pa.array(idx)),
-        "name": pa.array(out_name, pa.string()),
+        "name": out_name,
         "stime": pa.array(out_w, pa.int64()),
     }
     _carry_meta(batch, idx, out)

@@ -194,10 +194,11 @@ class RocksStateBackend:
             self._cache.update(zip(keys, values, strict=True))
             self._dirty.update(zip(keys, values, strict=True))
             self._cache_added += sum(map(len, keys)) + sum(map(len, values))
-            for k in deletes:
-                self._cache[k] = None
-                self._dirty[k] = None
-                self._cache_added += len(k)
+            if deletes:
+                deletes = list(deletes)
+                self._cache.update(zip(deletes, itertools.repeat(None)))
+                self._dirty.update(zip(deletes, itertools.repeat(None)))
+                self._cache_added += sum(map(len, deletes))
             self._bound()
             return
         self._write_through(keys, values, deletes)
@@ -252,7 +253,9 @@ class RocksStateBackend:
         # before it is in RocksDB
         self.wait_snapshot()
         if len(self._dirty) >= self.max_dirty:
-            self._write_dirty()
+            # the oldest eighth goes to RocksDB: the write is spread over the batches instead of
+            # one long stall per max_dirty writes; the newer entries go on coalescing
+            self._write_oldest_dirty(len(self._dirty) - self.max_dirty + self.max_dirty // 8 + 1)
         if len(self._cache) > self.cache_entries:
             self._write_dirty()
             cache = self._cache
@@ -289,6 +292,18 @@ class RocksStateBackend:
             for k in drop:
                 del cache[k]
         self._cache_added = size
+
+    def _write_oldest_dirty(self, n: int) -> None:
+        """Write the ``n`` oldest dirty entries (dicts keep insertion order) to RocksDB."""
+        dirty = self._dirty
+        if n >= len(dirty):
+            self._write_dirty()
+            return
+        oldest = dict(itertools.islice(dirty.items(), n))
+        keys = sorted(oldest)
+        self._write_through(keys, list(map(oldest.__getitem__, keys)))
+        # only once written (a failed write leaves them dirty); nothing wrote them meanwhile
+        collections.deque(map(dirty.pop, keys), maxlen=0)
 
     def _write_dirty(self) -> None:
         if self._dirty:

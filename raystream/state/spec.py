@@ -2,8 +2,9 @@
 
 ``ValueState(int, default=0)`` stores one value per key; ``MapState()`` a map per key;
 ``ListState()`` a list per key. Numeric value states (``int``, ``float``) are stored as fixed
-8-byte little-endian values and read back as numpy arrays in the vectorised API; anything else is
-pickled.
+8-byte little-endian values and read back as numpy arrays in the vectorised API; ``bytes`` values
+are stored as they are (no pickling: an operator that packs its own values pays nothing more);
+anything else is pickled.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from raystream.errors import DataflowDefinitionError
+from raystream.errors import DataflowDefinitionError, StateError
 
 __all__ = ["Codec", "ListState", "MapState", "StateSpec", "ValueState", "codec_for"]
 
@@ -26,18 +27,28 @@ class Codec:
 
     name: str
     numpy_dtype: str | None  # '<i8' / '<f8' for fixed-width numeric codecs, else None
+    raw: bool = False  # bytes stored as they are
 
     def encode(self, value: Any) -> bytes:
+        if self.raw:
+            return _raw_bytes(value)
         if self.numpy_dtype is not None:
             return np.asarray(value, dtype=self.numpy_dtype).tobytes()
         return pickle.dumps(value, protocol=5)
 
     def decode(self, raw: bytes) -> Any:
+        if self.raw:
+            return bytes(raw)
         if self.numpy_dtype is not None:
             return np.frombuffer(raw, dtype=self.numpy_dtype)[0].item()
         return pickle.loads(raw)
 
     def encode_many(self, values: Any) -> list[bytes]:
+        if self.raw:
+            values = list(values)
+            if set(map(type, values)) <= {bytes}:  # the common case, checked in C
+                return values
+            return [_raw_bytes(v) for v in values]
         if self.numpy_dtype is not None:
             arr = np.ascontiguousarray(values, dtype=self.numpy_dtype)
             return arr.view("V8").tolist()
@@ -45,6 +56,8 @@ class Codec:
 
     def decode_many(self, raws: list[bytes | None], default: Any) -> Any:
         """Decode a multi-get result; missing entries (None) become ``default``."""
+        if self.raw:
+            return [default if r is None else r for r in raws] if None in raws else list(raws)
         if self.numpy_dtype is not None:
             fill = np.asarray(
                 default if default is not None else 0, dtype=self.numpy_dtype
@@ -61,6 +74,17 @@ class Codec:
 _INT = Codec("int64", "<i8")
 _FLOAT = Codec("float64", "<f8")
 _PICKLE = Codec("pickle", None)
+_BYTES = Codec("bytes", None, raw=True)
+
+
+def _raw_bytes(value: Any) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    msg = (
+        f"a ValueState(bytes) stores bytes, got {type(value).__name__}: {value!r:.80}; encode "
+        "the value first, or declare the state as ValueState(object) to have it pickled"
+    )
+    raise StateError(msg)
 
 
 def codec_for(dtype: Any) -> Codec:
@@ -68,6 +92,8 @@ def codec_for(dtype: Any) -> Codec:
         return _INT
     if dtype in (float, "float", "float64", np.float64):
         return _FLOAT
+    if dtype in (bytes, "bytes"):
+        return _BYTES
     return _PICKLE
 
 

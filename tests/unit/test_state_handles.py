@@ -44,8 +44,9 @@ def _keys(kind: str, n: int, rng: np.random.Generator) -> list:
         (int, 0, lambda rng, n: rng.integers(-(2**62), 2**62, size=n)),
         (float, 1.5, lambda rng, n: rng.normal(size=n)),
         (object, None, lambda rng, n: [{"v": int(x), "l": [int(x)] * 2} for x in rng.integers(0, 9, n)]),
+        (bytes, None, lambda rng, n: [rng.bytes(int(k)) for k in rng.integers(0, 12, n)]),
     ],
-    ids=["int", "float", "object"],
+    ids=["int", "float", "object", "bytes"],
 )
 def test_vector_value_state_vs_dict(backend, kind, dtype, default, gen) -> None:
     rng = np.random.default_rng(0)
@@ -109,10 +110,22 @@ def test_vector_get_returns_writable_array(backend) -> None:
 
 
 def test_codecs_round_trip() -> None:
-    for dtype, vals in [(int, [0, -1, 2**63 - 1, -(2**63)]), (float, [0.0, -1.5, 1e300]), (object, [None, (1, "x"), {"a": [1]}])]:
+    for dtype, vals in [(int, [0, -1, 2**63 - 1, -(2**63)]), (float, [0.0, -1.5, 1e300]), (object, [None, (1, "x"), {"a": [1]}]), (bytes, [b"", b"\xff\x00", b"abc"])]:
         c = codec_for(dtype)
         assert [c.decode(c.encode(v)) for v in vals] == vals
         assert [c.decode(b) for b in c.encode_many(vals)] == vals
+
+
+def test_bytes_state_is_stored_as_it_is(backend) -> None:
+    """ValueState(bytes): the RocksDB value is the bytes themselves (no pickle around them);
+    bytearray/memoryview are taken as bytes; anything else is refused with a hint."""
+    st = VectorValueState(backend, 1, ValueState(bytes), KS)
+    ks = KeySet.of([5, 6, 7], KS)
+    st.put(ks, [b"\x00ab", bytearray(b"cd"), memoryview(b"")])
+    assert backend.multi_get(ks.encoded(1)) == [b"\x00ab", b"cd", b""]
+    assert st.get(KeySet.of([7, 8, 5], KS)) == [b"", None, b"\x00ab"]
+    with pytest.raises(StateError, match=r"stores bytes, got str.*ValueState\(object\)"):
+        st.put([1], ["text"])
 
 
 # ---- KeyedStates: preload / handles_for / write_back ---------------------------------------------

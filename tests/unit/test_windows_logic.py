@@ -365,3 +365,44 @@ def test_sessions_with_late_records_vs_python_model(lateness, seed) -> None:
     if lateness:
         assert len(exp) > len({x[:2] for x in exp}), "allowed lateness must re-emit some session"
     assert not d.state and not d.timers
+
+
+# ------------------------------------------------------------------------------------------
+# stored values
+
+
+@pytest.mark.parametrize("objects", [False, True], ids=["packed", "objects"])
+def test_window_table_state_round_trip(objects: bool) -> None:
+    """to_state/from_state keep every window of every key (bytes values: packed records, or a
+    pickled dict when a partial holds objects); keys without windows store None; values of two
+    layouts read together."""
+    from raystream.operators.window_logic import WindowTable
+
+    rng = np.random.default_rng(3)
+    n_keys, n = 40, 300
+    key = rng.integers(0, n_keys, n)
+    parts: dict[str, np.ndarray] = {"c": rng.integers(-9, 9, n), "s": rng.normal(size=n)}
+    if objects:
+        obj = np.empty(n, object)
+        obj[:] = [[int(x)] for x in rng.integers(0, 5, n)]
+        parts["top"] = obj
+    table = WindowTable(key, rng.integers(0, 10**12, n), rng.integers(0, 10**12, n),
+                        rng.random(n) < 0.5, parts)  # fmt: skip
+    values = table.to_state(n_keys)
+    assert all(v is None or isinstance(v, bytes) for v in values)
+    assert [v is not None for v in values] == [k in set(key.tolist()) for k in range(n_keys)]
+    back = WindowTable.from_state(values)
+
+    def rows(t: WindowTable) -> list[tuple[Any, ...]]:
+        cols = [t.key, t.start, t.end, t.fired, *(t.parts[p] for p in sorted(t.parts))]
+        return sorted(tuple(map(repr, r)) for r in zip(*[c.tolist() for c in cols], strict=True))
+
+    assert rows(back) == rows(table)
+    other_parts = {"c": np.array([7], np.int32), "s": np.array([0.5])}  # c: another dtype
+    if objects:
+        other_parts["top"] = parts["top"][:1]
+    other = WindowTable(np.array([0]), np.array([1]), np.array([2]), np.array([True]), other_parts)
+    mixed = [*values, other.to_state(1)[0]]
+    both = WindowTable.from_state(mixed)
+    assert len(both) == n + 1
+    assert both.key.max() == n_keys
