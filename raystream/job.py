@@ -242,6 +242,9 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
         results: dict[str, list[Any]] = {}
         for (step, _index), res in sorted(out["results"].items()):
             results.setdefault(step, []).append(res)
+        # sink instances a scale-in retired (chained to a keyed step), after the live ones
+        for step, res in out.get("retired_results", []):
+            results.setdefault(step, []).append(res)
         return JobResult(
             out["job"],
             out["state"],

@@ -29,6 +29,7 @@ from typing import Any
 
 import ray
 
+from raystream.chaining import follow_keyed
 from raystream.checkpointing import build_manifest, manifest_routing, restore_specs
 from raystream.errors import CheckpointError, RaystreamError
 from raystream.metrics import step_totals, sum_totals
@@ -74,6 +75,8 @@ class Recovery:
                 }
             for n, t in routing.items():
                 parallelism[n] = t.parallelism
+            # a sink chained to a keyed step has its parallelism (raystream.chained_sinks)
+            parallelism = follow_keyed(parallelism, getattr(self, "following", {}))
         plan = physical_plan(
             self.flow, parallelism, self.config, self.origin_ns, base_dir, routing=routing
         )
@@ -86,7 +89,11 @@ class Recovery:
         )
         specs = {
             iid: replace(
-                spec, storage=self.storage_spec, restore=restore.get(iid), attempt=self._attempt
+                spec,
+                storage=self.storage_spec,
+                restore=restore.get(iid),
+                attempt=self._attempt,
+                sink_writer=getattr(self, "_sink_writers", {}).get(iid),
             )
             for iid, spec in plan.instances.items()
         }
