@@ -14,8 +14,10 @@ step's parallelism, as a Flink chain has one parallelism. A mixin of
   the rescale), so nothing is lost or written twice whatever fails later; then the chain actor
   stops. Without checkpoints the sink publishes at its end (``close()``), as every sink does.
 - **Recovery** restarts the chains at the keyed step's current parallelism; each sink instance
-  keeps its writer index. Results of retired sink instances (a collect sink's rows, the files a
-  Parquet sink published) stay in the job's results across recoveries.
+  keeps its writer index. Every checkpoint lists the states of the retired sink instances (and
+  the checkpoint may hold instances the job no longer has, when a scale-in came after it); a
+  restore folds those into the sink's first instance (``fold_sink_states``: a collect sink's
+  stored rows, a Parquet sink's parts), so their committed output stays committed, once.
 - Moving one instance of such a keyed step to another node is refused: the sink would have to
   move with it (start the job with ``chain=False`` on the sink to move instances).
 """
@@ -170,10 +172,18 @@ class ChainedSinks:
                 out["result"] = await self.handles[iid].checkpoint_complete.remote(
                     FINAL_CHECKPOINT
                 )
+            if out.get("sink_state") is not None:  # every later checkpoint lists it
+                self._retired_sink_states.append((iid[0], out["sink_state"]))
                 out["sink_state"] = None
             self._retired_results.append((iid, out.pop("result", None)))
             out["handed_over"] = True
             self._stop_retired(iid)
+
+    def _forget_retired_sinks(self: Any) -> None:
+        """A recovery: the checkpoint it restores holds the retired sinks' states, which the
+        restore folds into live sink instances (raystream.checkpointing.restore_specs)."""
+        self._retired_results = []
+        self._retired_sink_states = []
 
     def retired_sink_results(self: Any) -> list[tuple[str, Any]]:
         """(sink step, result) of every retired chained sink instance, in retiring order."""

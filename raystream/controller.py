@@ -120,6 +120,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         self._sink_writers: dict[ChannelId, int] = {}  # sink instance -> its writer index
         self._writers_used: dict[str, set[int]] = {}  # sink -> writer indexes ever opened
         self._retired_results: list[tuple[ChannelId, Any]] = []
+        self._retired_sink_states: list[tuple[str, Any]] = []  # listed in every checkpoint
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, self_handle: Any) -> dict[str, Any]:

@@ -257,6 +257,7 @@ class Recovery:
             sub_groups=self.flow.key_space.sub_groups,
             savepoint=savepoint,
             finished=self._finished_before(cid),
+            retired_sinks=self._retired_sink_states,
         )
         await asyncio.to_thread(storage.complete, cid, manifest)
         live_sinks = [i for i in self.plan.sinks if i not in self.outcomes]
@@ -411,6 +412,7 @@ class Recovery:
                     num_key_groups=self.flow.key_space.num_key_groups,
                     sub_groups=self.flow.key_space.sub_groups,
                     final=True,
+                    retired_sinks=self._retired_sink_states,
                 )
                 await asyncio.to_thread(self.storage.complete, cid, manifest)
             results = await asyncio.gather(
@@ -500,6 +502,7 @@ class Recovery:
             if step.is_keyed:
                 shutil.rmtree(Path(old_dir) / name, ignore_errors=True)
         self.outcomes = {}
+        self._forget_retired_sinks()  # the restore folds their states into live sink instances
         self._run_futures = {}
         self._run_handles = {}
         self.retired = set()

@@ -560,3 +560,66 @@ def test_submit_passes_no_chaining_to_the_cluster_side_run(
     out = CliRunner().invoke(main, args + ([flag] if flag else []))
     assert out.exit_code == 0, out.output
     assert sent[0].entrypoint() == f"python -m raystream run job.py -p count=2{tail}"
+
+
+def test_a_restore_folds_the_states_of_retired_sink_instances_into_the_first() -> None:
+    from raystream.checkpointing import build_manifest, restore_specs
+
+    routing = {"count": rs.keys.RoutingTable.uniform(8, 2)}
+    kinds = {"src": "source", "count": "keyed_batches", "out": "sink"}
+    acks = [
+        {"instance": ("out", 0), "sink_state": {"blobs": ["b0"]}},
+        {"instance": ("out", 1), "sink_state": {"blobs": ["b1"]}},
+        # taken at parallelism 3: a scale-in retired out/2 after this checkpoint
+        {"instance": ("out", 2), "sink_state": {"blobs": ["b2"]}},
+    ]
+    manifest = build_manifest(
+        job="j",
+        checkpoint_id=7,
+        acks=acks,
+        finished_sources=[],
+        steps=kinds,
+        parallelism={"count": 2, "out": 2},
+        routing=routing,
+        num_key_groups=8,
+        sub_groups=2,
+        final=True,  # (no keyed state in this manifest)
+        retired_sinks=[("out", {"blobs": ["r5"]})],  # retired and published earlier
+    )
+    specs = restore_specs(manifest, [("out", 0), ("out", 1)], {}, ("mem", "j"))
+    assert specs[("out", 0)]["sink"] == {"blobs": ["b0", "b2", "r5"]}
+    assert specs[("out", 1)]["sink"] == {"blobs": ["b1"]}
+    # at parallelism 3 again (the index came back) only the retired one is folded
+    specs3 = restore_specs(manifest, [("out", i) for i in range(3)], {}, ("mem", "j"))
+    assert specs3[("out", 0)]["sink"] == {"blobs": ["b0", "r5"]}
+    assert specs3[("out", 2)]["sink"] == {"blobs": ["b2"]}
+    # a sink state of another shape cannot be taken over: a clear error, nothing dropped
+    odd = dict(manifest, retired_sinks=[["out", {"rows_so_far": 3}]])
+    with pytest.raises(rs.CheckpointError, match=r"sink 'out'.*cannot take over.*chain=False"):
+        restore_specs(odd, [("out", 0)], {}, ("mem", "j"))
+
+
+def test_a_parquet_sink_restored_with_a_retired_writers_parts_publishes_them_once(
+    tmp_path: Any,
+) -> None:
+    """Writer 2 (retired) pre-committed a part at checkpoint 4 and published it; writer 0 has a
+    part pending at 4. A restore of writer 0 with writer 2's state folded in publishes its own
+    part, keeps writer 2's (published once, not deleted), and the rows read back are all rows."""
+    import pyarrow.parquet as pq
+
+    from raystream.checkpointing import fold_sink_states
+
+    sink = rs.sinks.parquet(str(tmp_path / "out"))
+    w0, w2 = sink.open(0, 3), sink.open(2, 3)
+    w0.write(pa.record_batch({"key": [1, 2], "count": [1, 1]}))
+    w2.write(pa.record_batch({"key": [3], "count": [1]}))
+    s0, s2 = w0.pre_commit(4), w2.pre_commit(4)
+    w2.commit(4)  # the retired writer's part was published
+    w0.abort()  # the instance died before checkpoint 4's commit
+    again = sink.open(0, 2)
+    again.restore(fold_sink_states(s0, [s2], "out"))
+    done = again.close()
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == ["part-00000-00000004.parquet", "part-00002-00000004.parquet"]
+    rows = pq.read_table(str(tmp_path / "out")).sort_by("key")
+    assert rows["key"].to_pylist() == [1, 2, 3] and done.rows == 3
