@@ -110,17 +110,29 @@ def test_chained_job_checkpoints_recovers_and_rescales(tmp_path: Path) -> None:
     assert last_counts(result.table("out")) == dict(_expected(gen, gate))
 
 
+def _count_version(version: int) -> Any:
+    @rs.keyed_batches(state=rs.ValueState(int, default=0))
+    def count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+        new = state.get(batch.keys) + batch.counts
+        state.put(batch.keys, new)
+        return batch.output({"count": new, "version": pa.array([version] * len(new))})
+
+    return count
+
+
 def test_a_sink_chained_to_a_keyed_step_follows_its_rescales(tmp_path: Path) -> None:
     """count -> collect sink at parallelism 2, chained (one actor per index of count). While it
-    checkpoints, count scales out to 3 (a new chain actor with a new sink instance) and back in
-    to 2 (the retired sink's end is recorded and published by a checkpoint). Every sink
-    instance's counts grow strictly per key, no count is emitted twice across instances, and
-    the last count per key equals a collections.Counter of the events the source read."""
+    checkpoints, count scales out to 3 (a new chain actor with a new sink instance), its
+    function is replaced (the barrier passes each chain: keyed state kept), and it scales back
+    in to 2 (the retired sink's end is recorded and published by a checkpoint). Every sink
+    instance's counts grow strictly per key and its versions never go back, no count is emitted
+    twice across instances, and the last count per key equals a collections.Counter of the
+    events the source read."""
     gen = rs.sources.generator(events=10_000_000, keys=KEYS, zipf=1.1, seed=9, rate_eps=40_000)
     gate = str(tmp_path / "gate")
     flow = rs.Dataflow("chained_sink", num_key_groups=32, sub_groups=8)
     flow.source(UntilGate(gen, gate, after_rows=AFTER_GATE_ROWS)).key_by("key").apply(
-        count_vec, name="count", parallelism=2
+        _count_version(1), name="count", parallelism=2
     ).sink(rs.sinks.collect(), name="out", parallelism=2)
     job = rs.start(
         flow,
@@ -134,6 +146,7 @@ def test_a_sink_chained_to_a_keyed_step_follows_its_rescales(tmp_path: Path) -> 
         status = job.status()
         done = job.status()["checkpoints"]["completed"]
         _wait("a checkpoint at 3", lambda: job.status()["checkpoints"]["completed"] > done)
+        job.replace("count", _count_version(2))
         back = job.rescale("count", 2)
     finally:
         Path(gate).touch()
@@ -147,11 +160,19 @@ def test_a_sink_chained_to_a_keyed_step_follows_its_rescales(tmp_path: Path) -> 
     tables = result.results["out"]
     assert len(tables) == 3
     seen: dict[int, set[int]] = collections.defaultdict(set)
+    versions: set[int] = set()
     for t in tables:
         for k, c in zip(t["key"].to_pylist(), t["count"].to_pylist(), strict=True):
             assert c not in seen[k], f"key {k}: count {c} emitted by two sink instances"
             seen[k].add(c)
         last_counts(t)  # per instance, per key strictly growing
+        # the replacement took over at its barrier: per key, version 2 only after version 1
+        latest: dict[int, int] = {}
+        for k, v in zip(t["key"].to_pylist(), t["version"].to_pylist(), strict=True):
+            assert v >= latest.get(k, 1), f"key {k}: version {v} after {latest[k]}"
+            latest[k] = v
+        versions.update(latest.values())
+    assert versions == {1, 2}
     expected = prefix_counts(gen, int(Path(f"{gate}.events").read_text()))
     assert {k: max(v) for k, v in seen.items()} == dict(expected)
     # sink records in per instance: the retired instance wrote rows, the new one too
