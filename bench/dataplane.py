@@ -18,6 +18,13 @@ alternating between repeats; ``--compare chaining``: operator chaining on and of
       python -m bench.dataplane --name dataplane_chaining --compare chaining \
           --case gen_p2_map --case rate_100k_map
 
+* ``gen_p2_sink``, ``rate_100k_sink`` (not in the default set): ``gen_p2`` and ``rate_100k``
+  with the sink at the count's parallelism (2); chained, each count instance and its sink
+  instance share one actor (the count's output is not sent between actors). Chaining vs not::
+
+      python -m bench.dataplane --name dataplane_chained_sink --compare chaining \
+          --case gen_p2_sink --case rate_100k_sink
+
 * ``rate_10k``, ``rate_100k``, ``rate_500k``: the generator at that many events/s (open loop,
   10 s of input), p=2: latency weighted per input event, over the whole run and after the
   first 4 s (``latency_steady_ms``: with migration support a job starts its two warm standby
@@ -94,6 +101,20 @@ CASES: dict[str, list[str]] = {
         "2",
         "--pre-map",
     ],
+    # the sink at the count's parallelism: chained to it (one actor per count instance) or not
+    "gen_p2_sink": ["--events", "6000000", "--parallelism", "2", "--sink-parallelism", "2"],
+    "rate_100k_sink": [
+        "--rate",
+        "100000",
+        "--events",
+        str(100_000 * RATE_SECONDS),
+        "--parallelism",
+        "2",
+        "--warmup",
+        str(RATE_WARMUP_S),
+        "--sink-parallelism",
+        "2",
+    ],
     # long runs for the cost of migration support in steady state (after its one-time start)
     "long_gen_p2": ["--events", "24000000", "--parallelism", "2"],
     "long_rate_100k": [
@@ -110,7 +131,9 @@ CASES: dict[str, list[str]] = {
 # seconds of a run left out of steady throughput (long runs: after the warm standby actors,
 # which a job with migration support starts in its first seconds, are up)
 STEADY_SKIP = {"long_gen_p2": 8.0}
-DEFAULT_CASES = [c for c in CASES if not c.startswith("long_") and not c.endswith("_map")]
+DEFAULT_CASES = [
+    c for c in CASES if not c.startswith("long_") and not c.endswith(("_map", "_sink"))
+]
 # what a pair of runs compares: (key, flags) of the first and of the second run of each pair
 PAIRS: dict[str, tuple[tuple[str, list[str]], tuple[str, list[str]]]] = {
     "migration-support": (

@@ -82,9 +82,11 @@ def keycount_flow(
     value_bytes: int | None = None,
     source_parallelism: int = 1,
     pre_map: bool = False,
+    sink_parallelism: int = 1,
 ) -> rs.Dataflow:
     """``source -> key_by -> count -> sink``; ``pre_map``: ``source -> project -> key_by ...``
-    with ``project`` at the source's parallelism (chained to it unless chaining is off)."""
+    with ``project`` at the source's parallelism (chained to it unless chaining is off);
+    ``sink_parallelism`` equal to the count's: the sink runs chained in the count's actors."""
     from bench._payload import count_with_payload
 
     op = FORMS[form] if value_bytes is None else count_with_payload(value_bytes, STEP)
@@ -92,7 +94,7 @@ def keycount_flow(
     stream = flow.source(source, parallelism=source_parallelism)
     if pre_map:
         stream = stream.apply(project, parallelism=source_parallelism)
-    stream.key_by("key").apply(op).sink(LatestCountSink(), name=SINK)
+    stream.key_by("key").apply(op).sink(LatestCountSink(), name=SINK, parallelism=sink_parallelism)
     return flow
 
 
@@ -413,9 +415,16 @@ def _stop(job: rs.Job) -> None:
     help="Put a stateless step (project: drop the seq column) between the source and the count.",
 )
 @click.option(
+    "--sink-parallelism",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Instances of the sink; at --parallelism the sink runs chained in the count's actors.",
+)
+@click.option(
     "--chaining/--no-chaining",
     default=True,
-    help="Operator chaining: the source and the steps after it at its parallelism share an actor.",
+    help="Operator chaining: the source and the steps after it at its parallelism share an "
+    "actor, and so do the count and a sink at its parallelism.",
 )
 @click.option(
     "--migration-support/--no-migration-support",
@@ -479,6 +488,7 @@ def main(
     strategy: str,
     source_parallelism: int,
     pre_map: bool,
+    sink_parallelism: int,
     chaining: bool,
     migration_support: bool,
     checkpoint_interval_s: float,
@@ -568,6 +578,7 @@ def main(
         "migration_support": migration_support,
         "source_parallelism": source_parallelism,
         "pre_map": pre_map,
+        "sink_parallelism": sink_parallelism,
         "chaining": chaining,
         "checkpoint_interval_s": checkpoint_interval_s,
         "kill": [f"{s}:{i}@{t:g}" for s, i, t in kills],
@@ -575,7 +586,9 @@ def main(
         "prefill": prefill,
         "warmup_s": warmup_s,
     }
-    flow = keycount_flow(source, form, num_key_groups, value_bytes, source_parallelism, pre_map)
+    flow = keycount_flow(
+        source, form, num_key_groups, value_bytes, source_parallelism, pre_map, sink_parallelism
+    )
     state_dir = None
     if prefill:
         import tempfile

@@ -10,11 +10,22 @@ serialisation), and the tail sends to the next actors; so the key partitioning b
 step is computed by the chain that ends there. A keyed step is never in the middle or at the end
 of a chain: its input is a hash edge.
 
+A keyed step also heads a chain with the sink after it (and nothing else) when the edge is
+forward: the sink reads only that step, which feeds only the sink, at the same parallelism (set it
+on the sink: ``.sink(out, parallelism=2)`` or ``parallelism={"out": 2}``; a sink's default
+parallelism stays 1, so a job that does not ask keeps its one sink instance and its output as
+before). As in Flink, where a chain has one parallelism, the sink then follows the keyed step's
+rescales (:func:`sinks_following`): a scale-out starts new chain actors whose sinks open new
+writers, a scale-in ends the retired instances' sinks as at the end of input (pre-committed,
+published by the checkpoint that records them).
+
 Chaining is on by default; ``flow.options(step, chain=False)`` (or ``stream.options(chain=False)``)
 keeps a step out of every chain, ``rs.run(..., chaining=False)`` turns it off for a job::
 
     flow.source(src).map(parse).filter(valid).key_by("k").apply(count).sink(out)
     # chains at equal parallelism: source -> parse -> valid; count and the sink run alone
+    ... .apply(count, parallelism=2).sink(out, parallelism=2)
+    # ... and count -> sink (one actor per index of count; the sink follows its rescales)
 """
 
 from __future__ import annotations
@@ -25,7 +36,13 @@ from raystream.dataflow import Step
 from raystream.runtime.instance import InstanceSpec, OutputSpec
 from raystream.runtime.messages import ChannelId
 
-__all__ = ["chain_instances", "not_chained_because", "plan_chains"]
+__all__ = [
+    "chain_instances",
+    "follow_keyed",
+    "not_chained_because",
+    "plan_chains",
+    "sinks_following",
+]
 
 _STATELESS = ("map", "filter", "flat_map", "map_batches")
 
@@ -35,8 +52,11 @@ def not_chained_because(up: Step, down: Step, steps: dict[str, Step]) -> str | N
     whole graph with parallelism filled in (:meth:`raystream.Dataflow.with_parallelism`)."""
     if down.kind not in (*_STATELESS, "sink"):
         return f"{down.name!r} is a {down.kind} step (its input is a hash edge)"
-    if up.kind not in (*_STATELESS, "source"):
-        return f"{up.name!r} is a {up.kind} step (its output follows its rescales)"
+    if up.kind not in (*_STATELESS, "source") and not (up.is_keyed and down.kind == "sink"):
+        return (
+            f"{up.name!r} is a {up.kind} step: only a sink chains after it (its instances "
+            "follow its rescales)"
+        )
     if down.upstream != (up.name,):
         return f"{down.name!r} reads several steps {list(down.upstream)}"
     if any(down.ports):
@@ -97,3 +117,18 @@ def chain_instances(
                 specs[there] = replace(specs[there], inputs=(here,))
             groups[ids[0]] = ids
     return specs, groups
+
+
+def sinks_following(steps: dict[str, Step], *, enabled: bool = True) -> dict[str, str]:
+    """The sinks chained to a keyed step (sink -> keyed step): their parallelism is the keyed
+    step's from then on (it changes with each rescale, restore or recovery)."""
+    return {c[-1]: c[0] for c in plan_chains(steps, enabled=enabled) if steps[c[0]].is_keyed}
+
+
+def follow_keyed(parallelism: dict[str, int], following: dict[str, str]) -> dict[str, int]:
+    """``parallelism`` with every following sink at its keyed step's parallelism (when given)."""
+    out = dict(parallelism)
+    for sink, keyed in following.items():
+        if keyed in out:
+            out[sink] = out[keyed]
+    return out

@@ -58,6 +58,7 @@ def build_manifest(
     final: bool = False,
     savepoint: bool = False,
     finished: Iterable[tuple[str, int]] = (),
+    retired_sinks: Iterable[tuple[str, Any]] = (),
 ) -> dict[str, Any]:
     """The JSON-able record of checkpoint ``checkpoint_id``. Raises CheckpointError when an
     instance reported a failure or a keyed step's key groups are not all covered.
@@ -66,7 +67,11 @@ def build_manifest(
     Flink's checkpoints after tasks finished, FLIP-147): their part of the checkpoint is
     ``{"finished": True}``, and a finished keyed instance covers the key groups ``routing`` gives
     it with no state (everything it held went out at its end; no input for them can come). On
-    recovery such an instance starts empty and ends as soon as its inputs (finished too) end."""
+    recovery such an instance starts empty and ends as soon as its inputs (finished too) end.
+
+    ``retired_sinks``: (sink step, state) of sink instances a scale-in retired after their ends
+    were published (sinks chained to a keyed step): a recovery folds them into a live instance
+    (:func:`fold_sink_states`), so their output stays in the job's results."""
     instances: dict[str, dict[str, Any]] = {}
     for a in acks:
         step, index = a["instance"]
@@ -125,6 +130,7 @@ def build_manifest(
         "num_key_groups": num_key_groups,
         "sub_groups": sub_groups,
         "instances": instances,
+        "retired_sinks": [[step, state] for step, state in retired_sinks],
     }
 
 
@@ -170,7 +176,54 @@ def restore_specs(
                 if kgs & mine
             ]
         out[(step, index)] = spec
+    _fold_orphan_sinks(manifest or {}, out)
     return out
+
+
+def _fold_orphan_sinks(
+    manifest: dict[str, Any], out: dict[tuple[str, int], dict[str, Any]]
+) -> None:
+    """Sink states of the checkpoint with no instance in the restarted job (a sink chained to a
+    keyed step that a scale-in retired, before or after the checkpoint) go to the sink's first
+    instance: what they committed stays committed and in the results."""
+    entries = manifest.get("instances", {})
+    for step, kind in manifest.get("steps", {}).items():
+        if kind != "sink":
+            continue
+        planned = sorted(i for s, i in out if s == step)
+        if not planned:
+            continue
+        orphans = [
+            e["sink"]
+            for key, e in sorted(entries.items())
+            if _iid(key)[0] == step and _iid(key)[1] not in planned and e.get("sink") is not None
+        ]
+        orphans += [state for s, state in manifest.get("retired_sinks", []) if s == step]
+        if orphans:
+            first = out[(step, planned[0])]
+            first["sink"] = fold_sink_states(first.get("sink"), orphans, step)
+
+
+def fold_sink_states(own: Any, others: list[Any], step: str) -> dict[str, Any]:
+    """One sink instance's checkpoint state with the committed output of ``others`` added: a
+    collect sink's stored row blobs, a Parquet sink's pre-committed parts (published on restore,
+    already published ones are kept as they are)."""
+    state: dict[str, Any] = dict(own or {})
+    for other in others:
+        if isinstance(other, dict) and "blobs" in other:
+            state["blobs"] = [*state.get("blobs", []), *other["blobs"]]
+        elif isinstance(other, dict) and "pending" in other:
+            state["pending"] = [*state.get("pending", []), *other["pending"]]
+            state.setdefault("checkpoint", -1)
+        else:
+            msg = (
+                f"sink {step!r}: the checkpoint holds the state of an instance a scale-in "
+                f"retired ({type(other).__name__}), which this sink cannot take over (only "
+                "collect and Parquet sinks can); restart the job with its sink not chained "
+                f"(flow.options({step!r}, chain=False)) to rescale it"
+            )
+            raise CheckpointError(msg)
+    return state
 
 
 @dataclass

@@ -758,6 +758,12 @@ def _env_vars(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--checkpoint-dir", default=None, help="a path or URI the cluster can write")
 @click.option("--from-checkpoint", default=None)
 @click.option("--from-savepoint", default=None)
+@click.option(
+    "--chaining/--no-chaining",
+    default=True,
+    show_default=True,
+    help="operator chaining (as on `raystream run`)",
+)
 @click.option("--no-wait", is_flag=True, help="return once submitted; do not follow the log")
 @click.option("--timeout", "timeout_s", type=float, default=None, help="give up waiting after s")
 def submit(
@@ -771,6 +777,7 @@ def submit(
     checkpoint_dir: str | None,
     from_checkpoint: str | None,
     from_savepoint: str | None,
+    chaining: bool,
     no_wait: bool,
     timeout_s: float | None,
 ) -> None:
@@ -791,6 +798,8 @@ def submit(
     ):
         if value is not None:
             run_args += [flag, str(value)]
+    if not chaining:
+        run_args.append("--no-chaining")
     sub = Submission(
         check_job_file(job_file),
         _parallelism(parallelism),

@@ -18,6 +18,8 @@ import numpy as np
 import ray
 
 from raystream.assignment import check_rescale_parallelism, rebalance
+from raystream.chained_sinks import ChainedSinks
+from raystream.chaining import sinks_following
 from raystream.checkpointing import RestartStrategy, default_checkpoint_dir
 from raystream.dataflow import Dataflow
 from raystream.errors import JobFailedError, RaystreamError, RescaleError
@@ -38,7 +40,7 @@ from raystream.runtime.messages import Barrier, ChannelId
 __all__ = ["Controller"]
 
 
-class Controller(Recovery, Reconfigurations, Rewiring):
+class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
     """Owns one running job."""
 
     def __init__(
@@ -113,6 +115,12 @@ class Controller(Recovery, Reconfigurations, Rewiring):
         self.reconfigurations: list[dict[str, Any]] = []  # one record per change (every kind)
         self.graph_version = 1  # +1 per completed change of the running graph
         self.slots: dict[tuple[str, int], ChannelId] = {}  # routing index -> instance, if moved
+        # sinks chained to a keyed step follow its rescales (raystream.chained_sinks)
+        self.following = sinks_following(self.plan.steps, enabled=config.chaining)
+        self._sink_writers: dict[ChannelId, int] = {}  # sink instance -> its writer index
+        self._writers_used: dict[str, set[int]] = {}  # sink -> writer indexes ever opened
+        self._retired_results: list[tuple[ChannelId, Any]] = []
+        self._retired_sink_states: list[tuple[str, Any]] = []  # listed in every checkpoint
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, self_handle: Any) -> dict[str, Any]:
@@ -233,7 +241,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                         break  # a new attempt runs: collect its outcomes
                     return
                 if iid in self.retired:
-                    ray.kill(self._run_handles[iid], no_restart=True)
+                    self._stop_retired(iid)  # (a chain's actor once all its instances ended)
                     if self.config.migration_support:  # its index may get a standby now
                         asyncio.get_running_loop().create_task(self._fill_standby())
                 self._check_barriers()
@@ -266,8 +274,9 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             "results": {
                 iid: out.get("result")
                 for iid, out in self.outcomes.items()
-                if iid in self.plan.sinks
+                if iid in self.plan.sinks and not out.get("handed_over")
             },
+            "retired_results": self.retired_sink_results(),
             "rescales": list(self.rescales),
             "recoveries": list(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
@@ -545,13 +554,15 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             current = table
             self.routing[step] = table
         self.parallelism[step] = parallelism
+        retired_sinks = self._follow_rescale(step, parallelism, old.parallelism)
         for i in range(parallelism, old.parallelism):
             iid = self._at(step, i)
             self.retired.add(iid)
             if iid in self.outcomes and iid in self._run_handles:
                 # it ended (handed everything over) before it was marked retired, so the watch
                 # did not stop it: stop it now, its name is free for the next scale-out
-                ray.kill(self._run_handles[iid], no_restart=True)
+                self._stop_retired(iid)
+        await self._settle_retired_sinks(retired_sinks)
         asyncio.get_running_loop().create_task(self._fill_standby())
         t1 = time.time()
         waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
@@ -833,7 +844,12 @@ class Controller(Recovery, Reconfigurations, Rewiring):
     async def _spawn(self, step: str, indexes: range) -> None:
         """Start new instances of ``step`` (empty state, named like deployed ones) and wire them
         to both neighbours."""
-        from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
+        from raystream.runtime.actors import (
+            NAMESPACE,
+            InstanceActor,
+            MemberHandle,
+            instance_actor_name,
+        )
 
         live = {
             iid: node
@@ -850,8 +866,8 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             job_placed=Counter(live.values()),
         )
         reused: set[ChannelId] = set()
-        for i in indexes:  # an index retired by an earlier scale-in comes back: let the old go
-            iid = (step, i)
+        # an index retired by an earlier scale-in comes back: let the old go (and its sink)
+        for iid in [j for i in indexes for j in self._chain_ids((step, i))]:
             if iid in self.retired:
                 deadline = time.monotonic() + 60
                 while iid not in self.outcomes:
@@ -863,6 +879,7 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                 self.retired.discard(iid)
                 reused.add(iid)
                 self._run_futures.pop(iid, None)
+        sink_specs: dict[ChannelId, Any] = {}  # the sinks chained to the new instances
         template = self.specs[(step, 0)]
         outputs = tuple(self._current_output(o) for o in template.outputs)
         upstream = [
@@ -884,11 +901,12 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                 restore=None,
             )
             self.specs[(step, i)] = spec
+            actor_spec, sink_spec = self._chained_spawn(step, spec, indexes.stop)
             self._spawning.add((step, i))  # no standby fill takes this name meanwhile
             try:
                 handle = await self._take_standby((step, i), node) if options.is_default else None
                 if handle is not None:
-                    await handle.configure.remote(spec)
+                    await handle.configure.remote(actor_spec)
                 else:
                     if (step, i) in reused:  # the retired instance of this index was stopped
                         await self._name_free((step, i))
@@ -897,14 +915,20 @@ class Controller(Recovery, Reconfigurations, Rewiring):
                         namespace=NAMESPACE,
                         max_concurrency=10_000,
                         **options.ray_options(node),
-                    ).remote(spec)
+                    ).remote(actor_spec)
                 self.handles[(step, i)] = handle
             finally:
                 self._spawning.discard((step, i))
             new[(step, i)] = handle
+            if sink_spec is not None:
+                sink_specs[sink_spec.id] = MemberHandle(handle, sink_spec.id)
+        self.handles.update(sink_specs)
+        keyed_new = dict(new)
+        new.update(sink_specs)
         where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
         self.nodes.update(zip(new, where, strict=True))
-        downstream = {r for o in outputs for r in o.receiver_ids}
+        # a chained sink's input is its chain's keyed instance (in its spec): nothing to add
+        downstream = set() if sink_specs else {r for o in outputs for r in o.receiver_ids}
         try:
             await asyncio.gather(
                 *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
@@ -914,7 +938,9 @@ class Controller(Recovery, Reconfigurations, Rewiring):
             await asyncio.gather(
                 *(self.handles[d].add_inputs.remote(list(new)) for d in downstream)
             )
-            await asyncio.gather(*(self.handles[u].add_receivers.remote(new) for u in upstream))
+            await asyncio.gather(
+                *(self.handles[u].add_receivers.remote(keyed_new) for u in upstream)
+            )
         except Exception as e:
             await asyncio.sleep(0.5)  # let the watcher record an end or a failure first
             if self.state != "running" or self._sources_done() or self.error is not None:

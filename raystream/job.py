@@ -242,6 +242,9 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
         results: dict[str, list[Any]] = {}
         for (step, _index), res in sorted(out["results"].items()):
             results.setdefault(step, []).append(res)
+        # sink instances a scale-in retired (chained to a keyed step), after the live ones
+        for step, res in out.get("retired_results", []):
+            results.setdefault(step, []).append(res)
         return JobResult(
             out["job"],
             out["state"],
@@ -292,7 +295,9 @@ def start(
     ``from_savepoint=path`` from a savepoint; ``parallelism`` may differ from theirs.
 
     ``chaining=False`` runs every step in its own actors (operator chaining is on by default:
-    see :mod:`raystream.chaining`; ``flow.options(step, chain=False)`` for one step).
+    see :mod:`raystream.chaining`; ``flow.options(step, chain=False)`` for one step). A sink
+    given the parallelism of the keyed step before it runs in that step's actors and follows
+    its rescales.
     """
     if not isinstance(flow, Dataflow):
         msg = f"expected a raystream Dataflow, got {type(flow).__name__}: {flow!r}"

@@ -218,6 +218,7 @@ class Reconfigurations:
         if not self.config.migration_support:
             msg = "this job runs with migration_support=False; restart it with it on to move"
             raise ReconfigurationError(msg)
+        self._check_movable(step)  # a sink chained to it would have to move too
         nodes = await asyncio.to_thread(cluster_nodes)
         if node_id not in {n.node_id for n in nodes}:
             known = ", ".join(f"{n.node_id} ({n.address})" for n in nodes)

@@ -29,6 +29,7 @@ from typing import Any
 
 import ray
 
+from raystream.chaining import follow_keyed
 from raystream.checkpointing import build_manifest, manifest_routing, restore_specs
 from raystream.errors import CheckpointError, RaystreamError
 from raystream.metrics import step_totals, sum_totals
@@ -74,6 +75,8 @@ class Recovery:
                 }
             for n, t in routing.items():
                 parallelism[n] = t.parallelism
+            # a sink chained to a keyed step has its parallelism (raystream.chained_sinks)
+            parallelism = follow_keyed(parallelism, getattr(self, "following", {}))
         plan = physical_plan(
             self.flow, parallelism, self.config, self.origin_ns, base_dir, routing=routing
         )
@@ -86,7 +89,11 @@ class Recovery:
         )
         specs = {
             iid: replace(
-                spec, storage=self.storage_spec, restore=restore.get(iid), attempt=self._attempt
+                spec,
+                storage=self.storage_spec,
+                restore=restore.get(iid),
+                attempt=self._attempt,
+                sink_writer=getattr(self, "_sink_writers", {}).get(iid),
             )
             for iid, spec in plan.instances.items()
         }
@@ -250,6 +257,7 @@ class Recovery:
             sub_groups=self.flow.key_space.sub_groups,
             savepoint=savepoint,
             finished=self._finished_before(cid),
+            retired_sinks=self._retired_sink_states,
         )
         await asyncio.to_thread(storage.complete, cid, manifest)
         live_sinks = [i for i in self.plan.sinks if i not in self.outcomes]
@@ -404,6 +412,7 @@ class Recovery:
                     num_key_groups=self.flow.key_space.num_key_groups,
                     sub_groups=self.flow.key_space.sub_groups,
                     final=True,
+                    retired_sinks=self._retired_sink_states,
                 )
                 await asyncio.to_thread(self.storage.complete, cid, manifest)
             results = await asyncio.gather(
@@ -493,6 +502,7 @@ class Recovery:
             if step.is_keyed:
                 shutil.rmtree(Path(old_dir) / name, ignore_errors=True)
         self.outcomes = {}
+        self._forget_retired_sinks()  # the restore folds their states into live sink instances
         self._run_futures = {}
         self._run_handles = {}
         self.retired = set()

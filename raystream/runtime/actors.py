@@ -314,6 +314,16 @@ class _InstanceActor(InstanceEndpoint):
             self._instance = chain.head
             self._members = {m.spec.id: _ChainMember(m, chain) for m in chain.members}
 
+    async def configure(self, spec: InstanceSpec | ChainSpec) -> None:  # type: ignore[override]
+        """A warm standby becomes an instance, or an operator chain (a keyed step's scale-out
+        with the sink chained to it)."""
+        if isinstance(spec, ChainSpec):
+            self._chain = Chain(spec)
+            self._instance = self._chain.head
+            self._members = {m.spec.id: _ChainMember(m, self._chain) for m in self._chain.members}
+        else:
+            await super().configure(spec)
+
     async def _run_instance(self) -> None:
         if self._chain is None:
             await self._instance.run()

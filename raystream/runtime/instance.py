@@ -193,6 +193,9 @@ class InstanceSpec:
     restore: dict[str, Any] | None = None
     storage: tuple[str, str] | None = None  # (checkpoint storage URI, job) when checkpointing
     attempt: int = 0  # the job's attempt (recoveries so far) this instance belongs to
+    # sinks: the index its writer opens with (None: its own); a sink that follows a keyed step's
+    # rescales takes a new one when it comes back at an index a retired instance had (its files)
+    sink_writer: int | None = None
 
     @property
     def id(self) -> ChannelId:
@@ -729,7 +732,8 @@ class OperatorInstance:
 
     async def _open_receiver(self) -> None:
         if self.role == "sink":
-            self.writer = self.step.fn.open(self.spec.index, self.step.parallelism)
+            w = self.spec.index if self.spec.sink_writer is None else self.spec.sink_writer
+            self.writer = self.step.fn.open(w, max(self.step.parallelism or 1, w + 1))
             await snapshots.restore_sink(self)
 
     async def _run_receiver(self) -> None:

@@ -50,11 +50,11 @@ def odd(record: dict[str, Any]) -> bool:
     return bool(record["odd"])
 
 
-def _keycount(flow: rs.Dataflow, **opts: Any) -> None:
+def _keycount(flow: rs.Dataflow, sink: Any = None, sink_parallelism: int | None = None) -> None:
     src = flow.source(_gen(), name="source", parallelism=2)
     src.apply(tag, parallelism=2).apply(odd, parallelism=2).key_by("key").apply(
         count, parallelism=2
-    ).sink(rs.sinks.collect(), name="out")
+    ).sink(sink or rs.sinks.collect(), name="out", parallelism=sink_parallelism)
 
 
 def _oracle() -> Counter[int]:
@@ -78,7 +78,8 @@ def test_source_and_stateless_steps_chain_up_to_the_key_partitioning() -> None:
     steps = flow.with_parallelism(None)
     assert plan_chains(steps) == [("source", "tag", "odd")]
     assert "hash edge" in str(not_chained_because(steps["odd"], steps["count"], steps))
-    assert "rescales" in str(not_chained_because(steps["count"], steps["out"], steps))
+    # the default sink parallelism (1) is not the keyed step's (2): the sink runs alone
+    assert "parallelism differs" in str(not_chained_because(steps["count"], steps["out"], steps))
     assert plan_chains(steps, enabled=False) == []
 
     plan = physical_plan(flow, None, RuntimeConfig(), 0, tempfile.mkdtemp())
@@ -227,6 +228,23 @@ class _CountingSink:
         pass
 
 
+class _CountsAtPreCommit(_CountingSink):
+    """A two-phase sink that keeps its batches and, at each pre-commit, the last count per key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[pa.RecordBatch] = []
+        self.at_pre_commit: dict[int, Any] = {}
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self.batches.append(batch)
+        self.rows += batch.num_rows
+
+    def pre_commit(self, checkpoint_id: int) -> dict[str, int]:
+        self.at_pre_commit[checkpoint_id] = _final_counts(pa.Table.from_batches(self.batches))
+        return {"rows_so_far": self.rows}
+
+
 def test_a_chain_passes_the_same_batch_and_keeps_metrics_per_step() -> None:
     seen: list[tuple[int, int]] = []  # (address the first step made, address the second got)
     made: list[int] = []
@@ -362,3 +380,246 @@ def test_status_rows_name_the_chain() -> None:
     assert rows["source"]["chain"] == rows["tag"]["chain"] == "source > tag"
     assert rows["count"]["chain"] == ""
     assert rows["tag"]["records_in"] == 5  # per step, not per actor
+
+
+# ---- a sink chained to a keyed step ----------------------------------------------------------
+
+
+def test_a_sink_at_the_keyed_steps_parallelism_chains_to_it_and_follows_it() -> None:
+    from raystream.chaining import follow_keyed, sinks_following
+
+    flow = rs.Dataflow("keyed-sink")
+    _keycount(flow, sink_parallelism=2)
+    steps = flow.with_parallelism(None)
+    assert not_chained_because(steps["count"], steps["out"], steps) is None
+    assert plan_chains(steps) == [("source", "tag", "odd"), ("count", "out")]
+    assert sinks_following(steps) == {"out": "count"}
+    assert sinks_following(steps, enabled=False) == {}
+    # the sink follows the keyed step's parallelism (a rescale, a restore, a recovery)
+    assert follow_keyed({"count": 3, "out": 2, "tag": 2}, {"out": "count"}) == {
+        "count": 3,
+        "out": 3,
+        "tag": 2,
+    }
+    assert follow_keyed({"tag": 2}, {"out": "count"}) == {"tag": 2}
+    plan = physical_plan(flow, {"count": 3, "out": 3}, RuntimeConfig(), 0, tempfile.mkdtemp())
+    assert {h: ids for h, ids in plan.chains.items() if h[0] == "count"} == {
+        ("count", i): (("count", i), ("out", i)) for i in range(3)
+    }
+    head, tail = plan.instances[("count", 2)], plan.instances[("out", 2)]
+    assert [(o.partitioning, o.receiver_ids) for o in head.outputs] == [("local", (("out", 2),))]
+    assert tail.inputs == (("count", 2),) and tail.step.parallelism == 3
+    # the sink is still one of the job's sinks (two-phase commit, results per instance)
+    assert sorted(plan.sinks) == [("out", i) for i in range(3)]
+    # only a sink chains after a keyed step: a stateless step there does not
+    flow2 = rs.Dataflow("keyed-map")
+    flow2.source(_gen(), name="s").key_by("key").apply(count, parallelism=2).map(
+        lambda r: r, name="after"
+    ).sink(rs.sinks.collect(), name="o")
+    steps2 = flow2.with_parallelism({"after": 2})
+    assert "only a sink chains after it" in str(
+        not_chained_because(steps2["count"], steps2["after"], steps2)
+    )
+    # chain=False on the sink keeps it alone
+    flow.options("out", chain=False)
+    assert "chain=False" in str(
+        not_chained_because(*(flow.with_parallelism(None)[n] for n in ("count", "out")), steps)
+    )
+
+
+@pytest.mark.parametrize("chaining", [True, False])
+def test_keyed_count_with_a_chained_sink_matches_counter(chaining: bool) -> None:
+    flow = rs.Dataflow(f"keyed-sink-{chaining}")
+    _keycount(flow, sink_parallelism=2)
+    out = asyncio.run(
+        run_local(flow, state_dir=tempfile.mkdtemp(), config=RuntimeConfig(chaining=chaining))
+    )
+    table = out["out"]
+    assert table is not None
+    assert _final_counts(table) == dict(_oracle())
+
+
+def test_a_chained_keyed_step_and_sink_checkpoint_in_one_barrier_pass() -> None:
+    """keyed -> sink as one chain (no source chain before it: records pushed to its head):
+    a checkpoint barrier passes the keyed step (snapshot) and then its sink (pre-commit of
+    exactly the rows emitted before the barrier)."""
+    sink = _CountsAtPreCommit()
+    flow = rs.Dataflow("keyed-sink-barrier")
+    flow.source(_gen(), name="src", parallelism=1).options(chain=False).key_by("key").apply(
+        count
+    ).sink(sink, name="out")
+    plan = physical_plan(flow, None, RuntimeConfig(), time.time_ns(), tempfile.mkdtemp())
+    assert plan.chains == {("count", 0): (("count", 0), ("out", 0))}
+    storage = (tempfile.mkdtemp(), flow.name)
+    chain = Chain(
+        ChainSpec(
+            tuple(replace(plan.instances[i], storage=storage) for i in plan.chains[("count", 0)])
+        )
+    )
+    events: list[tuple[str, Any]] = []
+    chain.connect(lambda r, p: None, lambda event, info: events.append((event, info)))
+    keys = _gen().generate_all()
+    half = keys.num_rows // 2
+
+    async def drive() -> None:
+        task = asyncio.ensure_future(chain.run())
+        src = ("src", 0)
+        parts = [keys.slice(0, half), keys.slice(half)]
+        seq = 0
+        for k, part in enumerate(parts):
+            for b in part.to_batches(max_chunksize=4096):
+                await chain.head.push(src, seq, b)
+                seq += 1
+            if k == 0:
+                await chain.head.push(src, seq, Barrier(1, "checkpoint", {}))
+                seq += 1
+        from raystream.runtime.messages import EndOfStream
+
+        await chain.head.push(src, seq, EndOfStream())
+        await task
+
+    asyncio.run(drive())
+    assert chain.head.error is None, chain.head.error_traceback
+    acks = [tuple(e["instance"]) for ev, e in events if ev == "barrier" and e["epoch"] == 1]
+    assert acks[0] == ("out", 0) and ("count", 0) in acks
+    # aligned: the sink's rows up to the barrier hold exactly the counts of the first half
+    assert sink.at_pre_commit[1] == Counter(keys.slice(0, half)["key"].to_pylist())
+    assert _final_counts(pa.Table.from_batches(sink.batches)) == Counter(keys["key"].to_pylist())
+    # the job checkpoints: the end of input is pre-committed too (published by the controller)
+    from raystream.runtime.snapshots import FINAL_CHECKPOINT
+
+    assert sink.at_pre_commit[FINAL_CHECKPOINT] == Counter(keys["key"].to_pylist())
+    assert chain.instances[1].final_sink_state == {"rows_so_far": sink.rows}
+
+
+def test_a_sink_index_that_comes_back_gets_a_new_writer_index() -> None:
+    from raystream.chained_sinks import ChainedSinks
+
+    flow = rs.Dataflow("writers")
+    _keycount(flow, sink_parallelism=2)
+    plan = physical_plan(flow, None, RuntimeConfig(), 0, tempfile.mkdtemp())
+    ctl = SimpleNamespace(plan=plan, specs=dict(plan.instances), _sink_writers={}, _writers_used={})
+    writer = ChainedSinks._writer_for.__get__(ctl)
+    assert writer(("out", 2)) is None  # a new index: its own
+    assert writer(("out", 2)) == 3  # back after a scale-in: one no writer had
+    assert writer(("out", 3)) == 4 and ctl._sink_writers == {("out", 2): 3, ("out", 3): 4}
+    assert writer(("out", 5)) is None  # never had
+
+
+def test_a_sink_opens_its_writer_at_its_writer_index(tmp_path: Any) -> None:
+    from raystream.runtime.instance import OperatorInstance
+
+    flow = rs.Dataflow("writer-index")
+    _keycount(flow, sink=rs.sinks.parquet(str(tmp_path / "out")), sink_parallelism=2)
+    plan = physical_plan(flow, None, RuntimeConfig(), 0, tempfile.mkdtemp())
+    spec = replace(plan.instances[("out", 1)], sink_writer=7)
+    inst = OperatorInstance(spec)
+    asyncio.run(inst._open_receiver())
+    inst.writer.write(pa.record_batch({"key": [1, 2], "count": [1, 1]}))
+    written = inst.writer.close()
+    assert [p.rsplit("/", 1)[-1] for p in written.paths] == ["part-00007.parquet"]
+    assert written.rows == 2
+
+
+def test_reconfigurations_refuse_to_cut_a_keyed_chain() -> None:
+    from raystream.chained_sinks import ChainedSinks
+    from raystream.rewiring import Rewiring
+
+    flow = rs.Dataflow("rewire-keyed")
+    _keycount(flow, sink_parallelism=2)
+    plan = physical_plan(flow, None, RuntimeConfig(), 0, tempfile.mkdtemp())
+    ctl = SimpleNamespace(plan=plan, following={"out": "count"})
+
+    @rs.filter
+    def keep(record: dict[str, Any]) -> bool:
+        return True
+
+    with pytest.raises(rs.ReconfigurationError, match=r"chained.*chain=False"):
+        asyncio.run(Rewiring.insert(ctl, "count", keep))
+    assert Rewiring.chain_of(ctl, "count") == ["count", "out"]
+    with pytest.raises(rs.ReconfigurationError, match=r"cannot move.*'out' runs chained"):
+        ChainedSinks._check_movable(
+            SimpleNamespace(following={"out": "count"}, _follower=lambda s: "out"), "count"
+        )
+
+
+@pytest.mark.parametrize(("flag", "tail"), [("--no-chaining", " --no-chaining"), (None, "")])
+def test_submit_passes_no_chaining_to_the_cluster_side_run(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, flag: str | None, tail: str
+) -> None:
+    from click.testing import CliRunner
+
+    import raystream.submit as submit_mod
+    from raystream.cli import main
+
+    job = tmp_path / "job.py"
+    job.write_text("")
+    sent: list[Any] = []
+    monkeypatch.setattr(submit_mod, "submit", lambda sub, target: (sent.append(sub), "id")[::-1])
+    args = ["submit", str(job), "-p", "count=2", "--address", "http://h:8265", "--no-wait"]
+    out = CliRunner().invoke(main, args + ([flag] if flag else []))
+    assert out.exit_code == 0, out.output
+    assert sent[0].entrypoint() == f"python -m raystream run job.py -p count=2{tail}"
+
+
+def test_a_restore_folds_the_states_of_retired_sink_instances_into_the_first() -> None:
+    from raystream.checkpointing import build_manifest, restore_specs
+
+    routing = {"count": rs.keys.RoutingTable.uniform(8, 2)}
+    kinds = {"src": "source", "count": "keyed_batches", "out": "sink"}
+    acks = [
+        {"instance": ("out", 0), "sink_state": {"blobs": ["b0"]}},
+        {"instance": ("out", 1), "sink_state": {"blobs": ["b1"]}},
+        # taken at parallelism 3: a scale-in retired out/2 after this checkpoint
+        {"instance": ("out", 2), "sink_state": {"blobs": ["b2"]}},
+    ]
+    manifest = build_manifest(
+        job="j",
+        checkpoint_id=7,
+        acks=acks,
+        finished_sources=[],
+        steps=kinds,
+        parallelism={"count": 2, "out": 2},
+        routing=routing,
+        num_key_groups=8,
+        sub_groups=2,
+        final=True,  # (no keyed state in this manifest)
+        retired_sinks=[("out", {"blobs": ["r5"]})],  # retired and published earlier
+    )
+    specs = restore_specs(manifest, [("out", 0), ("out", 1)], {}, ("mem", "j"))
+    assert specs[("out", 0)]["sink"] == {"blobs": ["b0", "b2", "r5"]}
+    assert specs[("out", 1)]["sink"] == {"blobs": ["b1"]}
+    # at parallelism 3 again (the index came back) only the retired one is folded
+    specs3 = restore_specs(manifest, [("out", i) for i in range(3)], {}, ("mem", "j"))
+    assert specs3[("out", 0)]["sink"] == {"blobs": ["b0", "r5"]}
+    assert specs3[("out", 2)]["sink"] == {"blobs": ["b2"]}
+    # a sink state of another shape cannot be taken over: a clear error, nothing dropped
+    odd = dict(manifest, retired_sinks=[["out", {"rows_so_far": 3}]])
+    with pytest.raises(rs.CheckpointError, match=r"sink 'out'.*cannot take over.*chain=False"):
+        restore_specs(odd, [("out", 0)], {}, ("mem", "j"))
+
+
+def test_a_parquet_sink_restored_with_a_retired_writers_parts_publishes_them_once(
+    tmp_path: Any,
+) -> None:
+    """Writer 2 (retired) pre-committed a part at checkpoint 4 and published it; writer 0 has a
+    part pending at 4. A restore of writer 0 with writer 2's state folded in publishes its own
+    part, keeps writer 2's (published once, not deleted), and the rows read back are all rows."""
+    import pyarrow.parquet as pq
+
+    from raystream.checkpointing import fold_sink_states
+
+    sink = rs.sinks.parquet(str(tmp_path / "out"))
+    w0, w2 = sink.open(0, 3), sink.open(2, 3)
+    w0.write(pa.record_batch({"key": [1, 2], "count": [1, 1]}))
+    w2.write(pa.record_batch({"key": [3], "count": [1]}))
+    s0, s2 = w0.pre_commit(4), w2.pre_commit(4)
+    w2.commit(4)  # the retired writer's part was published
+    w0.abort()  # the instance died before checkpoint 4's commit
+    again = sink.open(0, 2)
+    again.restore(fold_sink_states(s0, [s2], "out"))
+    done = again.close()
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == ["part-00000-00000004.parquet", "part-00002-00000004.parquet"]
+    rows = pq.read_table(str(tmp_path / "out")).sort_by("key")
+    assert rows["key"].to_pylist() == [1, 2, 3] and done.rows == 3
