@@ -44,7 +44,12 @@ import ray
 from raystream.errors import ReconfigurationError
 from raystream.reconfigurations import _fn_name
 from raystream.runtime.messages import Barrier
-from raystream.step_changes import check_removal_state, inserted_step
+from raystream.step_changes import (
+    check_removal_state,
+    graph_with_step,
+    graph_without_step,
+    inserted_step,
+)
 
 __all__ = ["Rewiring"]
 
@@ -224,20 +229,14 @@ class Rewiring:
         # the graph as it runs now: recoveries, rescales and scale-outs build on it
         if table is not None:
             self.routing[name] = table
-        self.plan.steps[name] = new
-        self.plan.steps[before] = replace(d, upstream=(name,))
+        for steps in (self.plan.steps, self.flow.steps):
+            changed = graph_with_step(steps, new, before)
+            steps.clear()
+            steps.update(changed)
         self._set_outputs(ups, before, to_new)
         for iid, spec in list(self.specs.items()):
             if iid[0] == before:
                 self.specs[iid] = replace(spec, step=replace(spec.step, upstream=(name,)))
-        flow_steps = {}
-        for n, s in self.flow.steps.items():
-            if n == before:
-                flow_steps[name] = replace(new, parallelism=parallelism)
-                s = replace(s, upstream=(name,))
-            flow_steps[n] = s
-        self.flow.steps.clear()
-        self.flow.steps.update(flow_steps)
         keyed = f", keyed by {new.key.column or 'a function'}" if new.key else ""
         record = self._record_reconfiguration(
             "insert",
@@ -312,11 +311,17 @@ class Rewiring:
         mine = self._live_ids(step)
         to_d = self._edge_to(before, d.key_for(step))
         await asyncio.gather(*(self.handles[r].add_inputs.remote(ups) for r in to_d.receiver_ids))
+        # the upstream instances may never have sent to these (started by a recovery or a
+        # scale-out since): they get their handles before the barrier
+        receivers = {r: self.handles[r] for r in to_d.receiver_ids}
+        await asyncio.gather(*(self.handles[u].add_receivers.remote(receivers) for u in ups))
         removal = {"removes": step, "state": mode} if mode else {}
         epoch, offsets = await self._rewire(after, step, to_d, f"remove {step!r}", removal)
         self.retired.update(mine)
-        self.plan.steps.pop(step)
-        self.plan.steps[before] = replace(d, upstream=(after,))
+        for steps in (self.plan.steps, self.flow.steps):
+            changed = graph_without_step(steps, step)
+            steps.clear()
+            steps.update(changed)
         self.parallelism.pop(step, None)
         self.routing.pop(step, None)
         for slot in [k for k in getattr(self, "slots", {}) if k[0] == step]:
@@ -328,13 +333,6 @@ class Rewiring:
         for iid, spec in list(self.specs.items()):
             if iid[0] == before:
                 self.specs[iid] = replace(spec, step=replace(spec.step, upstream=(after,)))
-        flow_steps = {
-            n: (replace(t, upstream=(after,)) if n == before else t)
-            for n, t in self.flow.steps.items()
-            if n != step
-        }
-        self.flow.steps.clear()
-        self.flow.steps.update(flow_steps)
         state_note = f"; its state: {mode}" if mode else ""
         record = self._record_reconfiguration(
             "remove",

@@ -19,13 +19,22 @@ what came and what to do.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from raystream.dataflow import KeySpec, Operator, Step
 from raystream.errors import ReconfigurationError
 from raystream.state.final import state_columns
 
-__all__ = ["KEYED", "REMOVAL_STATES", "STATELESS", "check_removal_state", "inserted_step"]
+__all__ = [
+    "KEYED",
+    "REMOVAL_STATES",
+    "STATELESS",
+    "check_removal_state",
+    "graph_with_step",
+    "graph_without_step",
+    "inserted_step",
+]
 
 STATELESS = ("map", "filter", "flat_map", "map_batches")
 KEYED = ("keyed", "keyed_batches")
@@ -141,3 +150,26 @@ def check_removal_state(step: Step, downstream: Step | None, state: str | None) 
             )
             raise ReconfigurationError(msg)
     return state
+
+
+def graph_with_step(steps: dict[str, Step], new: Step, before: str) -> dict[str, Step]:
+    """The graph ``steps`` with ``new`` right before step ``before``, which reads ``new`` from
+    now on (what recoveries, rescales and checkpoints of the running job build on)."""
+    out: dict[str, Step] = {}
+    for name, step in steps.items():
+        if name == before:
+            out[new.name] = new
+            step = replace(step, upstream=(new.name,))
+        out[name] = step
+    return out
+
+
+def graph_without_step(steps: dict[str, Step], name: str) -> dict[str, Step]:
+    """The graph ``steps`` without step ``name`` (one upstream step): its downstream step reads
+    its upstream step again."""
+    (after,) = steps[name].upstream
+    return {
+        n: replace(s, upstream=tuple(after if u == name else u for u in s.upstream))
+        for n, s in steps.items()
+        if n != name
+    }

@@ -329,3 +329,68 @@ def test_removal_state_is_checked() -> None:
     refused("keyed by 'user'.*columns", keyed, by_user, "emit")
     by_key = Step("again", "keyed", count.fn, ("tally",), key=KeySpec(column="key"))
     assert check_removal_state(keyed, by_key, "emit") == "emit"
+
+
+# ---- the graph a recovery restarts from, after an insert and after a remove ---------------------
+
+
+def test_recovery_plans_the_changed_graph_and_restores_what_its_checkpoint_holds(
+    tmp_path: Path,
+) -> None:
+    """What the controller's recovery builds (``physical_plan`` on the job's graph as changed,
+    at the current routing; ``restore_specs`` from the latest checkpoint): after an insert the
+    new keyed step is planned with its table, starts empty from a checkpoint taken before the
+    insert and restores its key groups from one taken after; after the remove, its state in a
+    checkpoint is left out and the upstream step sends to the sink again."""
+    from raystream.checkpointing import restore_specs
+    from raystream.step_changes import graph_with_step, graph_without_step
+
+    flow = rs.Dataflow("keyedrewire", num_key_groups=16, sub_groups=4)
+    flow.source(_generator()).sink(Batches(), name="out")
+    config = RuntimeConfig(chaining=False)
+    new = inserted_step(count, "count", "source", 1, "key", num_key_groups=16)
+    changed = graph_with_step(flow.steps, new, "out")
+    assert list(changed) == ["source", "count", "out"] and changed["out"].upstream == ("count",)
+    flow.steps.clear()
+    flow.steps.update(changed)
+    rescaled = RoutingTable.uniform(16, 2, epoch=5)  # the count was rescaled to 2 meanwhile
+    # as Recovery._replan: the parallelism of each routed step is its table's
+    routing = {"count": rescaled}
+    plan = physical_plan(flow, {"count": 2}, config, 0, tmp_path, routing=routing)
+    (to_count,) = plan.instances[SOURCE].outputs
+    assert (to_count.step, to_count.partitioning, to_count.routing) == (
+        "count",
+        "key_group",
+        rescaled,
+    )
+    owned = [plan.instances[("count", j)].owned_key_groups for j in range(2)]
+    assert sorted(g for o in owned for g in o) == list(range(16)) and all(owned)
+    assert all(plan.instances[("count", j)].inputs == (SOURCE,) for j in range(2))
+    assert plan.instances[SINK].inputs == (("count", 0), ("count", 1))
+
+    storage = ("file:///nowhere", "keyedrewire")
+    before = {"checkpoint_id": 3, "instances": {"source/0": {"source": {"offset": 100}}}}
+    after = {
+        "checkpoint_id": 4,
+        "instances": {
+            "source/0": {"source": {"offset": 250}},
+            "count/0": {"state": {"files": ["a"]}, "key_groups": list(range(16))},
+        },
+    }
+    empty = restore_specs(before, plan.instances, plan.routing, storage)
+    assert [empty[("count", j)]["keyed"] for j in range(2)] == [[], []]
+    assert empty[SOURCE]["source"] == {"offset": 100}
+    full = restore_specs(after, plan.instances, plan.routing, storage)
+    for j in range(2):
+        (part,) = full[("count", j)]["keyed"]
+        assert part["key_groups"] == list(owned[j])
+
+    removed = graph_without_step(flow.steps, "count")
+    assert list(removed) == ["source", "out"] and removed["out"].upstream == ("source",)
+    flow.steps.clear()
+    flow.steps.update(removed)
+    plan = physical_plan(flow, None, config, 0, tmp_path, routing={})
+    assert [o.step for o in plan.instances[SOURCE].outputs] == ["out"]
+    assert plan.instances[SINK].inputs == (SOURCE,) and not plan.routing
+    restored = restore_specs(after, plan.instances, plan.routing, storage)
+    assert set(restored) == {SOURCE, SINK} and restored[SOURCE]["source"] == {"offset": 250}
