@@ -173,6 +173,7 @@ class Rewiring:
 
         t0 = time.time()
         name, parallelism = new.name, new.parallelism
+        await self._free_ids(name, parallelism)
         d = self.plan.steps[before]
         ups = self._live_ids(after)
         to_d = self._edge_to(before, d.key_for(after))
@@ -252,6 +253,25 @@ class Rewiring:
         )
         await self._checkpoint_after(record)
         return record
+
+    async def _free_ids(self: Any, name: str, parallelism: int, timeout_s: float = 60.0) -> None:
+        """A step removed earlier had this name: once each of its instances with an id the new
+        step takes has ended, its outcome goes to the history, so the job watches (and ends
+        with) the new instance under that id."""
+        deadline = time.monotonic() + timeout_s
+        for iid in [(name, j) for j in range(parallelism) if (name, j) in self._run_futures]:
+            while iid not in self.outcomes:
+                if time.monotonic() > deadline:
+                    msg = (
+                        f"cannot insert {name!r}: instance {iid} of the step removed earlier "
+                        f"under that name has not ended within {timeout_s:g} s; nothing changed, "
+                        "insert it again later or under another name"
+                    )
+                    raise ReconfigurationError(msg)
+                await asyncio.sleep(0.01)
+            self._history.append(self.outcomes.pop(iid))
+            self.retired.discard(iid)
+            self._run_futures.pop(iid, None)
 
     async def _checkpoint_after(self: Any, record: dict[str, Any]) -> None:
         """With checkpoints on: one right after the change, so a recovery replays through the

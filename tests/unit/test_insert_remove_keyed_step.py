@@ -394,3 +394,46 @@ def test_recovery_plans_the_changed_graph_and_restores_what_its_checkpoint_holds
     assert plan.instances[SINK].inputs == (SOURCE,) and not plan.routing
     restored = restore_specs(after, plan.instances, plan.routing, storage)
     assert set(restored) == {SOURCE, SINK} and restored[SOURCE]["source"] == {"offset": 250}
+
+
+# ---- the command line (the cluster faked) ---------------------------------------------------
+
+
+def test_cli_insert_takes_key_by_and_remove_takes_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from raystream import cli, reconfigure
+
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    class FakeJob:
+        def insert(self, *args: Any, **kw: Any) -> dict[str, Any]:
+            calls.append(("insert", args, kw))
+            return {"epoch": 7, "change": "source -> tally -> out", "graph_version": 2}
+
+        def remove(self, *args: Any, **kw: Any) -> dict[str, Any]:
+            calls.append(("remove", args, kw))
+            return {"epoch": 8, "change": "source -> out", "graph_version": 3}
+
+    monkeypatch.setattr(cli, "_connect", lambda address=None: None)
+    monkeypatch.setattr(rs, "attach", lambda name: FakeJob())
+    monkeypatch.setattr(reconfigure, "load_object", lambda spec, what="operator": count)
+
+    def invoke(*args: str) -> Any:
+        return CliRunner().invoke(cli.main, list(args), prog_name="raystream")
+
+    out = invoke("insert", "kc", "source", "ops:tally", "--name", "tally", "--key-by", "key")
+    assert out.exit_code == 0, out.output
+    assert "inserted at epoch 7" in out.output
+    assert calls[-1] == (
+        "insert",
+        ("source", count),
+        {"name": "tally", "parallelism": 1, "before": None, "key_by": "key"},
+    )
+    out = invoke("remove", "kc", "tally", "--state", "emit")
+    assert out.exit_code == 0, out.output
+    assert calls[-1] == ("remove", ("tally",), {"state": "emit"})
+    out = invoke("remove", "kc", "keep")
+    assert out.exit_code == 0 and calls[-1] == ("remove", ("keep",), {"state": None})
+    out = invoke("remove", "kc", "tally", "--state", "flush")
+    assert out.exit_code == 2 and "'flush' is not one of 'drop', 'emit'" in out.output
