@@ -12,6 +12,11 @@ While it runs, one change every ``--every`` seconds, in this order:
 4. ``move``: ``count`` instance 0 to another node (the same node on a one-node cluster: a new
    actor takes its key groups and state all the same).
 
+With ``--inserted keyed`` the inserted step is keyed (``key_by="key"``, two instances, a
+ValueState per key counting its records, every record passed on as it came) and is removed with
+``state="drop"``: the cost of starting keyed instances with their own routing table and of
+ending them.
+
 The stream runs ``--every`` x 5 + 10 s, so the last change's spans end before the input does.
 With ``--value-bytes B`` every key keeps B bytes of payload in its state (``bench._payload``):
 the state grows to ``keys x (B + 8)`` bytes as keys arrive.
@@ -63,6 +68,13 @@ def passthrough(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch
 
 
+@rs.keyed_batches(state=rs.ValueState(int, default=0))
+def keyed_passthrough(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    """The inserted keyed step: counts each key's records in its state, passes them on."""
+    state.put(batch.keys, state.get(batch.keys) + batch.counts)
+    return batch.records
+
+
 def _summary(lat: rs.metrics.LatencyRecorder, first: int, last: int) -> dict[str, Any]:
     """Latency over windows ``first..last`` (inclusive) of ``lat``."""
     s = lat.summary_of_windows(first, last)
@@ -96,11 +108,15 @@ def change_spans(
     during = _summary(lat, first, settled)
     after = _summary(lat, settled + 1, settled + int(round(window_s / w)))
     steady, peak = before["p99_ms"], during["max_ms"]
+    # when the peak came: the start of the window holding it, seconds after the change's start
+    maxima = [(lat.summary_of_windows(w_, w_)["max_ms"], w_) for w_ in range(first, settled + 1)]
+    top = max(((m, w_) for m, w_ in maxima if m is not None), default=None)
     return {
         "before": before,
         "during": during,
         "after": after,
         "peak_over_steady_p99": (round(peak / steady, 2) if peak is not None and steady else None),
+        "peak_window_at_s": round(top[1] * w - start, 3) if top else None,
     }
 
 
@@ -110,6 +126,7 @@ def _drive(
     value_bytes: int | None,
     log: list[Any],
     move_fetch: dict[str, Any] | None = None,
+    inserted: str = "stateless",
 ) -> None:
     """The four changes, ``every_s`` apart (the first ``every_s`` after the start)."""
     import ray
@@ -126,10 +143,14 @@ def _drive(
 
                     new = count_with_payload(value_bytes, STEP)
                 log.append(job.replace(STEP, new))
+            elif kind == "insert" and inserted == "keyed":
+                op, keyed = keyed_passthrough, {"key_by": "key", "parallelism": 2}
+                log.append(job.insert("source", op, name="passthrough", **keyed))
             elif kind == "insert":
                 log.append(job.insert("source", passthrough, name="passthrough"))
             elif kind == "remove":
-                log.append(job.remove("passthrough"))
+                state = "drop" if inserted == "keyed" else None
+                log.append(job.remove("passthrough", state=state))
             else:
                 status = job.status()
                 here = next(
@@ -198,6 +219,13 @@ def _fetch_options(values: tuple[str, ...]) -> dict[str, Any]:
     multiple=True,
     help="a FetchPolicy option for the move, KEY=VALUE (e.g. on_demand=false, background=all)",
 )
+@click.option(
+    "--inserted",
+    type=click.Choice(["stateless", "keyed"]),
+    default="stateless",
+    show_default=True,
+    help="the step inserted and removed: a stateless pass-through or a keyed one",
+)
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
     rate: float,
@@ -209,6 +237,7 @@ def main(
     value_bytes: int | None,
     seed: int,
     move_fetch: tuple[str, ...],
+    inserted: str,
     report: Path | None,
 ) -> None:
     if rate <= 0 or keys < 1 or every_s <= window_s or parallelism < 1:
@@ -228,7 +257,9 @@ def main(
         flow = keycount_flow(gen, "vectorised", value_bytes=value_bytes)
         job = rs.start(flow, parallelism={STEP: parallelism}, linger_ms=10.0)
         log: list[Any] = []
-        driver = threading.Thread(target=_drive, args=(job, every_s, value_bytes, log, fetch))
+        driver = threading.Thread(
+            target=_drive, args=(job, every_s, value_bytes, log, fetch, inserted)
+        )
         driver.start()
         driver.join()
         result = job.wait(duration_s + 120)
@@ -283,6 +314,7 @@ def main(
                 "window_s": window_s,
                 "seed": seed,
                 "move_fetch": fetch,
+                "inserted": inserted,
                 "nodes": len({m.get("node_id") for m in result.metrics if m.get("node_id")}),
             },
             "exact": True,

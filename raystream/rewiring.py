@@ -226,6 +226,7 @@ class Rewiring:
         for iid in specs:
             self._run(iid)
         self.parallelism[name] = parallelism
+        t_ready = time.time()  # the new instances run, wired to both neighbours
         epoch, offsets = await self._rewire(after, before, to_new, f"insert {name!r}")
         # the graph as it runs now: recoveries, rescales and scale-outs build on it
         if table is not None:
@@ -239,17 +240,20 @@ class Rewiring:
             if iid[0] == before:
                 self.specs[iid] = replace(spec, step=replace(spec.step, upstream=(name,)))
         keyed = f", keyed by {new.key.column or 'a function'}" if new.key else ""
+        t1 = time.time()
         record = self._record_reconfiguration(
             "insert",
             name,
             t0,
-            time.time(),
+            t1,
             epochs=[epoch],
             moved={},
             change=f"{after} -> {name} ({new.kind} {_fn_name(new.fn)}{keyed}) -> {before}",
             instances=parallelism,
             source_offsets=offsets,
             actors=list(names.values()),
+            # seconds from the start: the new instances started and wired, the barrier passed
+            phases_s={"instances_ready": round(t_ready - t0, 3), "switched": round(t1 - t0, 3)},
         )
         await self._checkpoint_after(record)
         return record
