@@ -12,6 +12,11 @@ While it runs, one change every ``--every`` seconds, in this order:
 4. ``move``: ``count`` instance 0 to another node (the same node on a one-node cluster: a new
    actor takes its key groups and state all the same).
 
+With ``--inserted keyed`` the inserted step is keyed (``key_by="key"``, two instances, a
+ValueState per key counting its records, every record passed on as it came) and is removed with
+``state="drop"``: the cost of starting keyed instances with their own routing table and of
+ending them.
+
 The stream runs ``--every`` x 5 + 10 s, so the last change's spans end before the input does.
 With ``--value-bytes B`` every key keeps B bytes of payload in its state (``bench._payload``):
 the state grows to ``keys x (B + 8)`` bytes as keys arrive.
@@ -65,6 +70,13 @@ def passthrough(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch
 
 
+@rs.keyed_batches(state=rs.ValueState(int, default=0))
+def keyed_passthrough(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    """The inserted keyed step: counts each key's records in its state, passes them on."""
+    state.put(batch.keys, state.get(batch.keys) + batch.counts)
+    return batch.records
+
+
 def _summary(lat: rs.metrics.LatencyRecorder, first: int, last: int) -> dict[str, Any]:
     """Latency over windows ``first..last`` (inclusive) of ``lat``."""
     s = lat.summary_of_windows(first, last)
@@ -98,11 +110,15 @@ def change_spans(
     during = _summary(lat, first, settled)
     after = _summary(lat, settled + 1, settled + int(round(window_s / w)))
     steady, peak = before["p99_ms"], during["max_ms"]
+    # when the peak came: the start of the window holding it, seconds after the change's start
+    maxima = [(lat.summary_of_windows(w_, w_)["max_ms"], w_) for w_ in range(first, settled + 1)]
+    top = max(((m, w_) for m, w_ in maxima if m is not None), default=None)
     return {
         "before": before,
         "during": during,
         "after": after,
         "peak_over_steady_p99": (round(peak / steady, 2) if peak is not None and steady else None),
+        "peak_window_at_s": round(top[1] * w - start, 3) if top else None,
     }
 
 
@@ -113,6 +129,7 @@ def _drive(
     log: list[Any],
     move_fetch: dict[str, Any] | None = None,
     changes: tuple[str, ...] = CHANGES,
+    inserted: str = "stateless",
 ) -> None:
     """The ``changes``, ``every_s`` apart (the first ``every_s`` after the start)."""
     import ray
@@ -129,10 +146,14 @@ def _drive(
 
                     new = count_with_payload(value_bytes, STEP)
                 log.append(job.replace(STEP, new))
+            elif kind == "insert" and inserted == "keyed":
+                op, keyed = keyed_passthrough, {"key_by": "key", "parallelism": 2}
+                log.append(job.insert("source", op, name="passthrough", **keyed))
             elif kind == "insert":
                 log.append(job.insert("source", passthrough, name="passthrough"))
             elif kind == "remove":
-                log.append(job.remove("passthrough"))
+                state = "drop" if inserted == "keyed" else None
+                log.append(job.remove("passthrough", state=state))
             else:
                 status = job.status()
                 here = next(
@@ -214,6 +235,13 @@ def _fetch_options(values: tuple[str, ...]) -> dict[str, Any]:
     help="write the state of all --keys keys before the stream starts (with --value-bytes: "
     "keys x (B + 8) bytes from the first second, e.g. 1,000,000 x 1024 B = 1 GB)",
 )
+@click.option(
+    "--inserted",
+    type=click.Choice(["stateless", "keyed"]),
+    default="stateless",
+    show_default=True,
+    help="the step inserted and removed: a stateless pass-through or a keyed one",
+)
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
     rate: float,
@@ -227,6 +255,7 @@ def main(
     move_fetch: tuple[str, ...],
     change_list: str,
     prefill: bool,
+    inserted: str,
     report: Path | None,
 ) -> None:
     if rate <= 0 or keys < 1 or every_s <= window_s or parallelism < 1:
@@ -270,7 +299,7 @@ def main(
         )
         log: list[Any] = []
         driver = threading.Thread(
-            target=_drive, args=(job, every_s, value_bytes, log, fetch, changes)
+            target=_drive, args=(job, every_s, value_bytes, log, fetch, changes, inserted)
         )
         driver.start()
         driver.join()
@@ -328,6 +357,7 @@ def main(
                 "move_fetch": fetch,
                 "changes": list(changes),
                 "prefilled": prefilled,
+                "inserted": inserted,
                 "nodes": len({m.get("node_id") for m in result.metrics if m.get("node_id")}),
             },
             "exact": True,

@@ -9,6 +9,8 @@
     raystream move keycount count 0 <node id>
     raystream insert keycount source mypackage.ops:drop_test_keys --name drop_test
     raystream remove keycount drop_test
+    raystream insert keycount source mypackage.ops:tally --name tally --key-by key
+    raystream remove keycount tally --state emit
     raystream stop keycount
     raystream --version
 
@@ -644,6 +646,9 @@ def move(job: str, step: str, index: int, node_id: str, address: str | None) -> 
 @click.option("--name", default=None, help="name of the new step (default: the operator's)")
 @click.option("--parallelism", default=1, show_default=True, type=int)
 @click.option("--before", default=None, help="the downstream step, if AFTER feeds several")
+@click.option(
+    "--key-by", "key_by", default=None, help="the key column (required for a keyed OPERATOR)"
+)
 @address_option
 def insert(
     job: str,
@@ -652,16 +657,19 @@ def insert(
     name: str | None,
     parallelism: int,
     before: str | None,
+    key_by: str | None,
     address: str | None,
 ) -> None:
-    """Put the stateless OPERATOR (module:attr) as a new step after step AFTER of the running
-    JOB; records after the barrier go through it."""
+    """Put OPERATOR (module:attr) as a new step after step AFTER of the running JOB; records
+    after the barrier go through it. A keyed operator needs --key-by and starts empty."""
     import raystream as rs
     from raystream.reconfigure import load_object
 
     op = load_object(operator)
     _connect(address)
-    rec = rs.attach(job).insert(after, op, name=name, parallelism=parallelism, before=before)
+    rec = rs.attach(job).insert(
+        after, op, name=name, parallelism=parallelism, before=before, key_by=key_by
+    )
     click.echo(
         f"inserted at epoch {rec['epoch']}: {rec['change']} (graph version "
         f"{rec['graph_version']})"
@@ -671,13 +679,19 @@ def insert(
 @main.command()
 @click.argument("job")
 @click.argument("step")
+@click.option(
+    "--state",
+    type=click.Choice(["drop", "emit"]),
+    default=None,
+    help="a keyed STEP's state: drop it, or emit each key's final state downstream first",
+)
 @address_option
-def remove(job: str, step: str, address: str | None) -> None:
-    """Take stateless STEP out of the running JOB at a barrier."""
+def remove(job: str, step: str, state: str | None, address: str | None) -> None:
+    """Take STEP out of the running JOB at a barrier (a keyed STEP needs --state)."""
     import raystream as rs
 
     _connect(address)
-    rec = rs.attach(job).remove(step)
+    rec = rs.attach(job).remove(step, state=state)
     click.echo(
         f"removed at epoch {rec['epoch']}: {rec['change']} (graph version "
         f"{rec['graph_version']})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,20 +195,27 @@ class Job:
         name: str | None = None,
         parallelism: int = 1,
         before: str | None = None,
+        key_by: str | Callable[..., Any] | None = None,
     ) -> dict[str, Any]:
-        """Put stateless ``operator`` (@rs.map, @rs.filter, @rs.flat_map, @rs.map_batches) as a
-        new step between step ``after`` and its downstream step ``before`` (its only one if
-        None) while the job runs: records before the barrier go the old way, records after it
-        through the new step. Returns the change's record (``source_offsets``: where each
-        source emitted the barrier)."""
+        """Put ``operator`` as a new step between step ``after`` and its downstream step
+        ``before`` (its only one if None) while the job runs: records before the barrier go the
+        old way, records after it through the new step. A stateless operator (@rs.map,
+        @rs.filter, @rs.flat_map, @rs.map_batches) goes in as it is; a keyed one (@rs.keyed,
+        @rs.keyed_batches) needs ``key_by`` (a column, or a function of a RecordBatch) and
+        starts with empty state; it then rescales, moves, checkpoints and recovers like any
+        keyed step. Returns the change's record (``source_offsets``: where each source emitted
+        the barrier; ``checkpoint_after`` with checkpoints on)."""
         return ray.get(  # type: ignore[no-any-return]
-            self.controller.insert.remote(after, operator, name, parallelism, before)
+            self.controller.insert.remote(after, operator, name, parallelism, before, key_by)
         )
 
-    def remove(self, step: str) -> dict[str, Any]:
-        """Take stateless step ``step`` out while the job runs: its upstream step sends to its
-        downstream step again from a barrier on. Returns the change's record."""
-        return ray.get(self.controller.remove.remote(step))  # type: ignore[no-any-return]
+    def remove(self, step: str, *, state: str | None = None) -> dict[str, Any]:
+        """Take step ``step`` out while the job runs: its upstream step sends to its downstream
+        step again from a barrier on. A keyed step needs ``state``: ``"drop"`` drops its state;
+        ``"emit"`` fires its timers (as at end of input) and then sends each key's final state
+        downstream as one record (the key column and one column per state: ``state`` for a
+        single unnamed state) before its instances end. Returns the change's record."""
+        return ray.get(self.controller.remove.remote(step, state))  # type: ignore[no-any-return]
 
     def stop(self, *, checkpoint: bool = True) -> JobResult | None:
         """Stop the job: first a final checkpoint (sinks publish what came before it; the job can

@@ -12,8 +12,22 @@ step. Remove is the same with the roles swapped: the upstream step sends to the 
 again (its old inputs there reopen), the removed step's instances get the barrier and
 EndOfStream and end.
 
-Only stateless steps (map, filter, flat_map, map_batches) go in or out, between a step and a
-downstream step that reads only its main output.
+Steps go in or out between a step and a downstream step that reads only its main output. A keyed
+step goes in with ``key_by``: its instances start with empty state and their own routing table
+(uniform over its parallelism), the upstream step routes to them by key group from the barrier
+on, and from then on it rescales, moves, checkpoints and recovers like any keyed step. A keyed
+step comes out with ``state="drop"`` or ``state="emit"`` (raystream.step_changes): its instances
+see the barrier and their input end, then drop their state, or fire every timer and send each
+key's final state downstream (after the barrier; the downstream step's direct input from the
+upstream step flows meanwhile), and end.
+
+With checkpoints on, a checkpoint is taken right after each insert and remove (its id in the
+change's record, ``checkpoint_after``): a recovery restores the graph as it runs now, so from
+that checkpoint on it replays exactly as the change made it. A failure before that checkpoint
+completes recovers from an older one through the new graph, as if the change had happened at
+that checkpoint: an inserted keyed step starts empty there and sees the replayed records; a
+removed step's state (emitted or not) is not restored, the replayed records go past it. Sinks
+publish nothing after that checkpoint before it, so the output stays consistent with that run.
 """
 
 from __future__ import annotations
@@ -25,17 +39,23 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+import ray
+
 from raystream.errors import ReconfigurationError
 from raystream.reconfigurations import _fn_name
 from raystream.runtime.messages import Barrier
+from raystream.step_changes import (
+    check_removal_state,
+    graph_with_step,
+    graph_without_step,
+    inserted_step,
+)
 
 __all__ = ["Rewiring"]
 
-_STATELESS = ("map", "filter", "flat_map", "map_batches")
-
 
 class Rewiring:
-    """Insert and remove stateless steps of a running job."""
+    """Insert and remove steps of a running job."""
 
     @contextlib.asynccontextmanager
     async def _queue_turn(self: Any, what: str) -> AsyncIterator[None]:
@@ -87,11 +107,12 @@ class Rewiring:
         name: str | None = None,
         parallelism: int = 1,
         before: str | None = None,
+        key_by: Any = None,
     ) -> dict[str, Any]:
-        """Put stateless operator ``op`` as a new step between ``after`` and its downstream step
-        ``before`` (the only one if None) at one barrier. Refused (nothing changes) for a sink,
-        an unknown step, a keyed operator, a name in use, or a downstream step with several inputs
-        or reading a side output."""
+        """Put operator ``op`` as a new step between ``after`` and its downstream step ``before``
+        (the only one if None) at one barrier; a keyed operator needs ``key_by``. Refused
+        (nothing changes) for a sink, an unknown step, a name in use, a keyed operator without
+        key_by, or a downstream step with several inputs or reading a side output."""
         from raystream.dataflow import _NAME, Operator
 
         steps = self.plan.steps
@@ -124,39 +145,47 @@ class Rewiring:
                 "insert steps there"
             )
             raise ReconfigurationError(msg)
-        if not isinstance(op, Operator) or op.kind not in _STATELESS:
-            got = f"@rs.{op.kind}" if isinstance(op, Operator) else type(op).__name__
-            msg = (
-                f"insert takes a stateless operator (@rs.map, @rs.filter, @rs.flat_map, "
-                f"@rs.map_batches), got {got}; keyed steps cannot be inserted yet"
-            )
-            raise ReconfigurationError(msg)
-        name = name or op.name
+        name = name or (op.name if isinstance(op, Operator) else "")
+        new = inserted_step(
+            op, name, after, parallelism, key_by, num_key_groups=self.flow.key_space.num_key_groups
+        )
         if not _NAME.match(name) or name in steps:
             msg = (
                 f"the inserted step needs a new name matching {_NAME.pattern}, got {name!r} "
                 f"(steps: {list(steps)}); pass name="
             )
             raise ReconfigurationError(msg)
-        if isinstance(parallelism, bool) or not isinstance(parallelism, int) or parallelism < 1:
-            msg = f"parallelism of the inserted step must be an int >= 1, got {parallelism!r}"
+        if new.is_keyed and not self.config.migration_support:
+            msg = (
+                f"cannot insert keyed step {name!r}: this job runs with "
+                "migration_support=False; restart it with it on to insert keyed steps"
+            )
             raise ReconfigurationError(msg)
         async with self._queue_turn(f"insert {name!r} after {after!r}"):
-            return await self._insert(after, before, op, name, parallelism)
+            return await self._insert(after, before, new)
 
-    async def _insert(
-        self: Any, after: str, before: str, op: Any, name: str, parallelism: int
-    ) -> dict[str, Any]:
-        from raystream.dataflow import Step
+    async def _insert(self: Any, after: str, before: str, new: Any) -> dict[str, Any]:
+        from pathlib import Path
+
+        from raystream.keys import RoutingTable
         from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
         from raystream.runtime.instance import OutputSpec
 
         t0 = time.time()
+        name, parallelism = new.name, new.parallelism
+        await self._free_ids(name, parallelism)
         d = self.plan.steps[before]
-        new = Step(name, op.kind, op.fn, (after,), parallelism=parallelism)
         ups = self._live_ids(after)
         to_d = self._edge_to(before, d.key_for(after))
-        to_new = OutputSpec(name, parallelism, "rebalance")
+        # named with the graph version this insert makes (the Ray dashboard shows it; a step
+        # removed and inserted again under its name gets new names and a new state folder)
+        version = self.graph_version + 1
+        table = None
+        if new.is_keyed:  # empty state, its own routing table
+            table = RoutingTable.uniform(self.flow.key_space.num_key_groups, parallelism)
+            to_new = OutputSpec(name, parallelism, "key_group", key=new.key, routing=table)
+        else:
+            to_new = OutputSpec(name, parallelism, "rebalance")
         template = self.specs[ups[0]]
         specs = {
             (name, j): replace(
@@ -165,16 +194,17 @@ class Rewiring:
                 index=j,
                 inputs=tuple(ups),
                 outputs=(to_d,),
-                state_path=None,
-                owned_key_groups=(),
+                state_path=(
+                    str(Path(self.plan_dir) / name / f"{j}-v{version}") if table else None
+                ),
+                owned_key_groups=(
+                    tuple(int(g) for g in table.key_groups_of(j)) if table else ()
+                ),
                 restore=None,
                 source_parallelism=1,
             )
             for j in range(parallelism)
         }
-        # named with the graph version this insert makes (the Ray dashboard shows it; a step
-        # removed and inserted again under its name gets new names)
-        version = self.graph_version + 1
         names = {iid: f"{instance_actor_name(self.flow.name, *iid)}:v{version}" for iid in specs}
         handles = {
             iid: InstanceActor.options(
@@ -196,50 +226,86 @@ class Rewiring:
         for iid in specs:
             self._run(iid)
         self.parallelism[name] = parallelism
+        t_ready = time.time()  # the new instances run, wired to both neighbours
         epoch, offsets = await self._rewire(after, before, to_new, f"insert {name!r}")
-        # the graph as it runs now: recoveries and scale-outs build on it
-        self.plan.steps[name] = new
-        self.plan.steps[before] = replace(d, upstream=(name,))
+        # the graph as it runs now: recoveries, rescales and scale-outs build on it
+        if table is not None:
+            self.routing[name] = table
+        for steps in (self.plan.steps, self.flow.steps):
+            changed = graph_with_step(steps, new, before)
+            steps.clear()
+            steps.update(changed)
         self._set_outputs(ups, before, to_new)
         for iid, spec in list(self.specs.items()):
             if iid[0] == before:
                 self.specs[iid] = replace(spec, step=replace(spec.step, upstream=(name,)))
-        flow_steps = {}
-        for n, s in self.flow.steps.items():
-            if n == before:
-                flow_steps[name] = replace(new, parallelism=parallelism)
-                s = replace(s, upstream=(name,))
-            flow_steps[n] = s
-        self.flow.steps.clear()
-        self.flow.steps.update(flow_steps)
-        return self._record_reconfiguration(
+        keyed = f", keyed by {new.key.column or 'a function'}" if new.key else ""
+        t1 = time.time()
+        record = self._record_reconfiguration(
             "insert",
             name,
             t0,
-            time.time(),
+            t1,
             epochs=[epoch],
             moved={},
-            change=f"{after} -> {name} ({op.kind} {_fn_name(op.fn)}) -> {before}",
+            change=f"{after} -> {name} ({new.kind} {_fn_name(new.fn)}{keyed}) -> {before}",
             instances=parallelism,
             source_offsets=offsets,
             actors=list(names.values()),
+            # seconds from the start: the new instances started and wired, the barrier passed
+            phases_s={"instances_ready": round(t_ready - t0, 3), "switched": round(t1 - t0, 3)},
         )
+        await self._checkpoint_after(record)
+        return record
 
-    async def remove(self: Any, step: str) -> dict[str, Any]:
-        """Take stateless step ``step`` out at one barrier: its upstream step sends to its
-        downstream step again, its instances end. Refused (nothing changes) for a source, a sink,
-        a keyed step, or a step with several inputs or downstream steps."""
+    async def _free_ids(self: Any, name: str, parallelism: int, timeout_s: float = 60.0) -> None:
+        """A step removed earlier had this name: once each of its instances with an id the new
+        step takes has ended, its outcome goes to the history, so the job watches (and ends
+        with) the new instance under that id."""
+        deadline = time.monotonic() + timeout_s
+        for iid in [(name, j) for j in range(parallelism) if (name, j) in self._run_futures]:
+            while iid not in self.outcomes:
+                if time.monotonic() > deadline:
+                    msg = (
+                        f"cannot insert {name!r}: instance {iid} of the step removed earlier "
+                        f"under that name has not ended within {timeout_s:g} s; nothing changed, "
+                        "insert it again later or under another name"
+                    )
+                    raise ReconfigurationError(msg)
+                await asyncio.sleep(0.01)
+            self._history.append(self.outcomes.pop(iid))
+            self.retired.discard(iid)
+            self._run_futures.pop(iid, None)
+
+    async def _checkpoint_after(self: Any, record: dict[str, Any]) -> None:
+        """With checkpoints on: one right after the change, so a recovery replays through the
+        graph as the change made it from that point (see the module doc)."""
+        if self.config.checkpoint_interval_s > 0 or self.config.checkpoint_dir:
+            try:
+                ck = await self._take_checkpoint(120.0)
+                record["checkpoint_after"] = ck["checkpoint_id"]
+            except Exception as e:  # noqa: BLE001 - the change is done; the next one comes
+                record["checkpoint_after"] = f"failed: {type(e).__name__}: {e}"
+
+    async def remove(self: Any, step: str, state: str | None = None) -> dict[str, Any]:
+        """Take step ``step`` out at one barrier: its upstream step sends to its downstream step
+        again, its instances end. A keyed step needs ``state``: ``"drop"`` drops its state,
+        ``"emit"`` fires its timers and sends each key's final state downstream first.
+        Refused (nothing changes) for a source, a sink, a keyed step without ``state``, or a step
+        with several inputs or downstream steps."""
         steps = self.plan.steps
         s = steps.get(step)
         down = [n for n, t in steps.items() if step in t.upstream]
         problem = None
         if s is None:
             problem = f"no such step; the steps are {list(steps)}"
-        elif s.kind not in _STATELESS:
+        elif s.kind in ("source", "sink"):
             problem = (
-                f"it is a {s.kind} step; only stateless steps (map, filter, flat_map, "
-                "map_batches) can be removed (a keyed step's state would have to be drained)"
+                f"it is a {s.kind} step; operator steps (stateless, or keyed with state='drop' "
+                "or 'emit') can be removed"
             )
+        elif s.is_keyed and state is None:  # the first thing to say about a keyed step
+            check_removal_state(s, steps[down[0]] if len(down) == 1 else None, state)
         elif len(s.upstream) != 1 or s.ports or len(down) != 1:
             problem = (
                 f"it reads {list(s.upstream)} and feeds {down}; only a step with one upstream "
@@ -256,10 +322,11 @@ class Rewiring:
         if problem is not None:
             msg = f"cannot remove {step!r}: {problem}"
             raise ReconfigurationError(msg)
+        mode = check_removal_state(s, steps[down[0]], state)
         async with self._queue_turn(f"remove {step!r}"):
-            return await self._remove(step, down[0])
+            return await self._remove(step, down[0], mode)
 
-    async def _remove(self: Any, step: str, before: str) -> dict[str, Any]:
+    async def _remove(self: Any, step: str, before: str, mode: str | None) -> dict[str, Any]:
         t0 = time.time()
         s = self.plan.steps[step]
         after = s.upstream[0]
@@ -268,41 +335,58 @@ class Rewiring:
         mine = self._live_ids(step)
         to_d = self._edge_to(before, d.key_for(step))
         await asyncio.gather(*(self.handles[r].add_inputs.remote(ups) for r in to_d.receiver_ids))
-        epoch, offsets = await self._rewire(after, step, to_d, f"remove {step!r}")
+        # the upstream instances may never have sent to these (started by a recovery or a
+        # scale-out since): they get their handles before the barrier
+        receivers = {r: self.handles[r] for r in to_d.receiver_ids}
+        await asyncio.gather(*(self.handles[u].add_receivers.remote(receivers) for u in ups))
+        removal = {"removes": step, "state": mode} if mode else {}
+        epoch, offsets = await self._rewire(after, step, to_d, f"remove {step!r}", removal)
         self.retired.update(mine)
-        self.plan.steps.pop(step)
-        self.plan.steps[before] = replace(d, upstream=(after,))
+        for steps in (self.plan.steps, self.flow.steps):
+            changed = graph_without_step(steps, step)
+            steps.clear()
+            steps.update(changed)
         self.parallelism.pop(step, None)
+        self.routing.pop(step, None)
+        for slot in [k for k in getattr(self, "slots", {}) if k[0] == step]:
+            self.slots.pop(slot)
+        for entry in [e for e in getattr(self, "_standby", []) if e[2][0] == step]:
+            self._standby.remove(entry)  # warm spares named for its instances
+            ray.kill(entry[0], no_restart=True)
         self._set_outputs(ups, step, to_d)
         for iid, spec in list(self.specs.items()):
             if iid[0] == before:
                 self.specs[iid] = replace(spec, step=replace(spec.step, upstream=(after,)))
-        flow_steps = {
-            n: (replace(t, upstream=(after,)) if n == before else t)
-            for n, t in self.flow.steps.items()
-            if n != step
-        }
-        self.flow.steps.clear()
-        self.flow.steps.update(flow_steps)
-        return self._record_reconfiguration(
+        state_note = f"; its state: {mode}" if mode else ""
+        record = self._record_reconfiguration(
             "remove",
             step,
             t0,
             time.time(),
             epochs=[epoch],
             moved={},
-            change=f"{after} -> {before} (without {step}: {_fn_name(s.fn)})",
+            change=f"{after} -> {before} (without {step}: {_fn_name(s.fn)}{state_note})",
             instances=len(mine),
             source_offsets=offsets,
+            state=mode,
         )
+        await self._checkpoint_after(record)
+        return record
 
     async def _rewire(
-        self: Any, after: str, replaces: str, output: Any, what: str
+        self: Any,
+        after: str,
+        replaces: str,
+        output: Any,
+        what: str,
+        extra: dict[str, Any] | None = None,
     ) -> tuple[int, dict[str, int]]:
         """One aligned barrier: every instance of ``after`` replaces its output to
-        ``replaces`` by ``output``. Returns the epoch and where each source emitted it."""
+        ``replaces`` by ``output`` (``extra``: more for the payload, e.g. a removed keyed
+        step's ``removes`` and ``state``). Returns the epoch and where each source emitted it."""
         epoch = self._next_epoch()
         payload = {"step": after, "replaces": replaces, "output": output, "aligned": True}
+        payload.update(extra or {})
         taken: list[bool] = []
         try:
             acks = await self.inject(

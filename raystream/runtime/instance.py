@@ -264,6 +264,7 @@ class OperatorInstance:
         self._barriers_closed = False  # sources: past the last barrier they will ever emit
         self._outputs_closed = False  # EndOfStream sent (or being sent) on every output
         self._unconnected: set[ChannelId] = set()  # new receivers not routed to yet
+        self._removal: str | None = None  # the step was removed: its state "drop" or "emit"
         self._switched_epoch = 0  # the last rescale epoch this instance switched at
         self.row_cost_s = 0.0  # keyed steps: seconds of work per record (moving average)
         self.inbox.on_overtaking = self._overtake_outputs
@@ -782,13 +783,18 @@ class OperatorInstance:
         engine = self.engine
         if engine is not None:
             await self._settle(engine)
-        if isinstance(self.processor, KeyedProcessor):  # end of input: every timer fires
-            with self.metrics.busy():
+        if isinstance(self.processor, KeyedProcessor) and self._removal != "drop":
+            with self.metrics.busy():  # end of input: every timer fires
                 await self._emit(self.processor.on_watermark(WATERMARK_MAX))
+                if self._removal == "emit":  # removed: each key's final state goes on
+                    await self._emit(await asyncio.to_thread(self.processor.final_state))
         await snapshots.gather_pending(self.checkpoints)  # a checkpoint's upload is part of it
         await self._finish_outputs()
         if self.processor is not None:
-            self.processor.close()
+            if self._removal and isinstance(self.processor, KeyedProcessor):
+                self.processor.backend.destroy()  # the step is gone: so is its state
+            else:
+                self.processor.close()
         if self.writer is not None:
             if self.checkpoints.two_phase(self.writer) and self.checkpoints.active:
                 # end of input is a final checkpoint: published once the controller recorded it
@@ -999,6 +1005,8 @@ class OperatorInstance:
             elif barrier.kind == "rewire":  # aligned: every input delivered it
                 if barrier.payload["step"] == self.step.name:
                     await self._rewire(barrier)
+                if barrier.payload.get("removes") == self.step.name:  # ends after this barrier
+                    self._removal = barrier.payload.get("state") or "drop"
                 await self._forward_barrier(barrier)
                 self.inbox.unblock_all()
             elif barrier.payload.get("aligned"):

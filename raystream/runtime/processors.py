@@ -427,6 +427,20 @@ class KeyedProcessor:
         self.states = KeyedStates(self.backend, step.state, self.key_space)
         return rows
 
+    def final_state(self) -> list[pa.RecordBatch]:
+        """Each key's state held here as records (a step removed with ``state="emit"``; see
+        raystream.state.final)."""
+        from raystream.state.final import final_state_batches
+
+        return final_state_batches(
+            self.backend,
+            self.step.state,
+            self.key_column,
+            self.key_kind,
+            held=self.engine.held,
+            sub_groups=self.key_space.sub_groups,
+        )
+
     @property
     def owned_key_groups(self) -> list[int]:
         held = self.engine.held.reshape(-1, self.key_space.sub_groups)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import collections
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 import ray
 
@@ -60,7 +62,7 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
             job.insert("out", drop_even)
         with pytest.raises(rs.ReconfigurationError, match="it is a keyed_batches step"):
             job.remove("count")
-        with pytest.raises(rs.ReconfigurationError, match="stateless operator"):
+        with pytest.raises(rs.ReconfigurationError, match="needs key_by="):
             job.insert("source", count_vec)
         inserted = job.insert("source", drop_even, name="drop_even")
         assert inserted["actors"] == ["raystream:rewire:drop_even:0:v2"]  # the graph version
@@ -85,3 +87,125 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
     kinds = [r["kind"] for r in status["reconfigurations"]]
     assert kinds == ["insert", "remove"] and status["graph_version"] == 3
     assert [g["step"] for g in status["graph"]] == ["source", "count", "out"]
+
+
+# ---- a keyed step inserted, rescaled and removed (its state emitted, then dropped) ------------
+
+
+@rs.keyed_batches(state=rs.ValueState(int, default=0))
+def tally(batch: rs.KeyedBatch, state: Any) -> Any:
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    return batch.output({"tally": new})
+
+
+@dataclass
+class _Writer:
+    batches: list[pa.RecordBatch] = field(default_factory=list)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self.batches.append(batch)
+
+    def close(self) -> list[pa.RecordBatch]:
+        return self.batches
+
+    def abort(self) -> None:
+        self.batches = []
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Returns every batch as it came: raw events, counts and final-state rows differ in
+    schema, so no one table holds them."""
+
+    def open(self, index: int, parallelism: int) -> _Writer:
+        return _Writer()
+
+    def describe(self) -> str:
+        return "batches()"
+
+
+def _per_key_last(batches: list[pa.RecordBatch], column: str) -> dict[int, int]:
+    """The last value of ``column`` per key, checking that per key it strictly grows."""
+    last: dict[int, int] = {}
+    for b in batches:
+        for k, c in zip(b["key"].to_pylist(), b[column].to_pylist(), strict=True):
+            assert c > last.get(k, 0), f"key {k}: {column} {c} after {last.get(k)}"
+            last[k] = c
+    return last
+
+
+def test_keyed_count_inserted_rescaled_removed_counts_exactly_between_its_barriers(
+    tmp_path: Path,
+) -> None:
+    gen = generator("int", skewed=True, seed=29)
+    gate = str(tmp_path / "gate")
+    flow = rs.Dataflow("keyedrewire", num_key_groups=32, sub_groups=8)
+    flow.source(UntilGate(gen, gate)).sink(Batches(), name="out")
+    job = rs.start(flow, state_dir=tempfile.mkdtemp(), chaining=False, **RUNTIME)
+    try:
+        deadline = time.monotonic() + 30
+        while _records_in(job, "out") < 2_000:
+            assert time.monotonic() < deadline, "no records reached out"
+            time.sleep(0.02)
+        with pytest.raises(rs.ReconfigurationError, match="needs key_by="):
+            job.insert("source", count_vec, name="count")
+        inserted = job.insert("source", count_vec, name="count", key_by="key")
+        time.sleep(0.2)
+        rescaled = job.rescale("count", 2)
+        time.sleep(0.2)
+        with pytest.raises(rs.ReconfigurationError, match="say what happens to it"):
+            job.remove("count")
+        emitted = job.remove("count", state="emit")
+        # under the removed step's name again: new actors and state folders, a new routing table
+        again = job.insert("source", tally, name="count", key_by="key")
+        time.sleep(0.2)
+        dropped = job.remove("count", state="drop")
+        status = job.status()
+    finally:
+        Path(gate).touch()
+    result = job.wait(timeout_s=120)
+    assert result.state == "finished", result.error
+    events = int(Path(gate + ".events").read_text())
+
+    b1, b2 = inserted["source_offsets"]["source/0"], emitted["source_offsets"]["source/0"]
+    b3, b4 = again["source_offsets"]["source/0"], dropped["source_offsets"]["source/0"]
+    assert 0 < b1 < b2 <= b3 < b4 < events
+    keys = _first_keys(gen, events)
+    batches = [b for part in result.results["out"] for b in part]
+    raw = [b for b in batches if "seq" in b.schema.names]
+    counts = [b for b in batches if "count" in b.schema.names]
+    tallies = [b for b in batches if "tally" in b.schema.names]
+    final = [b for b in batches if "state" in b.schema.names]
+    assert len(raw) + len(counts) + len(tallies) + len(final) == len(batches)
+    # raw events: exactly those outside the two steps' barriers, each once
+    outside = [k for i, k in enumerate(keys) if i < b1 or b2 <= i < b3 or i >= b4]
+    assert collections.Counter(k for b in raw for k in b["key"].to_pylist()) == (
+        collections.Counter(outside)
+    )
+    # the inserted count started empty and counted each event between its barriers once,
+    # across its rescale; its final state per key is that count
+    between = dict(collections.Counter(keys[b1:b2]))
+    assert _per_key_last(counts, "count") == between
+    state_rows = [
+        (k, v)
+        for b in final
+        for k, v in zip(b["key"].to_pylist(), b["state"].to_pylist(), strict=True)
+    ]
+    assert len(state_rows) == len(between) and dict(state_rows) == between
+    # the second one: counted between its barriers; its state dropped (no rows)
+    assert _per_key_last(tallies, "tally") == dict(collections.Counter(keys[b3:b4]))
+
+    assert (rescaled["from"], rescaled["to"]) == (1, 2) and rescaled["moved_key_groups"] > 0
+    kinds = [(r["kind"], r["step"]) for r in status["reconfigurations"]]
+    assert [k for k in kinds if k[0] != "rescale"] == [
+        ("insert", "count"),
+        ("remove", "count"),
+        ("insert", "count"),
+        ("remove", "count"),
+    ]
+    assert [r.get("state") for r in status["reconfigurations"] if r["kind"] == "remove"] == [
+        "emit",
+        "drop",
+    ]
+    assert [g["step"] for g in status["graph"]] == ["source", "out"]

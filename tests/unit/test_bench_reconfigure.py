@@ -15,6 +15,7 @@ def test_before_during_and_after_cover_their_windows() -> None:
     rng = np.random.default_rng(3)
     rec = LatencyRecorder(origin_ns=0)
     lat_ms: dict[str, list[float]] = {"before": [], "during": [], "after": []}
+    peak = (0.0, 0.0)  # the highest latency during the change, and when it was recorded
     # one batch of 50 records every 100 ms over 14 s; the change runs from 5 s to 6 s and
     # latency is high from its start until 2 s after its end
     for t in np.arange(0.05, 14.0, 0.1):
@@ -26,6 +27,7 @@ def test_before_during_and_after_cover_their_windows() -> None:
             lat_ms["before"].extend(ms)
         elif 5.0 <= t < 8.25:  # the window holding the end of "during" is part of it
             lat_ms["during"].extend(ms)
+            peak = max(peak, (float(ms.max()), float(t)))
         elif 8.25 <= t < 11.5:
             lat_ms["after"].extend(ms)
     spans = change_spans(rec, {"start_s": 5.0, "end_s": 6.0}, window_s=3.0)
@@ -38,3 +40,6 @@ def test_before_during_and_after_cover_their_windows() -> None:
     assert spans["peak_over_steady_p99"] == round(
         spans["during"]["max_ms"] / spans["before"]["p99_ms"], 2
     )
+    # when the highest latency came: its window's start, from the change's start
+    window_s = rec.window_ms / 1000
+    assert spans["peak_window_at_s"] == round(peak[1] // window_s * window_s - 5.0, 3)

@@ -139,7 +139,11 @@ def _controller_like() -> Any:
     keyed = a.union(b).key_by("key").apply(count)
     keyed.apply(rs.map(lambda r: r, name="tidy")).sink(rs.sinks.collect(), name="out")
     keyed.sink(rs.sinks.collect(), name="raw")
-    return SimpleNamespace(plan=SimpleNamespace(steps=flow.with_parallelism(None)))
+    return SimpleNamespace(
+        plan=SimpleNamespace(steps=flow.with_parallelism(None)),
+        flow=flow,
+        config=RuntimeConfig(migration_support=False),
+    )
 
 
 @rs.filter
@@ -162,9 +166,22 @@ def test_insert_and_remove_refuse_what_they_cannot_do() -> None:
     refused(Rewiring.insert(ctl, "nope", keep_all), "after 'nope': no such step")
     refused(Rewiring.insert(ctl, "count", keep_all), r"feeds \['tidy', 'raw'\]; pass before=")
     refused(Rewiring.insert(ctl, "a", keep_all), r"'count' reads \['a', 'b'\]")
-    refused(Rewiring.insert(ctl, "count", count, before="raw"), "got @rs.keyed_batches")
+    refused(Rewiring.insert(ctl, "count", count, before="raw"), "needs key_by=")
+    refused(Rewiring.insert(ctl, "count", keep_all, before="raw", key_by="key"), "stateless")
+    refused(
+        Rewiring.insert(ctl, "count", count, name="again", before="raw", key_by="key"),
+        "migration_support=False",
+    )
+    groups = ctl.flow.key_space.num_key_groups
+    refused(
+        Rewiring.insert(ctl, "count", count, "c2", groups + 1, "raw", "key"),
+        f"at most {groups} instances",
+    )
     refused(Rewiring.insert(ctl, "count", keep_all, name="out", before="raw"), "new name")
     refused(Rewiring.insert(ctl, "count", keep_all, parallelism=0, before="raw"), "int >= 1")
-    refused(Rewiring.remove(ctl, "count"), "it is a keyed_batches step")
+    refused(Rewiring.remove(ctl, "count"), "keyed_batches step with state per key; say what")
+    refused(Rewiring.remove(ctl, "count", state="drop"), r"it reads \['a', 'b'\]")
+    refused(Rewiring.remove(ctl, "tidy", state="drop"), "keeps no state; leave state= out")
+    refused(Rewiring.remove(ctl, "out"), "it is a sink step")
     refused(Rewiring.remove(ctl, "a"), "it is a source step")
     refused(Rewiring.remove(ctl, "nope"), "no such step")
