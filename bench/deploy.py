@@ -39,7 +39,7 @@ import pyarrow as pa
 import raystream as rs
 from bench._latest import LatestCountSink, _LatestWriter
 from bench._report import write_json
-from bench.keycount import _connect_ray, _pickle_by_value, count_vectorised
+from bench.keycount import _pickle_by_value, count_vectorised
 
 __all__ = ["main"]
 
@@ -211,11 +211,13 @@ def _recovery_case(
     killed_at = time.time()
     ray.kill(victim)
     startups: list[dict[str, Any]] = []
+    placed_at: float | None = None
     while time.time() - killed_at < 60:
         desc = ray.get(job.controller.describe.remote())
         if desc["recoveries"] and desc["state"] == "running":
             time.sleep(1.0)  # the restore runs in the new instances' loops
             startups = _instance_startups(job, desc["parallelism"])
+            placed_at = desc["deploys"][-1]["placed_at"]  # the recovery's deploy
             break
         time.sleep(0.05)
     result = job.wait(timeout_s=120)
@@ -234,10 +236,28 @@ def _recovery_case(
         "phases_s": {k: v for k, v in rec.get("phases", {}).items() if k != "deploy"},
         "deploy_phases_s": deployed,
         "actors": {
-            m["instance"]: _actor_phases(m, rec.get("deploy_placed_at") or m["process_started_at"])
+            m["instance"]: _actor_phases(m, placed_at)
             for m in sorted(startups, key=lambda m: m["instance"])
         },
     }
+
+
+def _connect(extra: dict[str, Any]) -> bool:
+    """A local Ray as ``raystream.job.ensure_ray`` starts it (``RAY_ADDRESS``: that cluster),
+    with ``extra`` ray.init arguments; True if this process started it."""
+    import os
+
+    import ray
+
+    from raystream.job import ensure_ray
+
+    if ray.is_initialized():
+        return False
+    if extra and not os.environ.get("RAY_ADDRESS"):
+        ray.init(address="local", namespace="raystream", include_dashboard=False, **extra)
+    else:
+        ensure_ray()
+    return not os.environ.get("RAY_ADDRESS")
 
 
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -269,14 +289,28 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     help="A RuntimeConfig option for rs.start, NAME=VALUE (Python literal), e.g. "
     "standby_instances=0 (repeatable).",
 )
-def main(runs: int, cases: str, report: Path | None, label: str, options: tuple[str, ...]) -> None:
+@click.option(
+    "--ray-init",
+    "ray_init",
+    default="",
+    help="Extra ray.init arguments as a Python dict literal (for a local Ray this starts).",
+)
+def main(
+    runs: int, cases: str, report: Path | None, label: str, options: tuple[str, ...], ray_init: str
+) -> None:
     """Time ``rs.start`` to first output and a recovery, split into phases."""
     import ray
 
     _pickle_by_value(("bench.keycount", "bench._latest", "bench.deploy"))
-    started_ray = _connect_ray()
+    started_ray = _connect(ast.literal_eval(ray_init) if ray_init else {})
     config = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in options)}
-    out: dict[str, Any] = {"benchmark": "deploy", "label": label, "runs": runs, "options": config}
+    out: dict[str, Any] = {
+        "benchmark": "deploy",
+        "label": label,
+        "runs": runs,
+        "options": config,
+        "ray_init": ray_init,
+    }
     try:
         for case in cases.split(","):
             results = []

@@ -481,14 +481,15 @@ class Recovery:
         for epoch, done in list(self._barrier_done.items()):  # barriers of the old attempt end
             self._barrier_expected.pop(epoch, None)
             done.set()
-        await asyncio.sleep(delay_s)
-        phases.mark("delay_s")
+        # the restart delay runs from the failure, while the old instances are stopped (as in
+        # Flink) and the new ones' processes start; their loops start once it is over
+        start_at = t0 + delay_s
         # a rescale or checkpoint of the old attempt fails on the dead actors and lets go first
         async with self._rescale_lock:
             if self.state != "recovering":
                 return  # stopped meanwhile
             phases.mark("lock_s")
-            await self._restart_from_latest(cause, t0, emitted, phases)
+            await self._restart_from_latest(cause, t0, emitted, phases, start_at)
 
     async def _restart_from_latest(
         self: Any,
@@ -514,7 +515,7 @@ class Recovery:
         self._source_emitted = {}
         self._replan(manifest, str(Path(self.state_dir) / f"attempt-{self._attempt}"))
         phases.mark("replan_s")
-        await self._deploy()
+        await self._deploy(start_at)
         phases.mark("deploy_s")
         if self.state != "recovering":  # stopped while the new attempt was deployed
             await self._stop_all()

@@ -39,3 +39,4 @@ def timeline(**marks: Any) -> dict[str, Any]:
         "now": time.time(),
         **marks,
     }
+
