@@ -19,7 +19,11 @@ Two cases, each ``--runs`` times on one Ray (started once, as a test session doe
   bench adds the kill -> noticed delay and ``processing_again_s``: kill -> the sink's first
   write of the new attempt. The final counts are checked against a numpy oracle (``exact``).
 
-Figures are medians over the runs (each run's figures are in ``runs``).
+Figures are medians over the runs (each run's figures are in ``runs``). ``--option NAME=VALUE``
+passes a RuntimeConfig option to both cases (e.g. ``standby_instances=0``); ``--ray-init`` extra
+``ray.init`` arguments for the local Ray it starts. Committed results: ``deploy_before.json``
+(restart delay before the new deploy), ``deploy_delay_overlap.json`` (delay from the failure),
+``deploy_no_standby.json`` (the same with ``--option standby_instances=0``).
 """
 
 from __future__ import annotations
