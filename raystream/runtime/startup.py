@@ -39,4 +39,3 @@ def timeline(**marks: Any) -> dict[str, Any]:
         "now": time.time(),
         **marks,
     }
-
