@@ -11,8 +11,12 @@ Quick start::
 
 from __future__ import annotations
 
-import importlib.util as _ilu
-import os as _os
+import time as _time
+
+_IMPORT_STARTED_AT = _time.time()  # start-up timeline (raystream.runtime.startup)
+
+import importlib.util as _ilu  # noqa: E402
+import os as _os  # noqa: E402
 
 # The source tree maps operators/, migration/ and autoscaler/ into this package (setup.cfg
 # package_dir). Run from the repository root without an editable install, the bare raystream/

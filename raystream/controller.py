@@ -121,6 +121,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         self._writers_used: dict[str, set[int]] = {}  # sink -> writer indexes ever opened
         self._retired_results: list[tuple[ChannelId, Any]] = []
         self._retired_sink_states: list[tuple[str, Any]] = []  # listed in every checkpoint
+        # the wall-clock marks of each deploy (the first also this process's start-up)
+        self.deploys: list[dict[str, Any]] = []
+        self._startup = {"init_at": time.time()}
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self, self_handle: Any) -> dict[str, Any]:
@@ -152,9 +155,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             asyncio.get_running_loop().create_task(self._fill_standby(self.config.standby_delay_s))
         return self.describe()
 
-    async def _deploy(self) -> None:
+    async def _deploy(self, start_at: float | None = None) -> None:
         """Create every instance actor of ``self.plan`` (named), wire them, start the loops
-        (sources last)."""
+        (sources last; not before ``start_at``, a ``time.monotonic`` time, if given)."""
         from raystream.runtime.actors import (
             NAMESPACE,
             InstanceActor,
@@ -162,7 +165,11 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             instance_actor_name,
         )
         from raystream.runtime.chain import ChainSpec
+        from raystream.runtime.startup import timeline
 
+        marks: dict[str, Any] = {"deploy_at": time.time()}
+        if not self.deploys:
+            marks["controller"] = timeline(**self._startup)
         self.handles = {}
         nodes = await asyncio.to_thread(cluster_nodes)
         for step in self.plan.steps.values():
@@ -187,19 +194,27 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                 max_concurrency=10_000,
                 **self.plan.steps[iid[0]].actor.ray_options(chosen[iid]),
             ).remote(ChainSpec(tuple(self.specs[i] for i in ids)) if ids else spec)
+        marks["placed_at"] = time.time()  # placement chosen, every actor asked for
         where = await asyncio.gather(*(h.ping.remote() for h in self.handles.values()))
         self.nodes = dict(zip(self.handles, where, strict=True))
+        marks["actors_ready_at"] = time.time()  # every actor constructed (RocksDB open)
         await asyncio.gather(
             *(
                 h.connect.remote(self._receivers_of(iid), self._self)
                 for iid, h in self.handles.items()
             )
         )
+        marks["connected_at"] = time.time()
+        if start_at is not None and start_at > time.monotonic():  # a recovery's restart delay
+            marks["delay_left_s"] = start_at - time.monotonic()
+            await asyncio.sleep(marks["delay_left_s"])
         now = time.monotonic()
         self._heartbeats = dict.fromkeys(self.handles, now)
         order = [i for i in self.handles if i not in self.plan.sources] + self.plan.sources
         for iid in order:
             self._run(iid)
+        marks["running_at"] = time.time()
+        self.deploys.append(marks)
 
     def _run(self, iid: ChannelId) -> None:
         self._run_futures[iid] = asyncio.ensure_future(_outcome(self.handles[iid].run.remote(), iid))
@@ -996,6 +1011,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
             "checkpoints": self.checkpoint_summary(),
             "recoveries": list(self.recoveries),
+            "deploys": list(self.deploys[:1] + self.deploys[1:][-5:]),
         }
 
     async def metrics(self) -> dict[str, Any]:

@@ -470,9 +470,11 @@ class Recovery:
             cause["error"],
             self._attempt,
         )
+        phases = _Phases(failed_at=time.time())
         emitted = dict(self._source_emitted)
         emitted.update(await self._source_positions())
         await self._keep_attempt_metrics(cause, self._attempt - 1)
+        phases.mark("positions_s")
         old = dict(self.handles)
         futures = list(self._run_futures.values())
         for h in old.values():
@@ -482,20 +484,33 @@ class Recovery:
                 pass
         if futures:
             await asyncio.wait(futures, timeout=15)
+        phases.mark("kill_s")
         await self._names_free(old)
+        phases.mark("names_free_s")
         for epoch, done in list(self._barrier_done.items()):  # barriers of the old attempt end
             self._barrier_expected.pop(epoch, None)
             done.set()
-        await asyncio.sleep(delay_s)
+        # the restart delay runs from the failure, while the old instances are stopped (as in
+        # Flink) and the new ones' processes start; their loops start once it is over
+        start_at = t0 + delay_s
         # a rescale or checkpoint of the old attempt fails on the dead actors and lets go first
         async with self._rescale_lock:
             if self.state != "recovering":
                 return  # stopped meanwhile
-            await self._restart_from_latest(cause, t0, emitted)
+            phases.mark("lock_s")
+            await self._restart_from_latest(cause, t0, emitted, phases, start_at)
 
     async def _restart_from_latest(
-        self: Any, cause: dict[str, Any], t0: float, emitted: dict[ChannelId, int]
+        self: Any,
+        cause: dict[str, Any],
+        t0: float,
+        emitted: dict[ChannelId, int],
+        phases: _Phases | None = None,
+        start_at: float | None = None,
     ) -> None:
+        """Redeploy every instance from the latest checkpoint; their loops start at ``start_at``
+        (``time.monotonic``; None: at once)."""
+        phases = phases or _Phases(failed_at=time.time())
         manifest = await asyncio.to_thread(self.storage.latest)
         old_dir = self.plan_dir
         for name, step in self.plan.steps.items():
@@ -509,7 +524,9 @@ class Recovery:
         self._hung = {}
         self._source_emitted = {}
         self._replan(manifest, str(Path(self.state_dir) / f"attempt-{self._attempt}"))
-        await self._deploy()
+        phases.mark("replan_s")
+        await self._deploy(start_at)
+        phases.mark("deploy_s")
         if self.state != "recovering":  # stopped while the new attempt was deployed
             await self._stop_all()
             return
@@ -530,6 +547,8 @@ class Recovery:
             "parallelism": dict(self.parallelism),
             "downtime_s": time.monotonic() - t0,
             "records_replayed": replayed,
+            "failed_at": phases.failed_at,  # wall clock
+            "phases": {**phases.durations, "deploy": _deploy_phases(self.deploys[-1])},
         }
         self.recoveries.append(record)
         self._export("recovery", record["downtime_s"])
@@ -617,6 +636,31 @@ class Recovery:
     async def cancel(self: Any) -> dict[str, Any]:
         """Stop at once, without a final checkpoint (what was not committed is dropped)."""
         return await self.stop(checkpoint=False)  # type: ignore[no-any-return]
+
+
+class _Phases:
+    """Durations of a recovery's consecutive steps (seconds, by ``time.monotonic``)."""
+
+    def __init__(self, failed_at: float) -> None:
+        self.failed_at = failed_at
+        self.durations: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.durations[name] = round(now - self._last, 4)
+        self._last = now
+
+
+def _deploy_phases(marks: dict[str, Any]) -> dict[str, float]:
+    """A deploy's steps from its wall-clock marks: placement (nodes chosen, actors asked for),
+    actors (until every one answered: process, imports, constructor), wiring, loops started."""
+    keys = ["deploy_at", "placed_at", "actors_ready_at", "connected_at", "running_at"]
+    names = ["placement_s", "actors_s", "wiring_s", "loops_s"]
+    steps = zip(names, keys, keys[1:], strict=False)
+    out = {n: round(marks[b] - marks[a], 4) for n, a, b in steps}
+    out["delay_left_s"] = round(marks.get("delay_left_s", 0.0), 4)  # part of loops_s
+    return out
 
 
 def _without_credentials(uri: str) -> str:

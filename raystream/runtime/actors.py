@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import inspect
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,18 +56,33 @@ class InstanceEndpoint:
     def __init__(self, spec: InstanceSpec | None) -> None:
         """``spec=None`` makes a warm standby: process started and imports done; a scale-out
         gives it its spec with :meth:`configure` instead of waiting for a new process."""
+        init_at = time.time()
         with contextlib.suppress(ImportError):  # pandas is optional (the [spark] extra) ...
             import pandas  # noqa: F401 - ... pyarrow's to_numpy imports it lazily: pay that here
-
+        pandas_at = time.time()
         self._instance = OperatorInstance(spec) if spec is not None else None  # type: ignore[assignment]
+        self._startup = {
+            "init_at": init_at,
+            "pandas_s": round(pandas_at - init_at, 4),
+            "instance_s": round(time.time() - pandas_at, 4),  # a keyed one opens RocksDB
+        }
         self._receivers: dict[ChannelId, Any] = {}
         self._events: list[tuple[str, dict[str, Any]]] = []
         self._controller: Any = None
         self._metrics_task: asyncio.Task[None] | None = None
         gc.freeze()  # what the imports made lives on: full collections need not walk it
+        self._startup["init_done_at"] = time.time()
 
     async def configure(self, spec: InstanceSpec) -> None:
         self._instance = OperatorInstance(spec)
+
+    async def startup(self) -> dict[str, Any]:
+        """When this actor's process started and how long its start-up steps took (wall-clock
+        marks, see :mod:`raystream.runtime.startup`; ``restore_s``: a recovery's state load)."""
+        from raystream.runtime.startup import timeline
+
+        restore_s = getattr(self._instance, "restore_s", None)
+        return timeline(runtime_loaded_at=_LOADED_AT, restore_s=restore_s, **self._startup)
 
     async def connect(self, receivers: dict[ChannelId, Any], controller: Any) -> None:
         self._receivers = receivers
@@ -384,6 +400,7 @@ def _where() -> dict[str, str]:
 
 
 _controller_actor: Any = None
+_LOADED_AT = time.time()  # this module (and the raystream runtime it imports) is loaded
 
 
 def controller_actor_class() -> Any:

@@ -17,6 +17,7 @@ import asyncio
 import io
 import shutil
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -295,6 +296,7 @@ def restore_keyed(inst: OperatorInstance) -> None:
     parts = restore.get("keyed") or []
     if not parts:
         return
+    began = time.monotonic()
     proc = inst.processor
     storage = open_storage(restore["storage"])
     parts = sorted(parts, key=lambda part: -len(part["key_groups"]))
@@ -321,6 +323,7 @@ def restore_keyed(inst: OperatorInstance) -> None:
     if timers is not None and others:  # timers came back with their key groups: index them
         timers.reindex()
     inst.metrics.restored_rows = rows  # type: ignore[attr-defined] - rows copied (not opened)
+    inst.restore_s = time.monotonic() - began  # type: ignore[attr-defined] - see actors.startup
 
 
 # ---- sinks ---------------------------------------------------------------------------------

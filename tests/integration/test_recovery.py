@@ -108,6 +108,15 @@ def _check_recovered(result: rs.JobResult, n: int, what: str) -> None:
         assert what in str(r["instance"]) or what == "*", r
         assert r["downtime_s"] < 30
         assert r["records_replayed"] >= 0
+        # the restart delay (0.2 s, from the failure) passes before the new loops start; the
+        # recorded phases are consecutive parts of the downtime
+        phases = dict(r["phases"])
+        deploy = phases.pop("deploy")
+        assert r["downtime_s"] >= 0.2 - 0.01, r
+        assert sum(phases.values()) <= r["downtime_s"] + 0.01, r
+        parts = ("placement_s", "actors_s", "wiring_s", "loops_s")
+        assert sum(deploy[k] for k in parts) <= phases["deploy_s"] + 0.01, r
+        assert deploy["actors_s"] > 0 and deploy["loops_s"] >= deploy["delay_left_s"], r
 
 
 EVENTS = 200_000
