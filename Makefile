@@ -25,8 +25,11 @@ check-java:
 demo: $(STAMP)
 	cd examples && ../$(BIN)/python -m raystream.demo
 
+# unit tests (no Ray) on both cores; then one session for everything that starts Ray or Spark
+# (they share one embedded Ray; two Ray suites at once on 2 cores slow each other down)
 test: $(STAMP) check-java
-	$(BIN)/pytest tests
+	$(BIN)/pytest -n 2 tests/unit
+	$(BIN)/pytest tests/e2e tests/integration
 
 clean:
 	rm -rf $(VENV) build *.egg-info

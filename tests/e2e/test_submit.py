@@ -326,7 +326,8 @@ def test_status_rescale_stop_a_submitted_job_by_name(ray_head: Head) -> None:
     while True:  # until the job is deployed and records flow (30 s of input at 100k/s)
         st = _cli("status", "keycount", "--json", env=env)
         if st.returncode == 0:
-            rows = {r["operator"]: r for r in json.loads(st.stdout)["operators"]}
+            first = json.loads(st.stdout)  # a reading before the Prometheus scrape below
+            rows = {r["operator"]: r for r in first["operators"]}
             if rows["count"]["records_in"] > 0:
                 break
         else:
@@ -346,7 +347,6 @@ def test_status_rescale_stop_a_submitted_job_by_name(ray_head: Head) -> None:
 
     # Prometheus sees the running job: its total lies between two of raystream's own readings
     # (the first minus what a few seconds of export lag can hold back)
-    first = _status_json(env)
     time.sleep(4.0)
     series = _prometheus(ray_head.metrics_url)
     second = _status_json(env)
