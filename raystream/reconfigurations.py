@@ -150,14 +150,20 @@ class Reconfigurations:
                 if "source_offset" in a
             },
         )
+        # a recovery restarts with the new function: give it a checkpoint taken after it
+        await self._checkpoint_after(record)
+        return record
+
+    async def _checkpoint_after(self: Any, record: dict[str, Any]) -> None:
+        """With checkpoints on: one right after a change (replace, insert, remove), so a
+        recovery replays through the graph and functions as the change left them from that
+        point; ``record["checkpoint_after"]`` says which one (or why it failed)."""
         if self.config.checkpoint_interval_s > 0 or self.config.checkpoint_dir:
-            # a recovery restarts with the new function: give it a checkpoint taken after it
             try:
                 ck = await self._take_checkpoint(120.0)
                 record["checkpoint_after"] = ck["checkpoint_id"]
             except Exception as e:  # noqa: BLE001 - the change is done; the next one comes
                 record["checkpoint_after"] = f"failed: {type(e).__name__}: {e}"
-        return record
 
     def _adopt_step(self: Any, name: str, new_step: Any) -> None:
         """The step runs ``new_step``'s function: new instances (scale-outs) and recoveries

@@ -277,16 +277,6 @@ class Rewiring:
             self.retired.discard(iid)
             self._run_futures.pop(iid, None)
 
-    async def _checkpoint_after(self: Any, record: dict[str, Any]) -> None:
-        """With checkpoints on: one right after the change, so a recovery replays through the
-        graph as the change made it from that point (see the module doc)."""
-        if self.config.checkpoint_interval_s > 0 or self.config.checkpoint_dir:
-            try:
-                ck = await self._take_checkpoint(120.0)
-                record["checkpoint_after"] = ck["checkpoint_id"]
-            except Exception as e:  # noqa: BLE001 - the change is done; the next one comes
-                record["checkpoint_after"] = f"failed: {type(e).__name__}: {e}"
-
     async def remove(self: Any, step: str, state: str | None = None) -> dict[str, Any]:
         """Take step ``step`` out at one barrier: its upstream step sends to its downstream step
         again, its instances end. A keyed step needs ``state``: ``"drop"`` drops its state,
