@@ -22,3 +22,14 @@ def import_bench(name: str) -> Any:
     finally:
         if added:
             sys.path.remove(root)
+
+
+def put_bench_on_path() -> None:
+    """Make ``bench`` importable for the rest of the session (a test module that imports it at
+    the top, also in an xdist worker that collected no other such module first). ``raystream``
+    is imported from its install first, so the bare folder cannot shadow it afterwards."""
+    import raystream  # noqa: F401 - cached in sys.modules before the root goes on sys.path
+
+    root = str(REPO)
+    if root not in sys.path:
+        sys.path.append(root)

@@ -6,7 +6,11 @@ import subprocess
 import sys
 import time
 
-from bench._cpu import CpuSampler
+from tests._bench import put_bench_on_path
+
+put_bench_on_path()
+
+from bench._cpu import CpuSampler  # noqa: E402
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.reconfigure import change_spans
-from raystream.metrics import LatencyRecorder
+from tests._bench import put_bench_on_path
+
+put_bench_on_path()
+
+from bench.reconfigure import change_spans  # noqa: E402
+from raystream.metrics import LatencyRecorder  # noqa: E402
 
 S = 1_000_000_000  # ns per second
 

@@ -14,9 +14,13 @@ import pytest
 from click.testing import CliRunner
 
 import raystream as rs
-from bench import compare_strategies as cs
-from raystream.errors import ConfigError
-from raystream.metrics import LatencyRecorder, recovery_point, rescale_impact
+from tests._bench import put_bench_on_path
+
+put_bench_on_path()
+
+from bench import compare_strategies as cs  # noqa: E402
+from raystream.errors import ConfigError  # noqa: E402
+from raystream.metrics import LatencyRecorder, recovery_point, rescale_impact  # noqa: E402
 
 MS = 1_000_000  # ns per ms
 W = 250  # window ms
