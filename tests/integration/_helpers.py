@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import duckdb
@@ -133,3 +134,33 @@ def stop_on_error(job: rs.Job) -> Iterator[None]:
         with contextlib.suppress(Exception):  # already ended
             job.stop()
         raise
+
+
+# ------------------------------------------------------------------------------------------
+# a sink that keeps every batch as it came
+
+
+@dataclass
+class _BatchesWriter:
+    batches: list[pa.RecordBatch] = field(default_factory=list)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self.batches.append(batch)
+
+    def close(self) -> list[pa.RecordBatch]:
+        return self.batches
+
+    def abort(self) -> None:
+        self.batches = []
+
+
+@dataclass(frozen=True)
+class Batches:
+    """A sink whose instances return the batches they got, in order (raw events, counts and
+    final-state rows differ in schema, so no one table holds them)."""
+
+    def open(self, index: int, parallelism: int) -> _BatchesWriter:
+        return _BatchesWriter()
+
+    def describe(self) -> str:
+        return "batches()"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import ray
 
 import raystream as rs
 
-from ._helpers import count_vec, last_counts
+from ._helpers import Batches, count_vec, last_counts
 from ._rescale_helpers import RUNTIME, UntilGate, generator
 
 
@@ -97,32 +96,6 @@ def tally(batch: rs.KeyedBatch, state: Any) -> Any:
     new = state.get(batch.keys) + batch.counts
     state.put(batch.keys, new)
     return batch.output({"tally": new})
-
-
-@dataclass
-class _Writer:
-    batches: list[pa.RecordBatch] = field(default_factory=list)
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        self.batches.append(batch)
-
-    def close(self) -> list[pa.RecordBatch]:
-        return self.batches
-
-    def abort(self) -> None:
-        self.batches = []
-
-
-@dataclass(frozen=True)
-class Batches:
-    """Returns every batch as it came: raw events, counts and final-state rows differ in
-    schema, so no one table holds them."""
-
-    def open(self, index: int, parallelism: int) -> _Writer:
-        return _Writer()
-
-    def describe(self) -> str:
-        return "batches()"
 
 
 def _per_key_last(batches: list[pa.RecordBatch], column: str) -> dict[int, int]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from raystream.state.final import final_state_batches, state_columns
 from raystream.state.handles import KeyedStates, KeySet
 from raystream.state.rocks import RocksStateBackend
 from raystream.step_changes import check_removal_state, inserted_step
+from tests.integration._helpers import Batches
 
 EVENTS = 6_000
 SOURCE, SINK = ("source", 0), ("out", 0)
@@ -46,33 +46,6 @@ def count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
     new = state.get(batch.keys) + batch.counts
     state.put(batch.keys, new)
     return batch.output({"count": new})
-
-
-@dataclass
-class _Writer:
-    """Keeps every batch as it came (raw events, counts and final-state rows differ in schema)."""
-
-    batches: list[pa.RecordBatch] = field(default_factory=list)
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        self.batches.append(batch)
-
-    def close(self) -> list[pa.RecordBatch]:
-        return self.batches
-
-    def abort(self) -> None:
-        self.batches = []
-
-
-@dataclass(frozen=True)
-class Batches:
-    """A sink whose instances return the batches they got, in order."""
-
-    def open(self, index: int, parallelism: int) -> _Writer:
-        return _Writer()
-
-    def describe(self) -> str:
-        return "batches()"
 
 
 def _generator() -> Any:
