@@ -26,6 +26,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 import raystream as rs
+from bench._cluster import simulated_cluster
 from bench._latest import latest_counts
 from bench._report import LATENCY_WEIGHTING, RESCALE_WINDOW, build_report, write_atomically
 from bench.keycount import (
@@ -53,6 +55,7 @@ __all__ = [
     "count_mismatch",
     "exactness_failures",
     "independent_counts",
+    "placement_lines",
     "summarise",
 ]
 
@@ -238,6 +241,7 @@ def _one(
             ),
         }
     errors: list[str] = []
+    placements: list[dict[int, str]] = []
     try:
         result = _run(
             flow,
@@ -246,6 +250,7 @@ def _one(
             rescales if strategy else [],
             strategy or "meces",
             errors,
+            placements=placements,
             migration_support=migration_support,
             linger_ms=5.0,
             # runs without a rescale start no warm standby actors (they would compete for the
@@ -260,6 +265,8 @@ def _one(
     config = {**config, "strategy": strategy, "migration_support": migration_support}
     report = build_report(result, step=STEP, config=config, steady_from_s=steady_from_s)
     report["rescale_errors"] = errors
+    # node of each instance of the keyed step at the start and after each rescale
+    report["placements"] = [{str(i): n for i, n in sorted(p.items())} for p in placements]
     parts = [t for t in result.results.get(SINK, []) if t is not None]
     final = latest_counts(pa.concat_tables(parts)) if parts else None
     got = (
@@ -274,6 +281,25 @@ def _one(
         "events_counted": int(got[1].sum()),
     }
     return report
+
+
+def placement_lines(runs: dict[str, list[dict[str, Any]]], node_ids: list[str]) -> str:
+    """Per strategy (its first run): instances of the keyed step per node at the start and after
+    each rescale, nodes in the order of ``node_ids`` (``2/1/1``: two on the first node)."""
+    out = ["Instances per node (first run), at the start and after each rescale:", ""]
+    for strategy, reps in runs.items():
+        steps = []
+        for placed in reps[0].get("placements", []):
+            per_node = [sum(1 for n in placed.values() if n == node) for node in node_ids]
+            steps.append("/".join(str(c) for c in per_node))
+        out.append(f"- {strategy}: {' -> '.join(steps) or 'not recorded'}")
+    return "\n".join(out) + "\n"
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    ray.shutdown()
 
 
 def _representative(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -340,6 +366,13 @@ def _plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None
     help="The steady span (before the first rescale) starts this many seconds into the run "
     "(later for a prefilled state: it starts cold).",
 )
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Run on a simulated cluster of this many Ray nodes on this machine (1: a plain local "
+    "Ray, or RAY_ADDRESS); instances spread over the nodes, so moved state crosses nodes.",
+)
 @click.option("--name", default="compare", help="Results are written as NAME.{md,json,png}.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("bench/results"))
 def main(
@@ -356,6 +389,7 @@ def main(
     value_bytes: int | None,
     prefill: bool,
     steady_from_s: float,
+    nodes: int,
     name: str,
     out_dir: Path,
 ) -> None:
@@ -379,11 +413,15 @@ def main(
     config = {"events": events, "keys": keys, "zipf": zipf, "seed": seed, "rate": rate}
     config["parallelism"] = parallelism
     config.update(value_bytes=value_bytes, prefill=prefill, steady_from_s=steady_from_s)
+    config["nodes"] = nodes
     large = {"value_bytes": value_bytes, "prefill": prefill, "steady_from_s": steady_from_s}
     runs: dict[str, list[dict[str, Any]]] = {}
     overhead_runs: dict[str, list[dict[str, Any]]] = {}
-    started = _connect_ray()
-    try:
+    with ExitStack() as ray_session:
+        if nodes > 1:
+            config["node_ids"] = ray_session.enter_context(simulated_cluster(nodes))
+        elif _connect_ray():
+            ray_session.callback(_shutdown_ray)
         _pickle_by_value()
         for k in range(repeats):  # round-robin: slow drift of the machine spreads over all
             for strategy in names:
@@ -395,15 +433,8 @@ def main(
             exp = expected_of(src)
             cfg = {**config, "events": overhead_events, "rate": 0}
             for support in (True, False):
-                rep = _one(
-                    None, src, parallelism, [], exp, cfg, migration_support=support, **large
-                )
+                rep = _one(None, src, parallelism, [], exp, cfg, migration_support=support, **large)
                 overhead_runs[f"overhead, migration support {'on' if support else 'off'}"] = [rep]
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
     failures = exactness_failures({**runs, **overhead_runs})
     if failures:
         for f in failures:
@@ -416,11 +447,14 @@ def main(
     title = (
         f"key-count {rate:,.0f} ev/s, {keys:,} keys{state}, Zipf {zipf}, "
         f"{parallelism} -> {' -> '.join(str(p) for p, _ in rescales)}"
+        + (f", {nodes} Ray nodes (simulated)" if nodes > 1 else "")
     )
     md = (
         f"### {title}\n\n{repeats} runs per strategy: median (min–max). Latency is weighted "
         f"{LATENCY_WEIGHTING}. A rescale's window lasts {RESCALE_WINDOW}.\n\n" + table(summary)
     )
+    if nodes > 1:
+        md += "\n" + placement_lines(runs, config["node_ids"])
     overhead = {
         ("on" if "on" in k else "off"): reps[0]["throughput_eps"]
         for k, reps in overhead_runs.items()

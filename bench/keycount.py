@@ -219,19 +219,29 @@ def _run(
     errors: list[str] | None = None,
     kills: list[tuple[str, int, float]] = (),  # type: ignore[assignment]
     killed_at_ns: list[int] | None = None,
+    placements: list[dict[int, str]] | None = None,
     **config: Any,
 ) -> rs.JobResult:
     """Start, rescale at the given times (P@T, T seconds after the start) and kill instances
-    (STEP:INDEX@T), wait, stop if still running. Rescale and kill failures go to ``errors``."""
+    (STEP:INDEX@T), wait, stop if still running. Rescale and kill failures go to ``errors``.
+    ``placements``: gets the node of each instance of STEP at the start and after each rescale."""
     job = rs.start(flow, parallelism={STEP: parallelism}, migration=strategy, **config)
     errors = errors if errors is not None else []
 
+    def placed() -> None:
+        if placements is not None:
+            from bench._cluster import instance_nodes
+
+            placements.append(instance_nodes(job.status(), STEP))
+
     def drive() -> None:
         t0 = time.monotonic()
+        placed()
         for target, at in rescales:
             time.sleep(max(0.0, at - (time.monotonic() - t0)))
             try:
                 job.rescale(STEP, target, strategy)
+                placed()
             except Exception as e:  # noqa: BLE001 - reported, the job keeps running
                 errors.append(f"rescale to {target} at {at} s: {e}")
 

@@ -327,3 +327,13 @@ def test_an_inexact_run_fails_loudly_and_writes_nothing(
     data = json.loads((tmp_path / "compare.json").read_text())
     assert data["summary"]["meces"]["runs"] == 3 and len(data["runs"]["batched"]) == 3
     assert "weighted per input event" in (tmp_path / "compare.md").read_text()
+
+
+def test_placement_lines_count_instances_per_node_in_node_order() -> None:
+    runs = {
+        "meces": [{"placements": [{"0": "a", "1": "b"}, {"0": "a", "1": "b", "2": "c", "3": "a"}]}],
+        "lazy": [{}],
+    }
+    text = cs.placement_lines(runs, ["a", "b", "c"])
+    assert "- meces: 1/1/0 -> 2/1/1" in text
+    assert "- lazy: not recorded" in text
