@@ -98,6 +98,7 @@ def _db_uid(path: Path) -> str:
 # rows an export reads before it measures them (the first run; later runs grow to the max)
 _EXPORT_RUN_ROWS = 64
 _EXPORT_MAX_RUN_ROWS = 4096
+EXPORT_READAHEAD_BYTES = 2 << 20
 
 # dirty entries a checkpoint thread writes at once (~1 ms of GIL-holding calls)
 _SNAPSHOT_SLICE = 512
@@ -409,14 +410,18 @@ class RocksStateBackend:
         Returns the chunk and the key to continue from (None: the sub-group is complete).
 
         Rows are read in runs (``itertools.islice`` over the RocksDB iterator) and measured per
-        run with numpy, not row by row in Python; only reads, so it may run in another thread
-        than the one writing other ranges."""
+        run with numpy, not row by row in Python, past the block cache; only reads, so it may
+        run in another thread than the one writing other ranges."""
         if max_bytes < 1:
             msg = f"max_bytes must be >= 1, got {max_bytes}"
             raise StateError(msg)
         lower, upper = sub_group_bounds(key_group, sub_group)
         ro = ReadOptions()
         ro.set_iterate_upper_bound(upper)
+        # a range read once, leaving: its blocks do not push the staying keys' blocks out of
+        # the block cache; read ahead, it is read in order
+        ro.fill_cache(False)
+        ro.set_readahead_size(EXPORT_READAHEAD_BYTES)
         # rocksdict stops early if the ReadOptions is garbage-collected: `ro` lives until return
         rows = self._db.items(from_key=start or lower, read_opt=ro)
         keys: list[bytes] = []
