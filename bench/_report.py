@@ -109,7 +109,20 @@ def build_report(
                 },
                 **{
                     k: r.get(k)
-                    for k in ("fence_ms", "max_rss_growth_mb", "max_rss_peak_mb")
+                    for k in (
+                        "fence_ms",
+                        "max_rss_growth_mb",
+                        "max_rss_peak_mb",
+                        "switch_s",
+                        "sealed_s",
+                        "first_on_demand_served_s",
+                        "on_demand_serve_wait_ms",
+                        "prepare_phases_s",
+                        "chunks",
+                        "max_chunk_bytes",
+                        "max_inflight_chunks",
+                        "transfer",
+                    )
                 },
                 **impact,
             }

@@ -141,6 +141,16 @@ def _fetch_wait(q: str) -> Callable[[dict[str, Any]], float | None]:
     return lambda rep: (_first_rescale(rep).get("fetch_wait_ms") or {}).get(q)
 
 
+def _new_owner_mb_s(rep: dict[str, Any]) -> float | None:
+    """The slowest new owner's intake: MB/s from its switch until its last sub-group arrived."""
+    rates = (_first_rescale(rep).get("transfer") or {}).get("new_owner_mb_s") or []
+    return min(rates) if rates else None
+
+
+def _first_served(rep: dict[str, Any]) -> float | None:
+    return (_first_rescale(rep).get("on_demand_serve_wait_ms") or {}).get("first")
+
+
 def _field(name: str, scale: float = 1.0) -> Callable[[dict[str, Any]], float | None]:
     def get(rep: dict[str, Any]) -> float | None:
         v = _first_rescale(rep).get(name)
@@ -148,6 +158,13 @@ def _field(name: str, scale: float = 1.0) -> Callable[[dict[str, Any]], float | 
 
     return get
 
+
+TRANSFER_FIGURES = (
+    "MB/s per new owner: the bytes a new owner took in over the time from its switch until "
+    "its last incoming sub-group arrived, the slowest new owner of the run; first on-demand "
+    "served: the longest, over old owners, from the seal (or the request, if later) until the "
+    "chunk of its first on-demand request went out."
+)
 
 # (key, column header, digits, getter): the figures of a run's first rescale, and the whole run
 FIGURES: list[tuple[str, str, int, Callable[[dict[str, Any]], float | None]]] = [
@@ -160,7 +177,9 @@ FIGURES: list[tuple[str, str, int, Callable[[dict[str, Any]], float | None]]] = 
     ("moved_key_groups", "moved key groups", 0, _field("moved_key_groups")),
     ("moved_mb", "moved MB", 2, _field("moved_bytes", 1e-6)),
     ("on_demand_fetches", "on-demand fetches", 0, _field("on_demand_fetches")),
+    ("new_owner_mb_s", "MB/s per new owner (slowest)", 0, _new_owner_mb_s),
     ("max_rss_growth_mb", "max RSS growth MB", 0, _field("max_rss_growth_mb")),
+    ("first_served_ms", "first on-demand served ms", 1, _first_served),
     ("fetch_wait_p50_ms", "fetch wait p50 ms", 0, _fetch_wait("p50")),
     ("fetch_wait_p99_ms", "fetch wait p99 ms", 0, _fetch_wait("p99")),
     ("run_p99_ms", "run p99 ms", 0, lambda rep: rep["latency_ms"]["p99"]),
@@ -451,7 +470,8 @@ def main(
     )
     md = (
         f"### {title}\n\n{repeats} runs per strategy: median (min–max). Latency is weighted "
-        f"{LATENCY_WEIGHTING}. A rescale's window lasts {RESCALE_WINDOW}.\n\n" + table(summary)
+        f"{LATENCY_WEIGHTING}. A rescale's window lasts {RESCALE_WINDOW}. {TRANSFER_FIGURES}"
+        "\n\n" + table(summary)
     )
     if nodes > 1:
         md += "\n" + placement_lines(runs, config["node_ids"])

@@ -36,6 +36,7 @@ from raystream.reconfigurations import Reconfigurations
 from raystream.recovery import Recovery
 from raystream.rewiring import Rewiring
 from raystream.runtime.messages import Barrier, ChannelId
+from raystream.runtime.migration import transfer_summary
 
 __all__ = ["Controller"]
 
@@ -651,6 +652,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             "max_inflight_chunks": int(
                 max((st.get("max_inflight_chunks", 0) for st in stats), default=0)
             ),
+            "transfer": transfer_summary(stats),
         }
         self.rescales.append(record)
         self._export("rescale", record["duration_s"])

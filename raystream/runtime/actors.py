@@ -34,6 +34,10 @@ __all__ = [
 ]
 
 NAMESPACE = "raystream"
+# an instance serves moved state (serve_state) on a loop and thread of its own: Ray's
+# concurrency group of this name, so an old owner answers fetches while it processes records
+TRANSFER_GROUP = "transfer"
+TRANSFER_CONCURRENCY = 64  # serve calls taken at once (they queue by urgency inside)
 
 
 def controller_name(job: str) -> str:
@@ -181,10 +185,17 @@ class InstanceEndpoint:
             ),
             fetch,
         )
+        # a first call to an actor sets up the connection to it (~0.1 s): done now, before the
+        # barrier, not by the first on-demand fetch
+        for owner in set(task["incoming"].values()):
+            peers[owner].ping.remote()
 
+    @ray.method(concurrency_group=TRANSFER_GROUP)
     async def serve_state(
         self, epoch: int, groups: list[int], max_bytes: int, urgent: bool = False
     ) -> Any:
+        """Moved state, served on the transfer group's own loop and thread (see
+        :mod:`raystream.runtime.migration`): never behind the instance's record slices."""
         return await self._instance.serve_state(epoch, groups, max_bytes, urgent)
 
     async def migration_done(self, epoch: int) -> dict[str, Any]:
@@ -355,7 +366,9 @@ class _InstanceActor(InstanceEndpoint):
         return await result if inspect.isawaitable(result) else result
 
 
-InstanceActor = ray.remote(num_cpus=0, max_restarts=0)(_InstanceActor)
+InstanceActor = ray.remote(
+    num_cpus=0, max_restarts=0, concurrency_groups={TRANSFER_GROUP: TRANSFER_CONCURRENCY}
+)(_InstanceActor)
 
 
 class MemberHandle:

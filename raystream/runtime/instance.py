@@ -889,6 +889,7 @@ class OperatorInstance:
                     return
                 n = self._slice_rows()
                 piece = batch.slice(start, n)
+                self._give_way()
                 with m.busy():
                     t0 = time.perf_counter()
                     outs = self.processor.process(piece, **kw)
@@ -898,6 +899,8 @@ class OperatorInstance:
                 start += n
                 await asyncio.sleep(0)
         else:
+            if keyed:
+                self._give_way()
             with m.busy():
                 t0 = time.perf_counter()
                 outs = self.processor.process(batch, **kw)
@@ -920,6 +923,11 @@ class OperatorInstance:
         if rows > 0:
             cost = elapsed_s / rows
             self.row_cost_s = cost if self.row_cost_s <= 0 else 0.8 * self.row_cost_s + 0.2 * cost
+
+    def _give_way(self) -> None:
+        """An old owner whose moved state another thread serves lets it go first (briefly)."""
+        if self._serving():
+            self.engine.give_way()  # type: ignore[union-attr]
 
     def _serving(self) -> bool:
         """Sub-groups of this instance are still to be handed out in a running migration."""

@@ -17,9 +17,14 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
   fit follows as a bulk pull), and before each call the sub-groups with records waiting here go
   first, then the hottest. A chunk is filled in the order asked and sent in key order.
 * The old owner serves one chunk at a time, on-demand requests before background pulls (the
-  requests queued meanwhile back to back, for up to ``SERVE_BURST_S``); the
-  sub-groups it hands out are evicted from its write-back cache once, at the seal, and the
-  rest of its cache stays.
+  requests queued meanwhile back to back, for up to ``SERVE_BURST_S``). Serving runs on the
+  event loop ``serve`` is called from: under Ray a loop of its own, in its own thread (the
+  actor's ``transfer`` concurrency group), so a request is answered while the instance's loop
+  processes records, and no chunk waits for a slice of them. Once sealed and fenced, the
+  sub-groups it hands out are evicted from its write-back cache (on the instance's loop, once;
+  the rest of its cache stays) and are never written here again, so the serving thread reads
+  them from RocksDB while the instance goes on; what changes the instance's own bookkeeping
+  (held, outgoing, dropping the range, handed-over records) runs back on the instance's loop.
 * A sub-group is released (its buffered records processed, then new ones directly) when it
   arrived, or with ``hold="all_moved"`` when every incoming sub-group arrived.
 * Heat (what hot-first orders by) is a decaying rate per sub-group (:class:`DecayingHeat`).
@@ -35,6 +40,7 @@ import asyncio
 import heapq
 import itertools
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -47,10 +53,20 @@ from raystream.errors import StateError
 from raystream.rescale import FetchPolicy
 from raystream.runtime.memory import PeakRss
 
-__all__ = ["HANDOVER_META", "DecayingHeat", "MigrationEngine", "MigrationTask", "PrioritySlots"]
+__all__ = [
+    "HANDOVER_META",
+    "DecayingHeat",
+    "MigrationEngine",
+    "MigrationTask",
+    "PrioritySlots",
+    "transfer_summary",
+]
 
 # the old owner serves queued requests back to back for up to this long before records run again
 SERVE_BURST_S = 0.02
+# transfer first: while another thread serves moved state, the instance's loop waits up to this
+# long (without the GIL) before each slice of its records, so the serving thread has the process
+TRANSFER_FIRST_S = 0.05
 # an on-demand chunk that carries other sub-groups along is at most this large (or chunk_bytes)
 RIDER_ROOM_BYTES = 256 << 10
 # schema metadata of a batch of records handed over with a sub-group's state: its sub-group
@@ -168,6 +184,14 @@ class MigrationTask:
     # instance has no outputs to fence
     fenced: asyncio.Event = field(default_factory=asyncio.Event)
     fence_ms: float | None = None
+    # old owner: sealed, fenced and the outgoing sub-groups evicted: state may go out (set on
+    # the instance's loop, read by the serving loop, which may run in another thread)
+    ready: threading.Event = field(default_factory=threading.Event)
+    served: set[int] = field(default_factory=set)  # old owner: sub-groups handed out in full
+    # serving loops waiting for ``ready``: (loop, future), woken from the instance's loop
+    ready_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(
+        default_factory=list
+    )
     # this process's resident memory from the switch here to the end of the move (bytes)
     rss: PeakRss | None = None
     activated_at: float = 0.0
@@ -189,6 +213,9 @@ class MigrationTask:
     chunks_out: int = 0
     max_chunk_bytes: int = 0
     serve_wait_ms: list[float] = field(default_factory=list)
+    export_s: float = 0.0  # old owner: seconds spent reading chunks out of RocksDB
+    import_s: float = 0.0  # new owner: seconds spent writing chunks into RocksDB
+    fetch_rtt_ms: list[float] = field(default_factory=list)  # new owner: per serve call
     # new owner: most serve calls outstanding to one old owner at once
     max_inflight_chunks: int = 0
     # queued records handed over with their sub-group (old owner: out; new owner: in)
@@ -233,6 +260,10 @@ class MigrationEngine:
         self._serve_seq = itertools.count()
         self._serve_wake = asyncio.Event()
         self._server: asyncio.Task[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the instance's loop
+        self._ready_lock = threading.Lock()
+        self._serve_idle = threading.Event()  # no request being served or queued (once ready)
+        self._serve_idle.set()
         self._releasable: list[int] = []
         self.fetcher: Fetcher | None = None
         self.poke: Callable[[], None] = lambda: None
@@ -382,8 +413,13 @@ class MigrationEngine:
             raise StateError(msg)
         self.task = task
         self._slots = {}
-        if self._server is not None:  # the last epoch's server (idle: its epoch is done)
-            self._server.cancel()
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        server = self._server
+        if server is not None:  # the last epoch's server (idle: its epoch is done)
+            server.get_loop().call_soon_threadsafe(server.cancel)
             self._server = None
         self._serve_queue = []
         for g in task.outgoing:
@@ -430,6 +466,7 @@ class MigrationEngine:
             task.sealed.set()
             if fence is None or not task.outgoing:
                 task.fenced.set()
+                self._make_ready(task)
             else:
                 self._spawn(self._fence(task, fence))
             self._check_done()
@@ -440,6 +477,53 @@ class MigrationEngine:
         finally:  # a failed fence fails the instance (the job recovers); serving may go on
             task.fence_ms = (time.monotonic() - task.sealed_at) * 1000
             task.fenced.set()
+            self._make_ready(task)
+
+    def _make_ready(self, task: MigrationTask) -> None:
+        """Sealed and fenced (on the instance's loop): the outgoing sub-groups leave the
+        write-back cache (written to RocksDB first), once; from now on nothing writes them here,
+        and the serving loop may read them."""
+        if task.ready.is_set() or self.task is not task:
+            return
+        if task.outgoing:
+            self.backend.evict_sub_groups(divmod(g, self.sub_groups) for g in task.outgoing)
+        task.evicted = True
+        with self._ready_lock:
+            task.ready.set()
+            waiters, task.ready_waiters = task.ready_waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_resolve, fut)
+
+    async def _wait_ready(self, task: MigrationTask) -> None:
+        """Until ``task`` is ready to hand out state, on whatever loop serves it."""
+        with self._ready_lock:
+            if task.ready.is_set():
+                return
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            task.ready_waiters.append((asyncio.get_running_loop(), fut))
+        await fut
+
+    def give_way(self, max_s: float = TRANSFER_FIRST_S) -> None:
+        """On the instance's loop, before a slice of records: while a loop in another thread
+        serves moved state, block (without the GIL) until it is idle, at most ``max_s``. The
+        transfer goes first: records buffered at the new owners wait for it, and the old owner's
+        own records wait at most ``max_s`` per slice."""
+        server = self._server
+        if server is None or self._serve_idle.is_set() or server.get_loop() is self._loop:
+            return
+        self._serve_idle.wait(max_s)
+
+    def _on_instance_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the instance's loop: now if this is it, else soon, from there."""
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is None or here is loop or loop.is_closed():
+            fn(*args)
+        else:
+            loop.call_soon_threadsafe(fn, *args)
 
     def _check_done(self) -> None:
         task = self.task
@@ -531,7 +615,10 @@ class MigrationEngine:
                 room = task.policy.chunk_bytes
                 if first and riders:  # the records waiting here need only the first groups
                     room = min(room, RIDER_ROOM_BYTES)
+                t0 = time.perf_counter()
                 done, chunks = await self.fetcher(owner, task.epoch, remaining, room, urgent)
+                t1 = time.perf_counter()
+                task.fetch_rtt_ms.append((t1 - t0) * 1000)
                 handed: dict[int, list[pa.RecordBatch]] = {}
                 for chunk in chunks:
                     meta = chunk.schema.metadata or {}
@@ -540,6 +627,7 @@ class MigrationEngine:
                         continue
                     task.rows_in += self.backend.import_chunk(chunk)
                     task.bytes_in += chunk.nbytes
+                task.import_s += time.perf_counter() - t1
             finally:
                 slots.release()
             if not done and not chunks:
@@ -633,35 +721,40 @@ class MigrationEngine:
         loop = asyncio.get_running_loop()
         req = _ServeRequest(urgent, list(groups), max_bytes, time.monotonic(), loop.create_future())
         heapq.heappush(self._serve_queue, (0 if urgent else 1, next(self._serve_seq), req))
-        self._serve_wake.set()
-        if self._server is None or self._server.done():
+        if self._server is None or self._server.done() or self._server.get_loop() is not loop:
+            # requests of one epoch come on one loop (the actor's transfer group, or the
+            # instance's own loop when called directly)
+            self._serve_wake = asyncio.Event()
             self._server = loop.create_task(self._serve_loop(task))
+        self._serve_wake.set()
         return await req.future
 
     async def _serve_loop(self, task: MigrationTask) -> None:
         try:
             await self._serve_requests(task)
         except Exception as e:  # noqa: BLE001 - every waiting requester fails with it
+            self._serve_idle.set()
             queue, self._serve_queue = self._serve_queue, []
             for _, _, req in queue:
                 if not req.future.done():
                     req.future.set_exception(e)
-            self.error = e
-            self.poke()
+            self._on_instance_loop(self._fail, e)
+
+    def _fail(self, e: BaseException) -> None:
+        self.error = e
+        self.poke()
 
     async def _serve_requests(self, task: MigrationTask) -> None:
-        await task.sealed.wait()
-        await task.fenced.wait()
-        if not task.evicted:  # once: the moving sub-groups leave the cache, the rest stays
-            self.backend.evict_sub_groups(divmod(g, self.sub_groups) for g in task.outgoing)
-            task.evicted = True
+        await self._wait_ready(task)  # sealed, fenced, evicted (on the instance's loop)
         burst_from = time.monotonic()
         while self.task is task:
             if not self._serve_queue:
+                self._serve_idle.set()
                 self._serve_wake.clear()
                 await self._serve_wake.wait()
                 burst_from = time.monotonic()
                 continue
+            self._serve_idle.clear()
             _, _, req = heapq.heappop(self._serve_queue)
             if req.urgent:
                 start = max(req.arrived_at, task.sealed_at)
@@ -680,12 +773,15 @@ class MigrationEngine:
     def _serve_chunk(
         self, task: MigrationTask, groups: list[int], max_bytes: int
     ) -> tuple[list[int], list[pa.RecordBatch]]:
+        """One chunk of ``groups`` (read from RocksDB on the serving loop's thread); what it
+        completes is handed out on the instance's loop (:meth:`_handed_out`)."""
+        t0 = time.perf_counter()
         done: list[int] = []
         pieces: list[tuple[int, pa.RecordBatch]] = []  # (sub-group, rows)
         records: list[pa.RecordBatch] = []
         room = max_bytes
         for g in groups:
-            if g not in task.outgoing:
+            if g not in task.outgoing or g in task.served:
                 msg = f"sub-group {g} was asked for twice or is not handed out by this instance"
                 raise StateError(msg)
             kg, sg = divmod(g, self.sub_groups)
@@ -699,13 +795,10 @@ class MigrationEngine:
                 task.cursors[g] = resume
                 break
             task.cursors.pop(g, None)
-            self.backend.drop_sub_group(kg, sg, evicted=True)
-            self.held[g] = False
-            task.outgoing.discard(g)
+            task.served.add(g)
             done.append(g)
-            for rec in self.handover.pop(g, ()):  # with the chunk that completes the sub-group
-                self.handover_rows -= rec.num_rows
-                records.append(_tag(rec, g))
+            # with the chunk that completes the sub-group (fixed since the seal)
+            records.extend(_tag(rec, g) for rec in self.handover.get(g, ()))
             if room <= 0:
                 break
         # served in the order asked (hottest first), sent in key order (a chunk's rows sorted)
@@ -713,8 +806,22 @@ class MigrationEngine:
         task.chunks_out += 1
         task.bytes_out += chunk.nbytes
         task.max_chunk_bytes = max(task.max_chunk_bytes, chunk.nbytes)
-        self._check_done()
+        task.export_s += time.perf_counter() - t0
+        if done:
+            self._on_instance_loop(self._handed_out, task, done)
         return done, ([chunk] if chunk.num_rows else []) + records
+
+    def _handed_out(self, task: MigrationTask, done: list[int]) -> None:
+        """Old owner, on the instance's loop: ``done`` went out in full; drop them here."""
+        for g in done:
+            kg, sg = divmod(g, self.sub_groups)
+            self.backend.drop_sub_group(kg, sg, evicted=True)
+            self.held[g] = False
+            task.outgoing.discard(g)
+            for rec in self.handover.pop(g, ()):
+                self.handover_rows -= rec.num_rows
+        self._check_done()
+        self.poke()
 
     # ---- waiting ----------------------------------------------------------------------------
     async def wait_released(self) -> None:
@@ -744,6 +851,9 @@ class MigrationEngine:
             "rows_in": t.rows_in,
             "fetch_wait_ms": list(t.fetch_wait_ms),
             "serve_wait_ms": list(t.serve_wait_ms),
+            "fetch_rtt_ms": list(t.fetch_rtt_ms),
+            "export_s": t.export_s,
+            "import_s": t.import_s,
             "fence_ms": t.fence_ms,
             "rss_start_bytes": t.rss.start if t.rss is not None else None,
             "rss_peak_bytes": t.rss.peak if t.rss is not None else None,
@@ -798,6 +908,11 @@ def _join(run: list[pa.RecordBatch]) -> pa.RecordBatch:
     return pa.Table.from_batches(run, schema=run[0].schema).combine_chunks().to_batches()[0]
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _tag(batch: pa.RecordBatch, g: int) -> pa.RecordBatch:
     meta = dict(batch.schema.metadata or {})
     meta[HANDOVER_META] = str(g).encode()
@@ -817,3 +932,28 @@ def _concat(pieces: list[pa.RecordBatch]) -> pa.RecordBatch:
     if len(pieces) == 1:
         return pieces[0]
     return pa.Table.from_batches(pieces).combine_chunks().to_batches()[0]
+
+
+def transfer_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where a move's transfer time went, over every instance's :meth:`MigrationEngine.stats`:
+    old owners' seconds reading chunks out of RocksDB and new owners' seconds writing them in
+    (summed over instances), the round trip of each serve call as its new owner saw it (call to
+    chunk back: queueing at the old owner, reading, Ray), and the MB/s each new owner took in
+    from its switch until its last incoming sub-group arrived."""
+    rtts = [x for st in stats for x in st.get("fetch_rtt_ms", [])]
+    per_new = []
+    for st in stats:
+        start, end = st.get("activated_wall"), st.get("all_arrived_wall")
+        if st.get("bytes_in") and start is not None and end is not None and end > start:
+            per_new.append(st["bytes_in"] / 1e6 / (end - start))
+    return {
+        "export_s": round(sum(st.get("export_s", 0.0) for st in stats), 4),
+        "import_s": round(sum(st.get("import_s", 0.0) for st in stats), 4),
+        "calls": len(rtts),
+        "call_rtt_ms": {
+            "p50": float(np.percentile(rtts, 50)) if rtts else None,
+            "p99": float(np.percentile(rtts, 99)) if rtts else None,
+            "max": float(max(rtts)) if rtts else None,
+        },
+        "new_owner_mb_s": [round(x, 1) for x in per_new],
+    }

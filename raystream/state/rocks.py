@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 from rocksdict import (
     AccessType,
@@ -93,6 +94,11 @@ def _db_uid(path: Path) -> str:
         tmp.replace(file)
     return uid
 
+
+# rows an export reads before it measures them (the first run; later runs grow to the max)
+_EXPORT_RUN_ROWS = 64
+_EXPORT_MAX_RUN_ROWS = 4096
+EXPORT_READAHEAD_BYTES = 2 << 20
 
 # dirty entries a checkpoint thread writes at once (~1 ms of GIL-holding calls)
 _SNAPSHOT_SLICE = 512
@@ -401,22 +407,50 @@ class RocksStateBackend:
         """Rows of one sub-group from key ``start`` on (None: its first key), at most
         ``max_bytes`` of chunk (see :func:`chunk_payload_bytes`; a single larger row comes
         alone), read past the cache (evict the sub-group first: :meth:`evict_sub_groups`).
-        Returns the chunk and the key to continue from (None: the sub-group is complete)."""
+        Returns the chunk and the key to continue from (None: the sub-group is complete).
+
+        Rows are read in runs (``itertools.islice`` over the RocksDB iterator) and measured per
+        run with numpy, not row by row in Python, past the block cache; only reads, so it may
+        run in another thread than the one writing other ranges."""
         if max_bytes < 1:
             msg = f"max_bytes must be >= 1, got {max_bytes}"
             raise StateError(msg)
         lower, upper = sub_group_bounds(key_group, sub_group)
+        ro = ReadOptions()
+        ro.set_iterate_upper_bound(upper)
+        # a range read once, leaving: its blocks do not push the staying keys' blocks out of
+        # the block cache; read ahead, it is read in order
+        ro.fill_cache(False)
+        ro.set_readahead_size(EXPORT_READAHEAD_BYTES)
+        # rocksdict stops early if the ReadOptions is garbage-collected: `ro` lives until return
+        rows = self._db.items(from_key=start or lower, read_opt=ro)
         keys: list[bytes] = []
         values: list[bytes] = []
         size = 2 * 4  # the offsets' closing entries
-        for k, v in self.scan(start or lower, upper, flush=False):
-            row = len(k) + len(v) + ROW_OVERHEAD
-            if keys and size + row > max_bytes:
-                return _chunk(keys, values), k
-            keys.append(k)
-            values.append(v)
-            size += row
-        return _chunk(keys, values), None
+        run = _EXPORT_RUN_ROWS
+        while True:
+            part = list(itertools.islice(rows, run))
+            if not part:
+                return _chunk(keys, values), None
+            ks, vs = zip(*part, strict=True)
+            cum = np.cumsum(
+                np.fromiter(map(len, ks), np.int64, len(ks))
+                + np.fromiter(map(len, vs), np.int64, len(vs))
+                + ROW_OVERHEAD
+            )
+            fit = int(np.searchsorted(cum, max_bytes - size, side="right"))
+            if fit < len(part):
+                fit = max(fit, 0 if keys else 1)  # a single larger row comes alone
+                keys.extend(ks[:fit])
+                values.extend(vs[:fit])
+                if fit < len(part):
+                    return _chunk(keys, values), ks[fit]
+                nxt = next(rows, None)  # the run ended exactly at the bound
+                return _chunk(keys, values), (nxt[0] if nxt is not None else None)
+            keys.extend(ks)
+            values.extend(vs)
+            size += int(cum[-1])
+            run = min(run * 4, _EXPORT_MAX_RUN_ROWS)
 
     def export_sub_group(self, key_group: int, sub_group: int) -> pa.RecordBatch:
         chunks = list(

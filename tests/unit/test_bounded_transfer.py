@@ -486,3 +486,91 @@ def test_released_records_come_as_one_batch_in_arrival_order_per_sub_group(
         seqs = [s for h, s in got if h == g]
         assert seqs == [s for h, s in sent if h == g], g
     pair.close()
+
+
+def test_an_old_owner_serves_from_a_loop_in_another_thread_while_its_own_loop_writes(
+    tmp_path: Path,
+) -> None:
+    """The Ray edge serves state on the actor's transfer loop (its own thread): requests made
+    before the seal wait for it; chunks are read while the instance's loop goes on writing the
+    sub-groups that stay; dropping what went out runs on the instance's loop."""
+    import threading
+
+    rows = _rows(range(NUM_KEY_GROUPS), per_sub_group=60, value_bytes=300, seed=21)
+    policy = FetchPolicy(chunk_bytes=4_000, inflight_chunks=3)
+    pair = Pair(tmp_path, policy, rows)
+    transfer = asyncio.new_event_loop()
+    server = threading.Thread(target=transfer.run_forever, daemon=True)
+    server.start()
+    served_on: set[int] = set()
+    dropped_on: set[int] = set()
+    drop = pair.old_db.drop_sub_group
+
+    def recording_drop(*a: Any, **kw: Any) -> None:
+        dropped_on.add(threading.get_ident())
+        drop(*a, **kw)
+
+    pair.old_db.drop_sub_group = recording_drop  # type: ignore[method-assign]
+    serve = pair.old.serve
+
+    async def on_transfer_loop(epoch: int, groups: list[int], max_bytes: int, urgent: bool):
+        served_on.add(threading.get_ident())
+        return await serve(epoch, groups, max_bytes, urgent)
+
+    def across(epoch: int, groups: list[int], max_bytes: int, urgent: bool):
+        fut = asyncio.run_coroutine_threadsafe(
+            on_transfer_loop(epoch, groups, max_bytes, urgent), transfer
+        )
+        return asyncio.wrap_future(fut)
+
+    pair.old.serve = across  # type: ignore[method-assign]
+    staying = [k for k in rows if k < sub_group_bounds(NUM_KEY_GROUPS // 2, 0)[0]]
+    written: dict[bytes, bytes] = {}
+
+    async def go() -> int:
+        me = threading.get_ident()
+        pair.prepare()
+        pair.new.activate(1)
+        pair.old.activate(1)
+        # a record of a moving sub-group asks for it before the old owner sealed
+        g = pair.moving[3]
+        kg, sg = divmod(g, SUB_GROUPS)
+        pair.new.split(pa.record_batch({"x": [1]}), np.array([g]))
+        await asyncio.sleep(0.01)
+        assert not pair.new.task.arrived, "state went out before the seal"
+        pair.old.seal(1)
+        pair.new.seal(1)
+        writes = 0
+        while not (pair.new.task.done.is_set() and pair.old.task.done.is_set()):
+            pair.old.give_way(0.01)
+            k = staying[writes % len(staying)]
+            written[k] = b"w%d" % writes
+            pair.old_db.write([k], [written[k]])  # the instance's own records, meanwhile
+            writes += 1
+            pair.new.take_released()
+            await asyncio.sleep(0)
+        assert dropped_on == {me}, "sub-groups were dropped off the instance's loop"
+        return writes
+
+    try:
+        writes = asyncio.run(go())
+    finally:
+
+        async def stop() -> None:  # the idle server of the finished epoch
+            for t in asyncio.all_tasks():
+                if t is not asyncio.current_task():
+                    t.cancel()
+
+        asyncio.run_coroutine_threadsafe(stop(), transfer).result(5)
+        transfer.call_soon_threadsafe(transfer.stop)
+        server.join(5)
+    assert served_on and threading.get_ident() not in served_on
+    assert writes > 0
+    moved = _moved(rows, NUM_KEY_GROUPS // 2)
+    assert _dump(pair.new_db) == moved
+    assert _dump(pair.old_db) == {**{k: v for k, v in rows.items() if k not in moved}, **written}
+    assert not pair.old.held[pair.moving].any() and pair.new.held[pair.moving].all()
+    assert pair.old.task.chunks_out >= sum(len(k) + len(v) for k, v in moved.items()) // 4_000
+    assert pair.old.task.export_s > 0 and pair.new.task.import_s > 0
+    assert len(pair.new.task.fetch_rtt_ms) == pair.new.task.fetch_calls
+    pair.close()
