@@ -95,6 +95,10 @@ class LocalChannel:
     async def push(self, item: Any) -> None:
         await self._deliver(item)
 
+    async def send_watermark(self, watermark: Watermark) -> None:
+        await self.flush()
+        await self._deliver(watermark)
+
     async def fence(self) -> list[Awaitable[Any]]:
         """The member processed what came here when it came; fence what it sent on."""
         acks: list[Awaitable[Any]] = []

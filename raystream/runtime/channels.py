@@ -28,7 +28,7 @@ from raystream.dataflow import KeySpec
 from raystream.errors import InternalError, SchemaError
 from raystream.keys import KeySpace, RoutingTable, stable_hash, to_key_array
 from raystream.presort import split_by_destination, split_by_owner, take_key_groups
-from raystream.runtime.messages import Barrier, ChannelId, Fence
+from raystream.runtime.messages import Barrier, ChannelId, Fence, RowsThenWatermark, Watermark
 
 __all__ = [
     "ByKeyGroup",
@@ -188,7 +188,11 @@ class Inbox:
                 lambda: self._next_seq[channel] == seq
                 and (len(q) < self.capacity or seq < self._overtake_below.get(channel, 0))
             )
-            q.append(item)
+            if isinstance(item, RowsThenWatermark):  # two items of one push, the batch first
+                q.append(item.batch)
+                q.append(item.watermark)
+            else:
+                q.append(item)
             self._next_seq[channel] = seq + 1
             cond.notify_all()
         self.max_depth_seen = max(self.max_depth_seen, len(q))
@@ -393,11 +397,23 @@ class OutputChannel:
     async def flush(self) -> None:
         if not self._pending:
             return
+        batch = self._take_pending()
+        await self.push(batch)
+        self.rows_sent += batch.num_rows
+
+    def _take_pending(self) -> pa.RecordBatch:
         pending, self._pending = self._pending, []
         self._pending_rows = 0
         self._first_at = None
-        batch = pending[0] if len(pending) == 1 else concat_batches(pending)
-        await self.push(batch)
+        return pending[0] if len(pending) == 1 else concat_batches(pending)
+
+    async def send_watermark(self, watermark: Watermark) -> None:
+        """The buffered rows, then ``watermark``: in one push when rows wait."""
+        if not self._pending:
+            await self.push(watermark)
+            return
+        batch = self._take_pending()
+        await self.push(RowsThenWatermark(batch, watermark))
         self.rows_sent += batch.num_rows
 
     def overtake(self, on: bool) -> None:

@@ -1160,8 +1160,7 @@ class OperatorInstance:
         for part, channels in self.outputs:
             # a watermark only travels where rows can: a forward output uses one channel
             for c in [channels[part.index]] if isinstance(part, Forward) else channels:
-                await c.flush()
-                await c.push(wm)
+                await c.send_watermark(wm)  # after the rows buffered for it (one push)
 
     async def _fire_processing_timers(self) -> None:
         proc = self.processor

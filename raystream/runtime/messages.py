@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Barrier", "ChannelId", "EndOfStream", "Fence", "Watermark"]
+__all__ = ["Barrier", "ChannelId", "EndOfStream", "Fence", "RowsThenWatermark", "Watermark"]
 
 # A channel is one (sender instance -> receiver instance) edge: ("step", index) of the sender.
 ChannelId = tuple[str, int]
@@ -47,3 +47,13 @@ class Watermark:
 
     timestamp_ms: int
     idle: bool = False
+
+
+@dataclass(frozen=True)
+class RowsThenWatermark:
+    """One push carrying a record batch and the watermark that follows it on the channel (a
+    sender's buffered rows flushed for a watermark): one call instead of two. The receiver queues
+    them as two items, the batch first."""
+
+    batch: Any
+    watermark: Watermark

@@ -23,7 +23,7 @@ from raystream.runtime.channels import (
     Rebalance,
     materialise_key,
 )
-from raystream.runtime.messages import Fence
+from raystream.runtime.messages import Fence, RowsThenWatermark, Watermark
 
 A, B, C = ("up", 0), ("up", 1), ("up", 2)
 
@@ -485,3 +485,33 @@ def test_take_batches_joins_queued_batches_up_to_max_rows_and_stops_at_other_ite
         assert inbox.depth() == 1  # B's batch, still queued
 
     asyncio.run(main())
+
+
+def test_a_watermark_after_buffered_rows_goes_in_their_push() -> None:
+    """Buffered rows and the watermark after them: one push; the inbox queues the batch, then
+    the watermark, in that push's turn. Without buffered rows the watermark goes alone."""
+
+    async def main() -> tuple[FakeReceiver, list[object]]:
+        r = FakeReceiver(auto_ack=True)
+        out = OutputChannel(r.send, batch_rows=100, linger_ms=10_000, max_inflight=4)
+        await out.add(batch(0, 5))
+        await out.add(batch(5, 3))
+        await out.send_watermark(Watermark(7))
+        await out.send_watermark(Watermark(9))  # nothing buffered: alone
+        await out.drain()
+        assert out.rows_sent == 8 and out.batches_sent == 2
+        inbox = Inbox(capacity=1)
+        for seq, item in reversed(r.sent):  # out of order, as Ray may deliver them
+            asyncio.get_running_loop().create_task(inbox.put(A, seq, item))
+        got = []
+        while len(got) < 3:
+            await asyncio.sleep(0)
+            item = inbox.get_nowait()
+            if item is not None:
+                got.append(item[1])
+        return r, got
+
+    r, got = asyncio.run(main())
+    assert [type(item) for _, item in r.sent] == [RowsThenWatermark, Watermark]
+    assert isinstance(got[0], pa.RecordBatch) and got[0].column("x").to_pylist() == list(range(8))
+    assert got[1:] == [Watermark(7), Watermark(9)]

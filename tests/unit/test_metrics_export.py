@@ -176,3 +176,40 @@ def test_grafana_dashboard_queries_only_exported_series(monkeypatch: pytest.Monk
     must |= {f"ray_raystream_{n}_total" for n in ("checkpoints", "rescales", "recoveries")}
     assert must <= used
     assert any("histogram_quantile(0.99, sum by (le)" in e for e in exprs)
+
+
+def test_cumulative_buckets_equal_the_recorded_iterator() -> None:
+    """The vectorised buckets against HDR's own iteration over recorded values (edges: 0,
+    sub-ms, exactly on a boundary, beyond the last one)."""
+    import bisect
+
+    rng = np.random.default_rng(3)
+    lat = np.concatenate([rng.exponential(40, 5_000), [0.0, 0.0004, 1.0, 5.0, 750.0, 90_000.0]])
+    rec = LatencyRecorder(origin_ns=0)
+    record(rec, lat, rng.integers(1, 4, lat.size), now=10**13)
+    hist = rec.total_histogram()
+    bounds_us = [b * 1000 for b in mx.LATENCY_BOUNDARIES_MS]
+    want = [0] * (len(bounds_us) + 1)
+    total_us = 0.0
+    for item in hist.get_recorded_iterator():
+        want[bisect.bisect_left(bounds_us, item.value_iterated_to)] += (
+            item.count_at_value_iterated_to
+        )
+        total_us += float(item.value_iterated_to) * item.count_at_value_iterated_to
+    counts, total_ms = mx.cumulative_bucket_counts(hist)
+    assert counts == np.cumsum(want).tolist()
+    assert total_ms == pytest.approx(total_us / 1000, rel=1e-12)
+
+
+def test_cache_size_estimate_is_close_to_the_measured_size(tmp_path: Path) -> None:
+    backend = RocksStateBackend(tmp_path / "db", cache_entries=100_000)
+    try:
+        keys = [f"key-{i:08d}".encode() for i in range(20_000)]
+        values = [b"v" * (50 + i % 100) for i in range(len(keys))]
+        backend.write(keys, values)
+        exact = backend.cached_bytes()
+        assert exact == sum(map(len, keys)) + sum(map(len, values))
+        assert abs(backend.cached_bytes_estimate() - exact) <= 0.05 * exact
+        assert backend.cached_bytes_estimate(sample=len(keys)) == exact
+    finally:
+        backend.close()
