@@ -112,6 +112,11 @@ class Threshold:
             msg = f"scale_down_step must be an int >= 1, got {self.scale_down_step!r}"
             raise ConfigError(msg)
 
+    def next_scale_out(self, parallelism: int) -> int:
+        """The parallelism a scale-out from ``parallelism`` asks for (the core keeps that many
+        warm standby actors ready)."""
+        return max(parallelism + 1, math.ceil(parallelism * self.scale_up_factor))
+
     def decide(self, ctx: ScalingContext) -> ScalingDecision:
         want: dict[str, int] = {}
         why: dict[str, str] = {}
@@ -119,7 +124,7 @@ class Threshold:
             p = sig.parallelism
             backlog = sig.backlog_batches / max(p, 1)
             if sig.busy_fraction > self.busy_high or backlog > self.backlog_high_batches:
-                want[name] = max(p + 1, math.ceil(p * self.scale_up_factor))
+                want[name] = self.next_scale_out(p)
                 why[name] = (
                     f"threshold: busy {sig.busy_fraction:.0%} (high {self.busy_high:.0%}), "
                     f"backlog {backlog:.1f} batches/instance (high {self.backlog_high_batches:g})"

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 import raystream as rs
-from bench._latest import LatestCountSink
+from bench._latest import LatestCountSink, latest_counts
 from bench.keycount import _connect_ray, _pickle_by_value, _stop
 from raystream.metrics import WindowedCounter, build_timeline
 
@@ -76,6 +76,7 @@ def _rescale_timing(r: dict[str, Any]) -> dict[str, Any]:
         "strategy": r["strategy"],
         "start_s": r["start_s"],
         "prepare_phases_s": r.get("prepare_phases_s"),
+        "move_phases_s": r.get("move_phases_s"),
         "switch_s": r.get("switch_s"),
         "sealed_s": r.get("sealed_s"),
         "first_on_demand_served_s": r.get("first_on_demand_served_s"),
@@ -243,11 +244,48 @@ def main(
             ray.shutdown()
 
     # final counts against the generator's stream (numpy, independent of the job)
-    final = pa.concat_tables([r for r in result.results["latest"] if r is not None])
+    # each sink instance keeps the latest count of the keys it saw; a key that moved between
+    # instances (the sink is chained to count and follows its rescales) is in several tables:
+    # its count is the largest
+    final = latest_counts(pa.concat_tables([r for r in result.results["latest"] if r is not None]))
     expected = np.bincount(source.generate_all()["key"].to_numpy(), minlength=keys)
     got = np.zeros(keys, dtype=np.int64)
     got[final["key"].to_numpy()] = final["count"].to_numpy()
     exact = bool(np.array_equal(got, expected))
+    seen = np.zeros(keys, dtype=bool)
+    seen[final["key"].to_numpy()] = True
+    mismatch = {  # where the counts differ (all zero when exact)
+        "keys_missing": int(np.sum(~seen & (expected > 0))),
+        "keys_low": int(np.sum(seen & (got < expected))),
+        "keys_high": int(np.sum(got > expected)),
+        "records_missing": int(np.sum(np.maximum(expected - got, 0))),
+        "records_extra": int(np.sum(np.maximum(got - expected, 0))),
+    }
+    if not exact:  # where the wrong keys live: (key group, sub-group) -> keys, records short
+        wrong = np.flatnonzero(got != expected)
+        kg, sg = rs.Dataflow("k", num_key_groups=128).key_space.locate(pa.array(wrong))
+        short = expected[wrong] - got[wrong]
+        places: dict[str, list[int]] = {}
+        for g, s_, d, want in zip(
+            kg.tolist(), sg.tolist(), short.tolist(), expected[wrong], strict=True
+        ):
+            row = places.setdefault(f"{g}/{s_}", [0, 0, 0])
+            row[0] += 1
+            row[1] += d
+            row[2] += int(want)
+        mismatch["by_sub_group"] = places  # "kg/sg": [keys, records short, records expected]
+        # each sink instance's table (live ones first, then those a scale-in retired): its rows
+        # and how many of the wrong keys it has at their expected count
+        tables = []
+        for t in result.results["latest"]:
+            if t is None:
+                tables.append(None)
+                continue
+            k, c = t["key"].to_numpy(), t["count"].to_numpy()
+            right = np.zeros(keys, dtype=bool)
+            right[k] = c == expected[k]
+            tables.append({"rows": t.num_rows, "wrong_keys_right_here": int(right[wrong].sum())})
+        mismatch["sink_tables"] = tables
 
     counts = [m["throughput"] for m in result.step_metrics(STEP) if m.get("throughput")]
     tput = WindowedCounter.merge_snapshots(counts).timeline() if counts else []
@@ -288,6 +326,7 @@ def main(
             "initial_parallelism": parallelism,
         },
         "exact": exact,
+        "mismatch": mismatch,
         "elapsed_s": result.elapsed_s,
         "offered": offered,
         "parallelism": [list(p) for p in _parallelism_timeline(parallelism, result.rescales)],
@@ -316,6 +355,8 @@ def main(
     out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
     _plot(out.with_suffix(".png"), report)
     click.echo(f"exact: {exact}; elapsed {result.elapsed_s:.1f} s; decisions:")
+    if not exact:
+        click.echo(f"  counts differ: {mismatch}")
     for e in decisions:
         click.echo(f"  t={e['t_s']:.1f}s {e['operator']} {e['from']} -> {e['to']}: {e['reason']}")
     for name, ph in report["phases"].items():
@@ -336,6 +377,8 @@ def main(
         )
         if r.get("prepare_phases_s"):
             click.echo(f"    preparation (s): {r['prepare_phases_s']}")
+        if r.get("move_phases_s"):
+            click.echo(f"    move (s from the request): {r['move_phases_s']}")
     click.echo(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     if not exact:
         raise click.ClickException("final counts differ from the generator's stream")

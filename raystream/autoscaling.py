@@ -192,6 +192,21 @@ class Autoscaler:
         self.window.reset()
         return self._record(entry)
 
+    def next_scale_out_instances(self) -> int:
+        """Instances the policy's next scale-out would add, over every rescalable operator,
+        within its maximum parallelism: from the policy's ``next_scale_out(parallelism)`` (the
+        parallelism it would ask for next when overloaded); 0 for a policy without one."""
+        fn = getattr(self.policy, "next_scale_out", None)
+        if fn is None:
+            return 0
+        current = self._parallelism()
+        total = 0
+        for op in self.guard.rescalable:
+            p = int(current.get(op, 1))
+            hi = self.guard.bounds(op)[1]
+            total += max(0, min(hi, int(fn(p))) - p)
+        return total
+
     # ---- records --------------------------------------------------------------------------
     def _news(self, change: Change) -> bool:
         """A hold or an ignored wish worth recording: not a plain "keep what runs", and not the
@@ -265,11 +280,30 @@ class Autoscaler:
             """Every instance's counters; unlike ``Controller.metrics`` no latency merge (it grows
             with the run and the autoscaler does not need it)."""
             live = [h for i, h in controller.handles.items() if i not in controller.outcomes]
-            snaps = await asyncio.gather(
-                *(h.metrics.remote() for h in live), return_exceptions=True
+            # the load per sub-group of the keyed instances too: a rescale decided on this
+            # reading plans from it at once (their instances may be busy with a backlog)
+            keyed = [
+                i
+                for i in controller.handles
+                if i not in controller.outcomes
+                and i not in controller.retired
+                and steps.get(i[0]) is not None
+                and steps[i[0]].is_keyed
+            ]
+            snaps, loads = await asyncio.gather(
+                asyncio.gather(*(h.metrics.remote() for h in live), return_exceptions=True),
+                asyncio.gather(
+                    *(controller.handles[i].sub_group_load.remote() for i in keyed),
+                    return_exceptions=True,
+                ),
+            )
+            got = [s for s in snaps if isinstance(s, dict)]
+            controller.note_reading(
+                got,
+                {i: a for i, a in zip(keyed, loads, strict=True) if not isinstance(a, Exception)},
             )
             done = [o.get("metrics", {}) for o in controller.outcomes.values()]
-            return {"instances": [s for s in snaps if isinstance(s, dict)] + done}
+            return {"instances": got + done}
 
         async def rescale(step: str, parallelism: int) -> Mapping[str, Any]:
             return await controller.rescale(step, parallelism, config.strategy)  # type: ignore[no-any-return]

@@ -40,6 +40,9 @@ from raystream.runtime.migration import transfer_summary
 
 __all__ = ["Controller"]
 
+# a rescale plans from the autoscaler's reading (load per sub-group, backlog) if it is this fresh
+READING_MAX_AGE_S = 2.0
+
 
 class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
     """Owns one running job."""
@@ -93,6 +96,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
         self._barrier_expected: dict[int, set[ChannelId]] = {}
+        # migration step epoch -> the instances that reported their part done, with their stats
+        self._migration_reports: dict[int, dict[ChannelId, dict[str, Any]]] = {}
         self.final_checkpoint: dict[str, Any] | None = None
         self._autoscaler_spec = autoscaler
         self.autoscaler: Any = None
@@ -392,6 +397,13 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             self._barrier_done.pop(barrier.epoch, None)
             self._barrier_expected.pop(barrier.epoch, None)
 
+    async def on_migration_done(self, info: dict[str, Any]) -> None:
+        """An instance finished its part of a migration step (with its statistics, as
+        ``migration_done`` returns them): sent by the instance the moment it is done."""
+        reports = self._migration_reports.get(int(info.get("epoch", -1)))
+        if reports is not None:
+            reports[tuple(info["instance"])] = info
+
     async def on_barrier(self, info: dict[str, Any]) -> None:
         epoch = info["epoch"]
         acks = self._barrier_acks.get(epoch)
@@ -505,11 +517,19 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         old = self.routing[step]
         s = self.flow.key_space.sub_groups
         live = [i for i in range(old.parallelism)]
-        loads, backlog = await asyncio.gather(
-            asyncio.gather(*(self.handles[self._at(step, i)].sub_group_load.remote() for i in live)),
-            self._backlog(step, live),
-        )
-        marks = {"load": time.time()}  # when each preparation phase ended
+        reading = self._fresh_reading(step, live)
+        if reading is not None:  # the autoscaler's reading behind this decision, ms old
+            loads, backlog = reading
+        else:  # asked now (a busy instance answers between two slices of its records)
+            loads, backlog = await asyncio.gather(
+                asyncio.gather(
+                    *(self.handles[self._at(step, i)].sub_group_load.remote() for i in live)
+                ),
+                self._backlog(step, live),
+            )
+        # when each phase before the move ended: load and backlog known, plan made, new
+        # instances started, tasks sent (not waited for), barrier injected, tasks acknowledged
+        marks = {"load": time.time()}
         heat = np.sum(loads, axis=0)
         kg_load = heat.reshape(-1, s).sum(axis=1)
         target = rebalance(old, parallelism, kg_load)
@@ -537,9 +557,15 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             final = k == len(plan.steps) - 1
             tasks = _migration_tasks(current, table, width, s, heat, policy, epoch)
             moved.update(current.moved_key_groups(table).tolist())
-            await asyncio.gather(
+            # the tasks go out on the control path and the barrier right after them, without
+            # waiting for the answers: a busy instance takes its task between two slices of its
+            # records, before the barrier reaches it (or waits for it when the barrier came first)
+            self._migration_reports.setdefault(epoch, {})  # reports may come at the barrier
+            prepared = asyncio.gather(
                 *(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(width))
             )
+            if policy.full_restore or policy.pause_sources:
+                await prepared
             marks.setdefault("prepare", time.time())
             payload = {"step": step, "table": table, "final": final, "aligned": policy.full_restore}
             barrier = Barrier(epoch, "rescale", payload)
@@ -552,6 +578,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                     taken = await asyncio.gather(
                         *(self.handles[i].inject_barrier.remote(barrier) for i in self.plan.sources)
                     )
+                    marks.setdefault("injected", time.time())
+                    await prepared  # off the barrier's path: the instances wait for it if need be
+                    marks.setdefault("tasks_acknowledged", time.time())
                     if not any(taken):
                         # every source had ended its output: no instance will see this barrier,
                         # so nothing of this step moves; instances started for it get
@@ -618,14 +647,22 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             },
             # from the request (the decision) to: the first instance switching its routing, the
             # last old owner sealing, the first on-demand chunk served; the backlog then
-            # the preparation before the first barrier: measured load and backlog at every old
-            # owner, the plan, new instances started and wired, migration tasks handed out
+            # the phases before the move, each's seconds: load and backlog (the autoscaler's
+            # reading, or asked of the old owners), the plan, new instances started and wired,
+            # migration tasks sent, the barrier injected, then (off the barrier's path) the
+            # tasks acknowledged
             "prepare_phases_s": {
                 phase: round(at - before, 4)
                 for (phase, at), before in zip(
                     marks.items(), [t0, *list(marks.values())[:-1]], strict=True
                 )
             },
+            # the move, in seconds from the request: per instance (index order of the last
+            # migration step) its switch, seal, first on-demand chunk out, last incoming
+            # sub-group in and end of its part; then the whole rescale's end
+            "move_phases_s": _move_timeline(
+                t0, marks.get("injected", marks.get("tasks_acknowledged")), stats[-width:], t1
+            ),
             "switch_s": since_start("activated_wall", min),
             "sealed_s": since_start("sealed_wall", max),
             "first_on_demand_served_s": since_start("first_urgent_served_wall", min),
@@ -681,42 +718,84 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             return_exceptions=True,  # a figure for the report: never fails the rescale
         )
         snaps = [m if isinstance(m, dict) else {} for m in snaps]
-        mine, sources = snaps[: len(live)], snaps[len(live) :]
-        queued = int(sum(m.get("backlog_rows", 0) for m in mine))
-        lag = int(sum(m.get("lag_rows", 0) for m in sources))
-        costs = [m["row_cost_s"] for m in mine if m.get("row_cost_s")]
-        cost = float(np.mean(costs)) if costs else None
-        per = max(len(live), 1)
-        return {
-            "queued_rows": queued,
-            "source_lag_rows": lag,
-            "queued_work_s": queued * cost / per if cost is not None else None,
-            "total_work_s": (queued + lag) * cost / per if cost is not None else None,
-            "row_cost_us": cost * 1e6 if cost is not None else None,
-        }
+        return _backlog_of(snaps[: len(live)], snaps[len(live) :])
+
+    def note_reading(self, snaps: list[Any], loads: dict[ChannelId, np.ndarray]) -> None:
+        """The autoscaler's latest reading: every live instance's metrics and each keyed
+        instance's load per sub-group. A rescale it decides on right after plans from it instead
+        of asking instances that are busy with a backlog again."""
+        by_id = {(m.get("step"), m.get("index")): m for m in snaps if isinstance(m, dict)}
+        epochs = {n: t.epoch for n, t in self.routing.items()}
+        self._reading = (time.monotonic(), by_id, dict(loads), epochs)
+
+    def _fresh_reading(
+        self, step: str, live: list[int]
+    ) -> tuple[list[np.ndarray], dict[str, Any]] | None:
+        """(loads, backlog) of ``step``'s instances ``live`` from the autoscaler's reading if it
+        is at most READING_MAX_AGE_S old, was taken at the step's current routing epoch and has
+        every one of them and every live source; else None (then they are asked)."""
+        reading = getattr(self, "_reading", None)
+        if reading is None:
+            return None
+        at, by_id, loads, epochs = reading
+        if time.monotonic() - at > READING_MAX_AGE_S:
+            return None
+        if epochs.get(step) != self.routing[step].epoch:
+            return None
+        ids = [self._at(step, i) for i in live]
+        sources = [i for i in self.plan.sources if i not in self.outcomes]
+        if any(i not in loads or i not in by_id for i in ids) or any(
+            i not in by_id for i in sources
+        ):
+            return None
+        mine = [by_id[i] for i in ids]
+        return [loads[i] for i in ids], _backlog_of(mine, [by_id[i] for i in sources])
 
     async def _await_migration(
-        self, step: str, parallelism: int, epoch: int, peers: dict[int, Any], width: int
+        self,
+        step: str,
+        parallelism: int,
+        epoch: int,
+        peers: dict[int, Any],
+        width: int,
+        ids: list[ChannelId] | None = None,
     ) -> list[dict[str, Any]]:
-        """Every instance's statistics of migration step ``epoch`` once its part is done. If that
-        takes longer than ``rescale_timeout_s``, the job fails and a RescaleError says which
-        instances did not finish and what they were waiting for."""
+        """Every instance's statistics of migration step ``epoch`` once its part is done: from
+        the report each instance sends the moment it is done (``on_migration_done``), or from
+        its ``migration_done`` call, whichever comes first (a busy instance answers a call
+        between two slices of its records). ``ids``: the instances of ``peers`` (default: the
+        step's instances at those routing indexes). If that takes longer than
+        ``rescale_timeout_s``, the job fails and a RescaleError says which instances did not
+        finish and what they were waiting for."""
+        ids = ids or [self._at(step, i) for i in range(width)]
+        reports = self._migration_reports.setdefault(epoch, {})
         calls = [
             asyncio.ensure_future(_result_of(peers[i].migration_done.remote(epoch)))
             for i in range(width)
         ]
         timeout_s = float(self.config.rescale_timeout_s)
-        _, pending = await asyncio.wait(
-            calls, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION
-        )
-        for c in pending:
-            c.cancel()
-        for c in calls:
-            error = None if c in pending else c.exception()
-            if error is not None:
-                raise error  # an instance's migration failed: the job fails with that error
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                for c in calls:
+                    error = c.exception() if c.done() and not c.cancelled() else None
+                    if error is not None:
+                        raise error  # an instance's migration failed: the job fails with it
+                pending = [
+                    c for i, c in enumerate(calls) if not c.done() and ids[i] not in reports
+                ]
+                if not pending or time.monotonic() > deadline:
+                    break
+                await asyncio.wait(pending, timeout=0.002)
+        finally:
+            self._migration_reports.pop(epoch, None)
         if not pending:
-            return [c.result() for c in calls]
+            out = [reports.get(ids[i]) or calls[i].result() for i in range(width)]
+            for c in calls:
+                c.cancel()  # answered by a report: its call is not waited for
+            return out
+        for c in calls:
+            c.cancel()
         stuck = [i for i, c in enumerate(calls) if c in pending]
         snaps = await asyncio.gather(
             *(asyncio.wait_for(_result_of(peers[i].metrics.remote()), 10) for i in stuck),
@@ -784,6 +863,14 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         finally:
             self._standby_filling = False
 
+    def _standby_count(self) -> int:
+        """Warm standbys to keep: ``standby_instances``, or as many as the autoscaler's policy
+        would add in its next scale-out if that is more (so it starts no process either)."""
+        count = self.config.standby_instances
+        if self.autoscaler is not None and count > 0:
+            count = max(count, self.autoscaler.next_scale_out_instances())
+        return count
+
     async def _fill_standby_once(self) -> None:
         from raystream.placement import standby_slots
         from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
@@ -796,8 +883,10 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         # names held by instances: live or retiring ones (a retired one that ended was
         # stopped: its name is free, or soon)
         held = {i for i in self.handles if not (i in self.retired and i in self.outcomes)}
-        wanted = standby_slots(steps, held, self.config.standby_instances)
+        count = self._standby_count()
+        wanted = standby_slots(steps, held, count)
         pooled = {slot for *_, slot in self._standby}
+        started: list[tuple[ChannelId, Any]] = []
         for slot in wanted:
             if self.state != "running":
                 break
@@ -820,16 +909,23 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             except ValueError:  # the name is still held: a later fill takes the slot
                 continue
             self._standby_creating.add(slot)
+            started.append((slot, h))
+
+        async def pool(slot: ChannelId, h: Any) -> None:
             try:
                 node = await h.ping.remote()
                 if self.state != "running":  # the job ended meanwhile: do not leak it
                     ray.kill(h, no_restart=True)
-                    break
+                    return
                 self._standby.append((h, node, slot))
             finally:
                 self._standby_creating.discard(slot)
+
+        # the processes start side by side: a scale-out right after this fill waits for the
+        # slowest of them, not for their sum
+        await asyncio.gather(*(pool(slot, h) for slot, h in started))
         # standbys named for indexes beyond the next ones (a scale-in came) make room
-        extra = len(self._standby) - self.config.standby_instances
+        extra = len(self._standby) - count
         for entry in [e for e in self._standby if e[2] not in wanted][: max(0, extra)]:
             self._standby.remove(entry)
             ray.kill(entry[0], no_restart=True)
@@ -918,6 +1014,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             if iid[0] in template.step.upstream and iid not in self.retired
         ]
         new: dict[ChannelId, Any] = {}
+        configuring = []  # warm standbys becoming instances, side by side (each opens RocksDB)
         for i, node in zip(indexes, picks, strict=True):
             spec = replace(
                 template,
@@ -934,7 +1031,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             try:
                 handle = await self._take_standby((step, i), node) if options.is_default else None
                 if handle is not None:
-                    await handle.configure.remote(actor_spec)
+                    configuring.append(handle.configure.remote(actor_spec))
                 else:
                     if (step, i) in reused:  # the retired instance of this index was stopped
                         await self._name_free((step, i))
@@ -950,6 +1047,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             new[(step, i)] = handle
             if sink_spec is not None:
                 sink_specs[sink_spec.id] = MemberHandle(handle, sink_spec.id)
+        await asyncio.gather(*configuring)
         self.handles.update(sink_specs)
         keyed_new = dict(new)
         new.update(sink_specs)
@@ -1107,6 +1205,46 @@ async def _outcome(ref: Any, iid: ChannelId) -> dict[str, Any]:
         return dict(await ref)
     except Exception as e:  # noqa: BLE001 - the actor process died or was killed
         return {"instance": iid, "result": None, "error": f"{type(e).__name__}: {e}", "metrics": {}}
+
+
+def _backlog_of(mine: list[dict[str, Any]], sources: list[dict[str, Any]]) -> dict[str, Any]:
+    """The backlog of a step from its instances' metrics (``mine``) and its sources'."""
+    queued = int(sum(m.get("backlog_rows", 0) for m in mine))
+    lag = int(sum(m.get("lag_rows", 0) for m in sources))
+    costs = [m["row_cost_s"] for m in mine if m.get("row_cost_s")]
+    cost = float(np.mean(costs)) if costs else None
+    per = max(len(mine), 1)
+    return {
+        "queued_rows": queued,
+        "source_lag_rows": lag,
+        "queued_work_s": queued * cost / per if cost is not None else None,
+        "total_work_s": (queued + lag) * cost / per if cost is not None else None,
+        "row_cost_us": cost * 1e6 if cost is not None else None,
+    }
+
+
+def _move_timeline(
+    t0: float, injected: float | None, stats: list[dict[str, Any]], end: float
+) -> dict[str, Any]:
+    """Seconds from ``t0`` to each phase of a move, per instance (see ``move_phases_s``)."""
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else round(t - t0, 3)
+
+    keys = ("activated_wall", "sealed_wall", "first_urgent_served_wall", "all_arrived_wall")
+    names = ("switched", "sealed", "first_on_demand_served", "all_arrived")
+    return {
+        "barrier_injected": since(injected),
+        **{
+            name: [since(st.get(key)) for st in stats]
+            for key, name in zip(keys, names, strict=True)
+        },
+        "finished": [since(st.get("finished_wall")) for st in stats],
+        "handover_rows_out": [int(st.get("handover_rows_out", 0)) for st in stats],
+        "chunks_out": [int(st.get("chunks_out", 0)) for st in stats],
+        "fetch_calls": [int(st.get("fetch_calls", 0)) for st in stats],
+        "done": since(end),
+    }
 
 
 def _migration_tasks(

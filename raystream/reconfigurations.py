@@ -321,6 +321,7 @@ class Reconfigurations:
         tasks[index] = {**base, "outgoing": groups}
         arriving = {**base, "incoming": dict.fromkeys(groups, index)}
         arriving["heat"] = {g: float(heat[g]) for g in groups}
+        self._migration_reports.setdefault(epoch, {})  # reports may come at the barrier
         await asyncio.gather(
             *(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(p)),
             handle.prepare_migration.remote(arriving, peers),
@@ -347,7 +348,8 @@ class Reconfigurations:
             raise ReconfigurationError(msg)
         waiting = {i: peers[i] for i in range(p)}
         waiting[p] = handle
-        stats = await self._await_migration(step, p, epoch, waiting, p + 1)
+        ids = [self._at(step, i) for i in range(p)] + [new_iid]
+        stats = await self._await_migration(step, p, epoch, waiting, p + 1, ids)
         self.routing[step] = table
         self.slots[(step, index)] = new_iid
         self.retired.add(old_iid)

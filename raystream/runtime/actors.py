@@ -102,6 +102,8 @@ class InstanceEndpoint:
     def _report(self, event: str, info: dict[str, Any]) -> None:
         if event == "barrier" and self._controller is not None:
             self._controller.on_barrier.remote(info)
+        elif event == "migration_done" and self._controller is not None:
+            self._controller.on_migration_done.remote(info)
 
     async def run(self) -> dict[str, Any]:
         """Run the instance to its end; returns its result or its error (never raises)."""

@@ -7,6 +7,7 @@ report to the controller, so this class runs under plain asyncio in unit tests.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -59,6 +60,8 @@ SERVE_SLICE_ROWS = 4096  # rows an old owner processes between serving fetches o
 SLICE_TARGET_S = 0.1  # a keyed step takes a large batch in slices of about this much work ...
 SLICE_MIN_ROWS = 64  # ... of at least this many rows, so a rescale barrier waits one slice at most
 SERVE_SLICE_TARGET_S = 0.02  # ... and of this much while it hands out state (fetches wait less)
+CALL_TURNS = 4  # event-loop turns between two slices of records of a keyed step
+TASK_WAIT_S = 60.0  # a rescale barrier waits at most this long for its migration task
 WATERMARK_TIMELINE_MAX = 50_000  # points a source keeps of its watermark timeline
 
 Sender = Callable[[ChannelId, tuple[ChannelId, int, Any]], Awaitable[Any]]
@@ -291,6 +294,11 @@ class OperatorInstance:
         self.outputs = [self._output(out) for out in self.spec.outputs]
         if isinstance(self.processor, KeyedProcessor):
             self.processor.engine.poke = self.inbox.poke
+            # the controller hears of it at once, not when a busy loop answers its call
+            engine = self.processor.engine
+            engine.on_done = lambda task: self._report(
+                "migration_done", {"instance": self.spec.id, **engine.stats()}
+            )
 
     def _overtake_outputs(self, barrier: Barrier) -> None:
         """A rescale barrier is on its way here (or, at a source, injected): until it went out,
@@ -405,11 +413,31 @@ class OperatorInstance:
     ) -> tuple[list[int], list[pa.RecordBatch]]:
         engine = self.engine
         assert engine is not None
+        await self._task_prepared(epoch)
         return await engine.serve(epoch, groups, max_bytes, urgent)
+
+    async def _task_prepared(self, epoch: int) -> None:
+        """The controller sends a rescale's task beside its barrier without waiting for the
+        answer: a barrier (or a new owner's fetch) may come first; wait for the task then."""
+        engine = self.engine
+        assert engine is not None
+        deadline = time.monotonic() + TASK_WAIT_S
+        while engine.task is None or engine.task.epoch < epoch:
+            if time.monotonic() > deadline:
+                have = engine.task.epoch if engine.task is not None else None
+                msg = (
+                    f"{self.spec.id}: the rescale barrier (or a fetch) of epoch {epoch} came, "
+                    f"but no migration task of that epoch within {TASK_WAIT_S:g} s (the last "
+                    f"one is of epoch {have}); the controller did not reach this instance"
+                )
+                raise RescaleError(msg)
+            await asyncio.sleep(0.001)
 
     async def migration_done(self, epoch: int) -> dict[str, Any]:
         engine = self.engine
-        assert engine is not None and engine.task is not None and engine.task.epoch == epoch
+        assert engine is not None
+        await self._task_prepared(epoch)
+        assert engine.task is not None and engine.task.epoch == epoch
         while not engine.task.done.is_set():
             if engine.error is not None:
                 raise engine.error
@@ -822,7 +850,9 @@ class OperatorInstance:
         released = engine.take_released()
         if released:
             with self.metrics.busy():
-                for piece in released:
+                queue = collections.deque(released)
+                while queue:
+                    piece = queue.popleft()
                     # in slices: a backlog handed over with the state can be seconds of work,
                     # and calls (pushes, fetches, the controller's) are answered in between
                     start = 0
@@ -834,8 +864,12 @@ class OperatorInstance:
                         self._learn_cost(time.perf_counter() - t0, part.num_rows)
                         await self._emit(outs)
                         start += n
-                        if start < piece.num_rows:
-                            await asyncio.sleep(0)
+                        await _let_calls_in()
+                        # sub-groups whose state arrived meanwhile queue up behind (each one's
+                        # records in order, all before any new input): their records no longer
+                        # wait for their state, and the move is done without waiting for the
+                        # records released before them to run
+                        queue.extend(engine.take_released())
                 if self._wm_sent > WATERMARK_MIN:  # due timers of arrived sub-groups
                     await self._emit(self.processor.on_watermark(self._wm_sent))
         if self._wm_deferred is not None and not engine.holds_watermark:
@@ -897,7 +931,7 @@ class OperatorInstance:
                     m.record_in(piece.num_rows)
                     await self._emit(outs)
                 start += n
-                await asyncio.sleep(0)
+                await _let_calls_in()
         else:
             if keyed:
                 self._give_way()
@@ -930,9 +964,13 @@ class OperatorInstance:
             self.engine.give_way()  # type: ignore[union-attr]
 
     def _serving(self) -> bool:
-        """Sub-groups of this instance are still to be handed out in a running migration."""
+        """Sub-groups of this instance are still to be handed out, or still to come in, in a
+        running migration (a fetch's round trip waits for a slice at either end)."""
         engine = self.engine
-        return engine is not None and engine.task is not None and bool(engine.task.outgoing)
+        task = engine.task if engine is not None else None
+        if task is None:
+            return False
+        return bool(task.outgoing) or (task.active and len(task.arrived) < len(task.incoming))
 
     async def _on_overtaking(self, channel: ChannelId, item: OvertakingBarrier) -> None:
         """A rescale barrier that overtook ``item.pre_barrier`` (batches sent before it on
@@ -942,6 +980,8 @@ class OperatorInstance:
         processed in order, after the switch."""
         barrier = item.barrier
         engine = self.engine
+        if engine is not None and barrier.payload.get("step") == self.step.name:
+            await self._task_prepared(barrier.epoch)
         pre = item.pre_barrier
         if (
             pre
@@ -967,6 +1007,12 @@ class OperatorInstance:
         """Count a barrier per input channel. Checkpoint barriers (and rescale barriers of a
         stop-and-restart, ``payload["aligned"]``) hold each channel that delivered them until all
         have; other rescale barriers never block: they switch on their first arrival."""
+        if (
+            barrier.kind == "rescale"
+            and self.engine is not None
+            and barrier.payload.get("step") == self.step.name
+        ):
+            await self._task_prepared(barrier.epoch)
         seen = self._barrier_seen.setdefault(barrier.epoch, set())
         first = not seen
         if first:
@@ -1190,6 +1236,14 @@ class OperatorInstance:
             for c in channels:
                 await c.drain()
         await self._end_unconnected()
+
+
+async def _let_calls_in() -> None:
+    """Between two slices of records: CALL_TURNS turns of the event loop, so calls to this
+    instance (pushes, fetches, the controller's) finish within a slice or two, not one turn per
+    slice (a Ray call takes a few turns: its task is made, runs and answers)."""
+    for _ in range(CALL_TURNS):
+        await asyncio.sleep(0)
 
 
 def _bind(sender: Sender, receiver: ChannelId, me: ChannelId) -> Callable[[Any], Awaitable[Any]]:

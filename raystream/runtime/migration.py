@@ -267,6 +267,8 @@ class MigrationEngine:
         self._releasable: list[int] = []
         self.fetcher: Fetcher | None = None
         self.poke: Callable[[], None] = lambda: None
+        # called once this instance's part of a migration step is done (tells the controller)
+        self.on_done: Callable[[MigrationTask], None] = lambda task: None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._released = asyncio.Event()
         # old owner: pre-barrier records of outgoing sub-groups, not applied, to hand out
@@ -541,6 +543,7 @@ class MigrationEngine:
                 if task.rss is not None:
                     task.rss.stop()
                 task.done.set()
+                self.on_done(task)
 
     # ---- new owner: fetching -----------------------------------------------------------------
     def _request(self, groups: list[int], *, on_demand: bool) -> None:

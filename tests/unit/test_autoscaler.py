@@ -477,6 +477,22 @@ def test_loop_threshold_reaches_enough_instances_and_holds_in_cooldown() -> None
     assert sim.p * CAPACITY_EPS >= 32_000
 
 
+def test_standbys_for_the_next_scale_out_follow_the_policy_within_its_bounds() -> None:
+    """Warm standbys the controller keeps: as many instances as the policy's next scale-out
+    adds (threshold doubles: p more), capped by the maximum parallelism; none asked by a policy
+    that cannot say (ds2 sizes from rates)."""
+    sim = SimPipeline([(0, 8_000)])
+    loop = make_loop(sim, Threshold(), max_parallelism=6)
+    wanted = {}
+    for p in (1, 2, 3, 4, 6):
+        sim.p = p
+        wanted[p] = loop.next_scale_out_instances()
+    assert wanted == {1: 1, 2: 2, 3: 3, 4: 2, 6: 0}
+    sim.p = 2
+    assert make_loop(sim, Threshold(scale_up_factor=1.5)).next_scale_out_instances() == 1
+    assert make_loop(sim, DS2()).next_scale_out_instances() == 0
+
+
 def test_loop_keeps_running_when_the_policy_misbehaves(caplog: pytest.LogCaptureFixture) -> None:
     calls = {"n": 0}
 

@@ -269,9 +269,11 @@ class Job:
     def run(self, iid: ChannelId) -> None:
         self.runs[iid] = asyncio.get_running_loop().create_task(self.instances[iid].run())
 
-    async def scale_out(self, epoch: int) -> None:
+    async def scale_out(self, epoch: int, tasks_late_s: float = 0.0) -> None:
         """Start instance 1 of ``count``, wire it, prepare the move of the upper half of the key
-        groups, inject the rescale barrier at the source."""
+        groups, inject the rescale barrier at the source. ``tasks_late_s`` > 0: the barrier goes
+        first and the migration tasks reach the instances that much later (the controller sends
+        both without waiting; the barrier may overtake a task to an idle new instance)."""
         template = self.plan.instances[COUNT]
         spec = replace(
             template,
@@ -298,13 +300,20 @@ class Job:
         async def fetch(owner: int, e: int, groups: list[int], max_bytes: int, urgent: bool) -> Any:
             return await peers[owner].serve_state(e, groups, max_bytes, urgent)
 
-        self.instances[COUNT].prepare_migration(
-            MigrationTask(epoch, policy, incoming={}, outgoing=set(moving)), fetch
-        )
-        self.instances[NEW].prepare_migration(
-            MigrationTask(epoch, policy, incoming=dict.fromkeys(moving, 0), outgoing=set()), fetch
-        )
+        def prepare() -> None:
+            self.instances[COUNT].prepare_migration(
+                MigrationTask(epoch, policy, incoming={}, outgoing=set(moving)), fetch
+            )
+            self.instances[NEW].prepare_migration(
+                MigrationTask(epoch, policy, incoming=dict.fromkeys(moving, 0), outgoing=set()),
+                fetch,
+            )
+
         payload = {"step": "count", "table": table, "final": True, "aligned": False}
+        if tasks_late_s <= 0:
+            prepare()
+        else:
+            asyncio.get_running_loop().call_later(tasks_late_s, prepare)
         assert self.instances[SOURCE].inject_barrier(Barrier(epoch, "rescale", payload))
 
     async def finish(self) -> None:
@@ -318,7 +327,7 @@ class Job:
         assert not errors, errors
 
 
-async def _overloaded_scale_out(state_dir: Path) -> tuple[Job, int, int]:
+async def _overloaded_scale_out(state_dir: Path, tasks_late_s: float = 0.0) -> tuple[Job, int, int]:
     """The count step starts late, so its inbox is full (and its sender out of credit) when the
     rescale starts: ``backlog_rows`` queued at the old owner. Returns the job, that backlog, and
     how many records the old owner had processed when it sealed its outgoing sub-groups."""
@@ -333,13 +342,13 @@ async def _overloaded_scale_out(state_dir: Path) -> tuple[Job, int, int]:
     assert old.inbox.depth() >= full, f"the backlog did not build up ({old.inbox.depth()})"
     deadline = time.monotonic() + 20
     backlog_rows = old.inbox.backlog_rows()
-    await job.scale_out(1)
+    await job.scale_out(1, tasks_late_s)
     # the barrier reaches the old owner's inbox although it is full and its sender out of credit
     while not old.inbox.overtaking and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
     assert old.inbox.overtaking == 1, "the rescale barrier did not reach the full inbox"
     engine = old.engine
-    assert engine is not None and engine.task is not None
+    assert engine is not None
     at_seal: list[int] = []
     seal = engine.seal
 
@@ -350,16 +359,24 @@ async def _overloaded_scale_out(state_dir: Path) -> tuple[Job, int, int]:
 
     engine.seal = seal_and_note  # type: ignore[method-assign]
     job.run(COUNT)
+    while engine.task is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    assert engine.task is not None, "the old owner got no migration task"
     await asyncio.wait_for(engine.task.sealed.wait(), FINISH_S)
     processed = at_seal[0]
     await job.finish()
     return job, backlog_rows, processed
 
 
+@pytest.mark.parametrize("tasks_late_s", [0.0, 0.2], ids=["tasks_first", "barrier_first"])
 def test_an_overloaded_old_owner_hands_queued_records_over_with_their_state(
-    tmp_path: Path,
+    tmp_path: Path, tasks_late_s: float
 ) -> None:
-    job, backlog_rows, processed_at_seal = asyncio.run(_overloaded_scale_out(tmp_path))
+    """Also when the migration tasks come after the barrier (the controller does not wait for
+    them): the barrier, and every fetch, waits for the task at each instance; still exact."""
+    job, backlog_rows, processed_at_seal = asyncio.run(
+        _overloaded_scale_out(tmp_path, tasks_late_s)
+    )
     out = job.instances[SINK].result
     assert isinstance(out, pa.Table)
     assert sum(out.column("out_of_order").to_pylist()) == 0, "a key's records came out of order"

@@ -1,0 +1,110 @@
+"""Median and range of the first scale-out over several ``bench.loadstep`` runs.
+
+Run it from the repository root on the JSON files the runs wrote::
+
+    python -m bench.loadstep_runs bench/results/loadstep_backlog_prepare_threshold_{1,2,3}.json \
+        --out bench/results/loadstep_backlog_prepare_threshold_runs.json
+
+Per run it takes the first scale-out after the step (the rescale the targets are about): seconds
+from the autoscaler's decision to done, to the routing switch, to the last old owner's seal and
+to the first on-demand chunk served; the preparation before the barrier; the on-demand serve wait
+p99 (old owner, from its seal or the request to the chunk) and the record wait p50/p99 (new
+owner, from a record's arrival to its state's); the backlog at the decision; the sink p99 of the
+low and high phases and their ratio; whether the final counts were exact. Writes each run's
+figures and, per figure, the median, minimum and maximum over the runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import click
+
+__all__ = ["first_scale_out", "main", "summarize"]
+
+
+def first_scale_out(report: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one loadstep report's first scale-out after the step (None: there was
+    none)."""
+    phases = report["phases"]
+    low = (phases["low"]["latency"] or {}).get("p99_ms")
+    high = (phases["high"]["latency"] or {}).get("p99_ms")
+    step_at = report["offered"][1][0]
+    outs = [r for r in report["per_rescale"] if r["to"] > r["from"] and r["start_s"] >= step_at - 1]
+    row: dict[str, Any] = {
+        "exact": report["exact"],
+        "low_p99_ms": low,
+        "high_p99_ms": high,
+        "high_over_low_p99": (high / low) if low and high else None,
+        "decision_after_step_s": report["reaction_s"]["first_scale_out_after_step"],
+    }
+    if not outs:
+        return {**row, "rescale": None}
+    r = outs[0]
+    move = r.get("move_phases_s") or {}
+    return {
+        **row,
+        "rescale": f"{r['from']} -> {r['to']}",
+        "done_s": r["done_s"],
+        "switch_s": r["switch_s"],
+        "sealed_s": r["sealed_s"],
+        "first_on_demand_served_s": r["first_on_demand_served_s"],
+        "barrier_injected_s": move.get("barrier_injected"),
+        "all_arrived_s": max(
+            (t for t in move.get("all_arrived", []) if t is not None), default=None
+        ),
+        "prepare_phases_s": r.get("prepare_phases_s"),
+        "serve_wait_p99_ms": r["serve_wait_p99_ms"],
+        "record_wait_p50_ms": r["fetch_wait_p50_ms"],
+        "record_wait_p99_ms": r["fetch_wait_p99_ms"],
+        "backlog_work_s": r["backlog_work_s"],
+        "handover_rows": r["handover_rows"],
+        "all_rescales": [
+            f"{x['from']}->{x['to']} done {x['done_s']:.2f} s" for x in report["per_rescale"]
+        ],
+    }
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median, minimum and maximum of every numeric figure over the runs."""
+    out: dict[str, Any] = {}
+    for key in rows[0]:
+        values = [r.get(key) for r in rows]
+        nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if nums and len(nums) == len(values):
+            out[key] = {
+                "median": statistics.median(nums),
+                "min": min(nums),
+                "max": max(nums),
+            }
+    out["exact_runs"] = sum(bool(r.get("exact")) for r in rows)
+    out["runs"] = len(rows)
+    return out
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("reports", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="The JSON to write.")
+def main(reports: tuple[Path, ...], out: Path) -> None:
+    """Median and range of the first scale-out over the loadstep REPORTS (JSON files)."""
+    rows = []
+    for path in reports:
+        rep = json.loads(path.read_text())
+        rows.append(
+            {"report": str(path), "policy": rep["config"]["policy"], **first_scale_out(rep)}
+        )
+    summary = summarize([{k: v for k, v in r.items() if k != "report"} for r in rows])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"runs": rows, "summary": summary}, indent=1))
+    for key, s in summary.items():
+        if isinstance(s, dict):
+            click.echo(f"  {key}: median {s['median']:.3f} (range {s['min']:.3f} - {s['max']:.3f})")
+    click.echo(f"  exact: {summary['exact_runs']} of {summary['runs']} runs")
+    click.echo(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

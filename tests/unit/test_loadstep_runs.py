@@ -1,0 +1,63 @@
+"""bench.loadstep_runs: the first scale-out after the step of each run, and the median and range
+over runs; hand-made reports, hand-computed expectations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests._bench import put_bench_on_path
+
+put_bench_on_path()
+
+from bench.loadstep_runs import first_scale_out, summarize  # noqa: E402
+
+
+def _report(done_s: float, high_p99: float, exact: bool = True) -> dict[str, Any]:
+    def rescale(a: int, b: int, start: float, done: float) -> dict[str, Any]:
+        return {
+            "from": a,
+            "to": b,
+            "start_s": start,
+            "done_s": done,
+            "switch_s": 0.1,
+            "sealed_s": 0.2,
+            "first_on_demand_served_s": 0.25,
+            "serve_wait_p99_ms": 20.0,
+            "fetch_wait_p50_ms": 100.0,
+            "fetch_wait_p99_ms": 300.0,
+            "backlog_work_s": 1.0,
+            "handover_rows": 500,
+            "move_phases_s": {"barrier_injected": 0.05, "all_arrived": [None, 0.6, 0.7]},
+        }
+
+    return {
+        "exact": exact,
+        "offered": [[2.0, 5000], [10.0, 20000], [30.0, 5000]],
+        "phases": {
+            "low": {"latency": {"p99_ms": 100.0}},
+            "high": {"latency": {"p99_ms": high_p99}},
+        },
+        "reaction_s": {"first_scale_out_after_step": 0.5},
+        # a scale-in before the step does not count; the first scale-out after it does
+        "per_rescale": [rescale(2, 1, 5.0, 0.3), rescale(1, 3, 10.5, done_s), rescale(3, 4, 20, 9)],
+    }
+
+
+def test_the_first_scale_out_after_the_step_and_the_median_and_range_over_runs() -> None:
+    rows = [first_scale_out(_report(d, h)) for d, h in [(0.9, 300.0), (1.5, 200.0), (0.7, 900.0)]]
+    assert [r["rescale"] for r in rows] == ["1 -> 3"] * 3
+    assert rows[0]["all_arrived_s"] == 0.7
+    assert rows[0]["high_over_low_p99"] == 3.0
+    s = summarize(rows)
+    assert s["done_s"] == {"median": 0.9, "min": 0.7, "max": 1.5}
+    assert s["high_p99_ms"] == {"median": 300.0, "min": 200.0, "max": 900.0}
+    assert s["exact_runs"] == 3 and s["runs"] == 3
+    assert "rescale" not in s  # not a number
+
+
+def test_a_run_without_a_scale_out_after_the_step_has_no_rescale_figures() -> None:
+    rep = _report(1.0, 300.0, exact=False)
+    rep["per_rescale"] = rep["per_rescale"][:1]
+    row = first_scale_out(rep)
+    assert row["rescale"] is None and row["exact"] is False
+    assert summarize([row])["exact_runs"] == 0
