@@ -30,6 +30,9 @@ from raystream.runtime.messages import Barrier
 __all__ = ["Reconfigurations"]
 
 PEAK_AFTER_S = 2.0  # latency is looked at until this long after a change ended
+# how a move carries the instance's state: its RocksDB files whole, or rows sub-group by
+# sub-group (on demand and hottest first, as a rescale)
+MOVE_TRANSFERS = ("files", "rows")
 
 
 def _fn_name(fn: Any) -> str:
@@ -233,6 +236,14 @@ class Reconfigurations:
                 f"the nodes are: {known}"
             )
             raise ReconfigurationError(msg)
+        fetch = dict(strategy_args or {})
+        transfer = fetch.get("transfer", "files")
+        if transfer not in MOVE_TRANSFERS:
+            msg = (
+                f"cannot move {step!r}/{index}: transfer must be one of {MOVE_TRANSFERS} (the "
+                f"instance's RocksDB files, or its rows sub-group by sub-group), got {transfer!r}"
+            )
+            raise ReconfigurationError(msg)
         attempt = self._attempt
         self._queued += 1
         try:
@@ -246,7 +257,7 @@ class Reconfigurations:
                     )
                     raise ReconfigurationError(msg)
                 self._check_still_running(attempt, f"{step!r}/{index} was not moved")
-                return await self._move(step, index, node_id, dict(strategy_args or {}))
+                return await self._move(step, index, node_id, fetch)
         finally:
             self._queued = max(0, self._queued)
 
@@ -256,12 +267,16 @@ class Reconfigurations:
         from pathlib import Path
 
         import numpy as np
+        import ray
 
         from raystream.keys import RoutingTable
         from raystream.rescale import FetchPolicy
         from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
+        from raystream.runtime.move_files import FILES_POLICY
 
         t0 = time.time()
+        fetch = dict(fetch)
+        by_files = fetch.pop("transfer", "files") == "files"
         p = self.parallelism[step]
         current = self.routing[step]
         old_iid = self._at(step, index)
@@ -303,6 +318,15 @@ class Reconfigurations:
         self.handles[new_iid] = handle
         self.nodes[new_iid] = await handle.ping.remote()
         t_actor = time.time()
+        files: dict[str, Any] | None = None
+        if by_files:  # the old instance's files copied and opened there before the barrier
+            same_node = self.nodes.get(old_iid) == self.nodes[new_iid]
+            try:
+                files = await handle.begin_take_over.remote(epoch, old, same_node)
+            except Exception as e:  # noqa: BLE001 - the rows go instead; the record says why
+                by_files = False
+                files = {"error": f"{type(e).__name__}: {e}; moved by rows instead"}
+        t_copied = time.time()
         downstream = {r for o in outputs for r in o.receiver_ids}
         await handle.connect.remote(self._receivers_of(new_iid), self._self)
         await asyncio.gather(*(self.handles[d].add_inputs.remote([new_iid]) for d in downstream))
@@ -313,7 +337,9 @@ class Reconfigurations:
         # the plan: a migration whose target gives the old instance's key groups to the new one
         moving = current.key_groups_of(index).tolist()
         groups = [g for kg in moving for g in range(kg * s, (kg + 1) * s)]
-        policy = FetchPolicy(**fetch)
+        # by files: the old instance's RocksDB goes whole (raystream.runtime.move_files), the
+        # engines fetch nothing; by rows: on demand and hottest first, as in a rescale
+        policy = FILES_POLICY if by_files else FetchPolicy(**fetch)
         table = RoutingTable(epoch=epoch, owners=current.owners, parallelism=p)
         peers = {i: self.handles[self._at(step, i)] for i in range(p)}
         base = {"epoch": epoch, "policy": policy, "incoming": {}, "outgoing": [], "heat": {}}
@@ -325,6 +351,8 @@ class Reconfigurations:
             *(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(p)),
             handle.prepare_migration.remote(arriving, peers),
         )
+        # by files: waits until the old instance sealed, then takes the rows changed since
+        files_call = handle.finish_take_over.remote(epoch) if by_files else None
         payload = {
             "step": step,
             "table": table,
@@ -340,6 +368,8 @@ class Reconfigurations:
         )
         t_injected = time.time()
         if not any(taken):
+            if files_call is not None:  # no seal will come at the old instance
+                ray.cancel(files_call)
             msg = (
                 f"job {self.flow.name!r} reached the end of its input before the move of "
                 f"{step!r}/{index} started: nothing moved (the new actor ends empty)"
@@ -348,6 +378,8 @@ class Reconfigurations:
         waiting = {i: peers[i] for i in range(p)}
         waiting[p] = handle
         stats = await self._await_migration(step, p, epoch, waiting, p + 1)
+        if files_call is not None:
+            files = await files_call
         self.routing[step] = table
         self.slots[(step, index)] = new_iid
         self.retired.add(old_iid)
@@ -373,7 +405,12 @@ class Reconfigurations:
             node_id=self.nodes[new_iid],
             actors=[actor_name],
             fetch_wait_ms_p99=float(np.percentile(waits, 99)) if waits else 0.0,
-            phases_s=_move_phases(t0, t_actor, t_injected, t1, stats),
+            phases_s={
+                **_move_phases(t0, t_actor, t_injected, t1, stats),
+                **({"files_open": round(t_copied - t0, 3)} if files_call is not None else {}),
+            },
+            transfer="files" if by_files else "rows",
+            **({"files": files} if files is not None else {}),
         )
 
     # ---- records, graph ------------------------------------------------------------------------
