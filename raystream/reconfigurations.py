@@ -213,9 +213,12 @@ class Reconfigurations:
         self: Any, step: str, index: int, node_id: str, strategy_args: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """Move instance ``index`` of keyed step ``step`` to node ``node_id``: a new actor there
-        takes over its key groups (on-demand fetches first, the rest hottest first, as in a
-        rescale) and the old actor retires. Queued like a rescale. An unknown step, index or
-        node is refused (ReconfigurationError) before anything changes."""
+        takes over its key groups and the old actor retires. ``strategy_args["transfer"]``:
+        ``"files"`` (default; the old RocksDB whole before the barrier, the rows written since
+        at it: raystream.runtime.move_files) or ``"rows"`` (on-demand fetches first, the rest
+        hottest first, as in a rescale; the other keys are FetchPolicy options). Queued like a
+        rescale. An unknown step, index, node or transfer is refused (ReconfigurationError)
+        before anything changes."""
         from raystream.placement import cluster_nodes
 
         steps = self.plan.steps
@@ -228,20 +231,20 @@ class Reconfigurations:
             msg = "this job runs with migration_support=False; restart it with it on to move"
             raise ReconfigurationError(msg)
         self._check_movable(step)  # a sink chained to it would have to move too
-        nodes = await asyncio.to_thread(cluster_nodes)
-        if node_id not in {n.node_id for n in nodes}:
-            known = ", ".join(f"{n.node_id} ({n.address})" for n in nodes)
-            msg = (
-                f"cannot move {step!r}/{index} to node {node_id!r}: no alive node has that id; "
-                f"the nodes are: {known}"
-            )
-            raise ReconfigurationError(msg)
         fetch = dict(strategy_args or {})
         transfer = fetch.get("transfer", "files")
         if transfer not in MOVE_TRANSFERS:
             msg = (
                 f"cannot move {step!r}/{index}: transfer must be one of {MOVE_TRANSFERS} (the "
                 f"instance's RocksDB files, or its rows sub-group by sub-group), got {transfer!r}"
+            )
+            raise ReconfigurationError(msg)
+        nodes = await asyncio.to_thread(cluster_nodes)
+        if node_id not in {n.node_id for n in nodes}:
+            known = ", ".join(f"{n.node_id} ({n.address})" for n in nodes)
+            msg = (
+                f"cannot move {step!r}/{index} to node {node_id!r}: no alive node has that id; "
+                f"the nodes are: {known}"
             )
             raise ReconfigurationError(msg)
         attempt = self._attempt

@@ -251,3 +251,27 @@ def test_a_moves_phases_are_seconds_from_its_start_per_instance() -> None:
         "chunks_out": 3,
         "record_wait_ms": {"p50": float(np.median([10.0, 30.0, 20.0])), "max": 30.0},
     }
+
+
+def test_a_move_with_an_unknown_transfer_is_refused_before_anything_changes() -> None:
+    from types import SimpleNamespace
+
+    from raystream.errors import ReconfigurationError
+    from raystream.reconfigurations import MOVE_TRANSFERS, Reconfigurations
+
+    flow = rs.Dataflow("refuse", num_key_groups=NUM_KEY_GROUPS, sub_groups=SUB_GROUPS)
+    flow.source(_generator()).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
+    plan = physical_plan(flow, {"count": 2}, RuntimeConfig(), time.time_ns(), Path("unused"))
+    checked: list[str] = []
+    controller = SimpleNamespace(
+        plan=plan, config=RuntimeConfig(), _check_movable=checked.append, _queued=0
+    )
+    move = Reconfigurations.move(controller, "count", 0, "node", {"transfer": "bytes"})
+    try:
+        asyncio.run(move)
+    except ReconfigurationError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("a move with transfer='bytes' was not refused")
+    assert f"transfer must be one of {MOVE_TRANSFERS}" in msg and "got 'bytes'" in msg
+    assert checked == ["count"] and controller._queued == 0  # refused before it queued
