@@ -321,15 +321,6 @@ class Reconfigurations:
         self.handles[new_iid] = handle
         self.nodes[new_iid] = await handle.ping.remote()
         t_actor = time.time()
-        files: dict[str, Any] | None = None
-        if by_files:  # the old instance's files copied and opened there before the barrier
-            same_node = self.nodes.get(old_iid) == self.nodes[new_iid]
-            try:
-                files = await handle.begin_take_over.remote(epoch, old, same_node)
-            except Exception as e:  # noqa: BLE001 - the rows go instead; the record says why
-                by_files = False
-                files = {"error": f"{type(e).__name__}: {e}; moved by rows instead"}
-        t_copied = time.time()
         downstream = {r for o in outputs for r in o.receiver_ids}
         await handle.connect.remote(self._receivers_of(new_iid), self._self)
         await asyncio.gather(*(self.handles[d].add_inputs.remote([new_iid]) for d in downstream))
@@ -337,6 +328,18 @@ class Reconfigurations:
             *(self.handles[u].add_receivers.remote({new_iid: handle}) for u in upstream)
         )
         self._run(new_iid)
+        files: dict[str, Any] | None = None
+        if by_files:
+            # the old instance's files copied and opened there, then the rows it changed since
+            # in rounds: last before the barrier (what is written meanwhile waits at the seal)
+            same_node = self.nodes.get(old_iid) == self.nodes[new_iid]
+            try:
+                files = await handle.begin_take_over.remote(epoch, old, same_node)
+                files.update(await handle.catch_up.remote())
+            except Exception as e:  # noqa: BLE001 - the rows go instead; the record says why
+                by_files = False
+                files = {"error": f"{type(e).__name__}: {e}; moved by rows instead"}
+        t_copied = time.time()
         # the plan: a migration whose target gives the old instance's key groups to the new one
         moving = current.key_groups_of(index).tolist()
         groups = [g for kg in moving for g in range(kg * s, (kg + 1) * s)]

@@ -250,6 +250,18 @@ class InstanceEndpoint:
             lambda d: call(old.drop_moved_files.remote(d)),
         )
 
+    async def take_changes(self) -> Any:
+        from raystream.runtime.move_files import take_changes
+
+        return take_changes(self._instance)
+
+    async def catch_up(self) -> dict[str, Any]:
+        """New instance of a move, before its barrier: the rows changed since the copy."""
+        take_over, old = self._take_over
+        return await take_over.catch_up(
+            lambda: asyncio.wrap_future(old.take_changes.remote().future())
+        )
+
     async def finish_take_over(self, epoch: int) -> dict[str, Any]:
         take_over, old = self._take_over
         ref = old.hand_over_changes.remote(epoch)

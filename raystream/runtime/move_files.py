@@ -10,9 +10,11 @@ no cold sub-groups. Instead, in two steps:
    its records go on) and from that moment tracks the keys it writes. The new instance puts
    the checkpoint in place (renamed on the same node, a copy on another filesystem; from
    another node pulled in pieces, actor to actor) and opens it as its own RocksDB.
+   Then, still before the barrier, the rows it changed since come over in rounds (each
+   brings what was written during the one before) until a round is small.
 2. At the barrier nothing waits for the files any more: once the old instance sealed (the
    barrier came on every input, and what it sent downstream was read: the migration engine's
-   seal and fence), it hands over only the rows it wrote or deleted since the checkpoint, and
+   seal and fence), it hands over only the rows it wrote or deleted since the last round, and
    the records it had queued but not applied (a move barrier overtakes its queue). The new
    instance writes those rows, then runs the handed-over records and those that waited here,
    per sub-group in the order sent.
@@ -45,11 +47,16 @@ __all__ = [
     "copy_files",
     "hand_over_changes",
     "read_piece",
+    "take_changes",
 ]
 
 # the fetch policy of a move by files: the migration engine fetches nothing by itself
 FILES_POLICY = FetchPolicy(on_demand=False, background="none")
 PIECE_BYTES = 8 << 20  # a file pulled from another node comes in pieces of this size
+# rows changed since the copy are caught up before the barrier in rounds, until one is
+# smaller than this (or this many were made): only what follows waits at the barrier
+CATCH_UP_ROUNDS = 4
+CATCH_UP_BYTES = 512 << 10
 
 
 def _handoff_dir(backend_path: Path, epoch: int) -> Path:
@@ -92,6 +99,23 @@ async def copy_files(inst: Any, epoch: int) -> dict[str, Any]:
     }
 
 
+def _changes_chunk(backend: Any, keys: list[bytes]) -> pa.RecordBatch:
+    """The current value of each key (null: deleted), as a state chunk."""
+    values = backend.multi_get(keys)
+    return pa.RecordBatch.from_arrays(
+        [pa.array(keys, pa.binary()), pa.array(values, pa.binary())], names=["key", "value"]
+    )
+
+
+def take_changes(inst: Any) -> pa.RecordBatch:
+    """Old instance, before the move barrier (records still run here): the rows written or
+    deleted since :func:`copy_files` or the last call; tracking starts over from now."""
+    backend = inst.processor.backend
+    keys = backend.take_tracked()
+    backend.track_writes()  # at once: no write between the two
+    return _changes_chunk(backend, keys)
+
+
 async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     """Old instance, once sealed and fenced: the rows it wrote or deleted since
     :func:`copy_files` (a state chunk; a null value deletes the key) and the records it had
@@ -110,11 +134,7 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     backend = inst.processor.backend
     t0 = time.monotonic()
     backend._write_pending(None)  # noqa: SLF001 - timers held in memory: written (and tracked)
-    keys = backend.take_tracked()
-    values = backend.multi_get(keys)
-    changes = pa.RecordBatch.from_arrays(
-        [pa.array(keys, pa.binary()), pa.array(values, pa.binary())], names=["key", "value"]
-    )
+    changes = _changes_chunk(backend, backend.take_tracked())
     records = {g: list(pieces) for g, pieces in engine.handover.items()}
     # nothing is held or handed out here any more: the engine's part is done
     engine.handover = {}
@@ -234,6 +254,38 @@ class FilesTakeOver:
         }
         return dict(self.stats)
 
+    def _apply(self, changes: pa.RecordBatch) -> None:
+        """Write changed rows (a null value deletes the key) past the cache: nothing was read
+        here yet, so the cache is empty."""
+        if not changes.num_rows:
+            return
+        value = changes.column(1)
+        deleted = value.is_null().to_numpy(zero_copy_only=False)
+        keys = changes.column(0).to_pylist()
+        puts = [k for k, d in zip(keys, deleted, strict=True) if not d]
+        gone = [k for k, d in zip(keys, deleted, strict=True) if d]
+        self.inst.processor.backend.write_direct(puts, value.drop_null().to_pylist(), deletes=gone)
+
+    async def catch_up(
+        self,
+        take: Callable[[], Awaitable[pa.RecordBatch]],
+        rounds: int = CATCH_UP_ROUNDS,
+        small_bytes: int = CATCH_UP_BYTES,
+    ) -> dict[str, Any]:
+        """Before the barrier: the rows the old instance changed since the copy, in rounds
+        (each brings what was written during the one before) until a round is smaller than
+        ``small_bytes`` or ``rounds`` were made; what is written after the last round comes
+        at the seal (:meth:`finish`), so records wait only for that."""
+        sizes = []
+        for _ in range(rounds):
+            changes = await take()
+            self._apply(changes)
+            sizes.append(changes.nbytes)
+            if changes.nbytes < small_bytes:
+                break
+        self.stats["catch_up_bytes"] = sizes
+        return {"catch_up_bytes": sizes}
+
     async def finish(self, hand_over: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         """Once the old instance sealed (``hand_over`` answers then): write the rows it changed
         since the copy, take the records it had not applied (before those buffered here), and
@@ -263,13 +315,7 @@ class FilesTakeOver:
             received_wall = time.time()
             changes = got["changes"]
             backend = inst.processor.backend
-            if changes.num_rows:  # past the cache (empty: nothing was read here yet)
-                value = changes.column(1)
-                deleted = value.is_null().to_numpy(zero_copy_only=False)
-                keys = changes.column(0).to_pylist()
-                puts = [k for k, d in zip(keys, deleted, strict=True) if not d]
-                gone = [k for k, d in zip(keys, deleted, strict=True) if d]
-                backend.write_direct(puts, value.drop_null().to_pylist(), deletes=gone)
+            self._apply(changes)
             for g, pieces in got["records"].items():
                 engine._hand_in(task, int(g), pieces)  # noqa: SLF001 - before those buffered here
             task.bytes_in = self.stats["file_bytes"] + changes.nbytes

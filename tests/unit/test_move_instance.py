@@ -37,6 +37,7 @@ from raystream.runtime.move_files import (
     copy_files,
     hand_over_changes,
     read_piece,
+    take_changes,
 )
 
 EVENTS = 6_000
@@ -129,6 +130,9 @@ async def _move(
             shutil.rmtree(directory)
 
         await take.begin(transfer == "files_same_node", copy, read, release)
+        await asyncio.sleep(0.05)  # records run on at the old instance meanwhile
+        rounds = await take.catch_up(lambda: _now(take_changes(insts[OLD])), small_bytes=1)
+        assert rounds["catch_up_bytes"] and rounds["catch_up_bytes"][0] > 0
         taking = asyncio.ensure_future(take.finish(lambda: hand_over_changes(insts[OLD], 1)))
     assert insts[SOURCE].inject_barrier(Barrier(1, "rescale", payload))
     done, pending = await asyncio.wait(list(runs.values()), timeout=FINISH_S)
@@ -141,6 +145,10 @@ async def _move(
         assert not Path(copied["directory"]).exists()  # renamed, or pulled and dropped
         return insts, {**taking.result(), "copied": copied}
     return insts, None
+
+
+async def _now(value: Any) -> Any:
+    return value
 
 
 @pytest.mark.parametrize("transfer", ["rows", "files_same_node", "files_pulled"])
