@@ -135,6 +135,7 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     t0 = time.monotonic()
     backend._write_pending(None)  # noqa: SLF001 - timers held in memory: written (and tracked)
     changes = _changes_chunk(backend, backend.take_tracked())
+    backend.discard_cache()  # everything went: closing this instance writes none of it
     records = {g: list(pieces) for g, pieces in engine.handover.items()}
     # nothing is held or handed out here any more: the engine's part is done
     engine.handover = {}

@@ -190,6 +190,14 @@ class RocksStateBackend:
         at this moment (a move copies the files first, then only these keys)."""
         self._tracked = set()
 
+    def discard_cache(self) -> None:
+        """Forget the cached entries, dirty ones too, without writing them: for an instance whose
+        whole state was handed over (a move), so closing it writes nothing it no longer owns."""
+        self.wait_snapshot()
+        self._cache.clear()
+        self._dirty = {}
+        self._cache_added = 0
+
     def take_tracked(self) -> list[bytes]:
         """The keys written or deleted since :meth:`track_writes`, sorted; tracking stops."""
         tracked, self._tracked = self._tracked, None
