@@ -332,6 +332,7 @@ def main(
                     "duration_s": round(rec["duration_s"], 3),
                     "moved": rec["moved"],
                     **({"phases_s": rec["phases_s"]} if "phases_s" in rec else {}),
+                    **{k: rec[k] for k in ("transfer", "files") if k in rec},
                     "change": rec["change"],
                     "graph_version": rec["graph_version"],
                     **change_spans(lat, rec, window_s),

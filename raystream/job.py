@@ -179,10 +179,14 @@ class Job:
     def move(self, step: str, index: int, node_id: str, **fetch: Any) -> dict[str, Any]:
         """Move instance ``index`` of keyed step ``step`` to the node ``node_id`` (a Ray node id;
         ``raystream status`` shows where each instance runs): a new actor there takes over the
-        instance's key groups, fetching on demand first and the rest hottest first as in a
-        rescale, then the old actor retires. ``fetch``: FetchPolicy options (chunk_bytes, ...).
-        An unknown step, index or node is refused (ReconfigurationError) before anything
-        changes. Returns the change's record (see ``metrics()["reconfigurations"]``)."""
+        instance's key groups, then the old actor retires. By default (``transfer="files"``)
+        the old actor's RocksDB goes whole before the switch (a checkpoint: hard links, renamed
+        into place on the same node, pulled file by file from another) and at the switch only
+        the rows written since; ``transfer="rows"`` moves rows sub-group by sub-group, on demand
+        first and the rest hottest first as in a rescale, with FetchPolicy options in ``fetch``
+        (chunk_bytes, ...). An unknown step, index or node is refused (ReconfigurationError)
+        before anything changes. Returns the change's record (see
+        ``metrics()["reconfigurations"]``; ``files``: what the files took)."""
         return ray.get(  # type: ignore[no-any-return]
             self.controller.move.remote(step, index, node_id, fetch)
         )

@@ -30,6 +30,9 @@ from raystream.runtime.messages import Barrier
 __all__ = ["Reconfigurations"]
 
 PEAK_AFTER_S = 2.0  # latency is looked at until this long after a change ended
+# how a move carries the instance's state: its RocksDB files whole, or rows sub-group by
+# sub-group (on demand and hottest first, as a rescale)
+MOVE_TRANSFERS = ("files", "rows")
 
 
 def _fn_name(fn: Any) -> str:
@@ -210,9 +213,12 @@ class Reconfigurations:
         self: Any, step: str, index: int, node_id: str, strategy_args: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """Move instance ``index`` of keyed step ``step`` to node ``node_id``: a new actor there
-        takes over its key groups (on-demand fetches first, the rest hottest first, as in a
-        rescale) and the old actor retires. Queued like a rescale. An unknown step, index or
-        node is refused (ReconfigurationError) before anything changes."""
+        takes over its key groups and the old actor retires. ``strategy_args["transfer"]``:
+        ``"files"`` (default; the old RocksDB whole before the barrier, the rows written since
+        at it: raystream.runtime.move_files) or ``"rows"`` (on-demand fetches first, the rest
+        hottest first, as in a rescale; the other keys are FetchPolicy options). Queued like a
+        rescale. An unknown step, index, node or transfer is refused (ReconfigurationError)
+        before anything changes."""
         from raystream.placement import cluster_nodes
 
         steps = self.plan.steps
@@ -225,6 +231,14 @@ class Reconfigurations:
             msg = "this job runs with migration_support=False; restart it with it on to move"
             raise ReconfigurationError(msg)
         self._check_movable(step)  # a sink chained to it would have to move too
+        fetch = dict(strategy_args or {})
+        transfer = fetch.get("transfer", "files")
+        if transfer not in MOVE_TRANSFERS:
+            msg = (
+                f"cannot move {step!r}/{index}: transfer must be one of {MOVE_TRANSFERS} (the "
+                f"instance's RocksDB files, or its rows sub-group by sub-group), got {transfer!r}"
+            )
+            raise ReconfigurationError(msg)
         nodes = await asyncio.to_thread(cluster_nodes)
         if node_id not in {n.node_id for n in nodes}:
             known = ", ".join(f"{n.node_id} ({n.address})" for n in nodes)
@@ -246,7 +260,7 @@ class Reconfigurations:
                     )
                     raise ReconfigurationError(msg)
                 self._check_still_running(attempt, f"{step!r}/{index} was not moved")
-                return await self._move(step, index, node_id, dict(strategy_args or {}))
+                return await self._move(step, index, node_id, fetch)
         finally:
             self._queued = max(0, self._queued)
 
@@ -256,12 +270,16 @@ class Reconfigurations:
         from pathlib import Path
 
         import numpy as np
+        import ray
 
         from raystream.keys import RoutingTable
         from raystream.rescale import FetchPolicy
         from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
+        from raystream.runtime.move_files import FILES_POLICY
 
         t0 = time.time()
+        fetch = dict(fetch)
+        by_files = fetch.pop("transfer", "files") == "files"
         p = self.parallelism[step]
         current = self.routing[step]
         old_iid = self._at(step, index)
@@ -310,10 +328,24 @@ class Reconfigurations:
             *(self.handles[u].add_receivers.remote({new_iid: handle}) for u in upstream)
         )
         self._run(new_iid)
+        files: dict[str, Any] | None = None
+        if by_files:
+            # the old instance's files copied and opened there, then the rows it changed since
+            # in rounds: last before the barrier (what is written meanwhile waits at the seal)
+            same_node = self.nodes.get(old_iid) == self.nodes[new_iid]
+            try:
+                files = await handle.begin_take_over.remote(epoch, old, same_node)
+                files.update(await handle.catch_up.remote())
+            except Exception as e:  # noqa: BLE001 - the rows go instead; the record says why
+                by_files = False
+                files = {"error": f"{type(e).__name__}: {e}; moved by rows instead"}
+        t_copied = time.time()
         # the plan: a migration whose target gives the old instance's key groups to the new one
         moving = current.key_groups_of(index).tolist()
         groups = [g for kg in moving for g in range(kg * s, (kg + 1) * s)]
-        policy = FetchPolicy(**fetch)
+        # by files: the old instance's RocksDB goes whole (raystream.runtime.move_files), the
+        # engines fetch nothing; by rows: on demand and hottest first, as in a rescale
+        policy = FILES_POLICY if by_files else FetchPolicy(**fetch)
         table = RoutingTable(epoch=epoch, owners=current.owners, parallelism=p)
         peers = {i: self.handles[self._at(step, i)] for i in range(p)}
         base = {"epoch": epoch, "policy": policy, "incoming": {}, "outgoing": [], "heat": {}}
@@ -326,6 +358,8 @@ class Reconfigurations:
             *(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(p)),
             handle.prepare_migration.remote(arriving, peers),
         )
+        # by files: waits until the old instance sealed, then takes the rows changed since
+        files_call = handle.finish_take_over.remote(epoch) if by_files else None
         payload = {
             "step": step,
             "table": table,
@@ -341,6 +375,8 @@ class Reconfigurations:
         )
         t_injected = time.time()
         if not any(taken):
+            if files_call is not None:  # no seal will come at the old instance
+                ray.cancel(files_call)
             msg = (
                 f"job {self.flow.name!r} reached the end of its input before the move of "
                 f"{step!r}/{index} started: nothing moved (the new actor ends empty)"
@@ -350,6 +386,8 @@ class Reconfigurations:
         waiting[p] = handle
         ids = [self._at(step, i) for i in range(p)] + [new_iid]
         stats = await self._await_migration(step, p, epoch, waiting, p + 1, ids)
+        if files_call is not None:
+            files = await files_call
         self.routing[step] = table
         self.slots[(step, index)] = new_iid
         self.retired.add(old_iid)
@@ -375,7 +413,12 @@ class Reconfigurations:
             node_id=self.nodes[new_iid],
             actors=[actor_name],
             fetch_wait_ms_p99=float(np.percentile(waits, 99)) if waits else 0.0,
-            phases_s=_move_phases(t0, t_actor, t_injected, t1, stats),
+            phases_s={
+                **_move_phases(t0, t_actor, t_injected, t1, stats),
+                **({"files_open": round(t_copied - t0, 3)} if files_call is not None else {}),
+            },
+            transfer="files" if by_files else "rows",
+            **({"files": files} if files is not None else {}),
         )
 
     # ---- records, graph ------------------------------------------------------------------------

@@ -226,6 +226,60 @@ class InstanceEndpoint:
     async def read_snapshot(self, path: str, key_groups: list[int]) -> Any:
         return self._instance.read_snapshot(path, key_groups)
 
+    # ---- moving a whole instance by its RocksDB files (raystream.runtime.move_files) ---------
+    async def copy_files(self, epoch: int) -> dict[str, Any]:
+        from raystream.runtime.move_files import copy_files
+
+        return await copy_files(self._instance, epoch)
+
+    async def hand_over_changes(self, epoch: int) -> dict[str, Any]:
+        from raystream.runtime.move_files import hand_over_changes
+
+        return await hand_over_changes(self._instance, epoch)
+
+    async def read_moved_file(self, directory: str, name: str, offset: int, size: int) -> bytes:
+        from raystream.runtime.move_files import read_piece
+
+        return await asyncio.to_thread(read_piece, directory, name, offset, size)
+
+    async def drop_moved_files(self, directory: str) -> None:
+        import shutil
+
+        await asyncio.to_thread(shutil.rmtree, directory, True)
+
+    async def begin_take_over(self, epoch: int, old: Any, same_node: bool) -> dict[str, Any]:
+        """New instance of a move, before its barrier: the files of instance ``old`` (a
+        handle) in place and open. :meth:`finish_take_over` completes the move after it."""
+        from raystream.runtime.move_files import FilesTakeOver
+
+        def call(ref: Any) -> Any:
+            return asyncio.wrap_future(ref.future())
+
+        self._take_over = (FilesTakeOver(self._instance, epoch), old)
+        return await self._take_over[0].begin(
+            same_node,
+            lambda: call(old.copy_files.remote(epoch)),
+            lambda d, n, o, k: call(old.read_moved_file.remote(d, n, o, k)),
+            lambda d: call(old.drop_moved_files.remote(d)),
+        )
+
+    async def take_changes(self) -> Any:
+        from raystream.runtime.move_files import take_changes
+
+        return take_changes(self._instance)
+
+    async def catch_up(self) -> dict[str, Any]:
+        """New instance of a move, before its barrier: the rows changed since the copy."""
+        take_over, old = self._take_over
+        return await take_over.catch_up(
+            lambda: asyncio.wrap_future(old.take_changes.remote().future())
+        )
+
+    async def finish_take_over(self, epoch: int) -> dict[str, Any]:
+        take_over, old = self._take_over
+        ref = old.hand_over_changes.remote(epoch)
+        return await take_over.finish(lambda: asyncio.wrap_future(ref.future()))
+
     # ---- checkpoints -----------------------------------------------------------------------
     async def checkpoint_complete(self, checkpoint_id: int) -> Any:
         """The checkpoint is recorded: a two-phase sink publishes what it pre-committed up to it;

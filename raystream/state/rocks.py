@@ -190,12 +190,40 @@ class RocksStateBackend:
     def get(self, key: bytes) -> bytes | None:
         return self.multi_get([key])[0]
 
+    def track_writes(self) -> None:
+        """From now on remember every key written or deleted (:meth:`write`,
+        :meth:`write_direct`) until :meth:`take_tracked`: what changed since a snapshot taken
+        at this moment (a move copies the files first, then only these keys)."""
+        self._tracked = set()
+
+    def discard_cache(self) -> None:
+        """Forget the cached entries, dirty ones too, without writing them: for an instance whose
+        whole state was handed over (a move), so closing it writes nothing it no longer owns."""
+        self.wait_snapshot()
+        self._cache.clear()
+        self._dirty = {}
+        self._cache_added = 0
+
+    def take_tracked(self) -> list[bytes]:
+        """The keys written or deleted since :meth:`track_writes`, sorted; tracking stops."""
+        tracked, self._tracked = self._tracked, None
+        if tracked is None:
+            msg = "take_tracked() without track_writes() first: no writes were tracked"
+            raise StateError(msg)
+        return sorted(tracked)
+
+    _tracked: set[bytes] | None = None
+
     def write(self, keys: list[bytes], values: list[bytes], deletes: Iterable[bytes] = ()) -> None:
         """Put ``keys[i] = values[i]`` and delete ``deletes`` (atomically in RocksDB, through the
         cache when it is on)."""
         if len(keys) != len(values):
             msg = f"write() got {len(keys)} keys and {len(values)} values; pass one value per key"
             raise ValueError(msg)
+        if self._tracked is not None:
+            deletes = list(deletes)
+            self._tracked.update(keys)
+            self._tracked.update(deletes)
         if self.cache_entries:
             self._cache.update(zip(keys, values, strict=True))
             self._dirty.update(zip(keys, values, strict=True))
@@ -214,6 +242,10 @@ class RocksStateBackend:
     ) -> None:
         """Write straight to RocksDB, past the cache: for key ranges that are never read or
         written through the cache (timers), so scanning them needs no cache flush."""
+        if self._tracked is not None:
+            deletes = list(deletes)
+            self._tracked.update(keys)
+            self._tracked.update(deletes)
         self._write_through(keys, values, deletes)
 
     def _write_through(

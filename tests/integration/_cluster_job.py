@@ -98,6 +98,8 @@ def main() -> None:
                 "graph_version_before": before["graph_version"],
                 "placed": _where(live.job.status()),
                 "named": [_named(a) for a in moved["actors"]],
+                "transfer": moved.get("transfer"),
+                "files": moved.get("files"),
             }
             result, events = live.finish()
         expected = h.prefix_counts(gen, events)

@@ -66,5 +66,9 @@ def test_three_nodes_spread_rescale_exactly_and_refuse_what_no_node_has() -> Non
     version = move["graph_version_before"] + 1
     assert move["actors"] == [f"raystream:cluster-keycount:count:0:v{version}"]
     assert move["named"] == [True]
+    # by its RocksDB files, pulled from the other node piece by piece, then the rows changed
+    files = move["files"]
+    assert move["transfer"] == "files" and files["same_node"] is False
+    assert files["pulled_bytes"] == files["file_bytes"] > 0
     assert report["records_in"] == report["events"], "records into count: lost or duplicated"
     assert report["hot_share"] > 0.4, "the input must have a hot key (skew)"

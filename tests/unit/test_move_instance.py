@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 import raystream as rs
 from raystream.keys import RoutingTable
@@ -29,6 +31,14 @@ from raystream.rescale import FetchPolicy
 from raystream.runtime.instance import OperatorInstance, RuntimeConfig
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.migration import MigrationTask
+from raystream.runtime.move_files import (
+    FILES_POLICY,
+    FilesTakeOver,
+    copy_files,
+    hand_over_changes,
+    read_piece,
+    take_changes,
+)
 
 EVENTS = 6_000
 KEYS = 300
@@ -50,7 +60,9 @@ def _generator() -> Any:
     return rs.sources.generator(events=EVENTS, keys=KEYS, zipf=1.2, seed=5, rate_eps=10_000.0)
 
 
-async def _move(state_dir: Path) -> dict[ChannelId, OperatorInstance]:
+async def _move(
+    state_dir: Path, transfer: str = "rows"
+) -> tuple[dict[ChannelId, OperatorInstance], dict[str, Any] | None]:
     flow = rs.Dataflow("move", num_key_groups=NUM_KEY_GROUPS, sub_groups=SUB_GROUPS)
     flow.source(_generator()).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
     config = RuntimeConfig(batch_rows=200, source_batch_rows=200, linger_ms=2.0)
@@ -90,7 +102,8 @@ async def _move(state_dir: Path) -> dict[ChannelId, OperatorInstance]:
     async def fetch(owner: int, e: int, gs: list[int], max_bytes: int, urgent: bool) -> Any:
         return await peers[owner].serve_state(e, gs, max_bytes, urgent)
 
-    policy = FetchPolicy(chunk_bytes=2_000)  # several chunks: background pulls take turns
+    # rows: several chunks, background pulls take turns; files: the engines fetch nothing
+    policy = FILES_POLICY if transfer != "rows" else FetchPolicy(chunk_bytes=2_000)
     insts[OLD].prepare_migration(MigrationTask(1, policy, {}, set(groups)), fetch)
     insts[OTHER].prepare_migration(MigrationTask(1, policy, {}, set()), fetch)
     insts[NEW].prepare_migration(
@@ -101,6 +114,26 @@ async def _move(state_dir: Path) -> dict[ChannelId, OperatorInstance]:
     )
     moved = {"index": 0, "to": NEW}
     payload = {"step": "count", "table": table, "final": True, "aligned": False, "move": moved}
+    taking = None
+    if transfer != "rows":  # the controller's calls, as the actors make them
+        take = FilesTakeOver(insts[NEW], 1)
+        copied: dict[str, Any] = {}
+
+        async def copy() -> dict[str, Any]:
+            copied.update(await copy_files(insts[OLD], 1))
+            return copied
+
+        async def read(directory: str, name: str, offset: int, size: int) -> bytes:
+            return read_piece(directory, name, offset, size)
+
+        async def release(directory: str) -> None:
+            shutil.rmtree(directory)
+
+        await take.begin(transfer == "files_same_node", copy, read, release)
+        await asyncio.sleep(0.05)  # records run on at the old instance meanwhile
+        rounds = await take.catch_up(lambda: _now(take_changes(insts[OLD])), small_bytes=1)
+        assert rounds["catch_up_bytes"] and rounds["catch_up_bytes"][0] > 0
+        taking = asyncio.ensure_future(take.finish(lambda: hand_over_changes(insts[OLD], 1)))
     assert insts[SOURCE].inject_barrier(Barrier(1, "rescale", payload))
     done, pending = await asyncio.wait(list(runs.values()), timeout=FINISH_S)
     for t in pending:
@@ -108,13 +141,21 @@ async def _move(state_dir: Path) -> dict[ChannelId, OperatorInstance]:
     assert not pending, f"{[i for i, t in runs.items() if t in pending]} did not finish"
     errors = {iid: i.error for iid, i in insts.items() if i.error}
     assert not errors, errors
-    return insts
+    if taking is not None:
+        assert not Path(copied["directory"]).exists()  # renamed, or pulled and dropped
+        return insts, {**taking.result(), "copied": copied}
+    return insts, None
 
 
+async def _now(value: Any) -> Any:
+    return value
+
+
+@pytest.mark.parametrize("transfer", ["rows", "files_same_node", "files_pulled"])
 def test_a_moved_instance_hands_all_its_state_to_the_new_actor_and_counts_stay_exact(
-    tmp_path: Path,
+    tmp_path: Path, transfer: str
 ) -> None:
-    insts = asyncio.run(_move(tmp_path))
+    insts, files = asyncio.run(_move(tmp_path, transfer))
     reader = _generator().open(0, 1)
     keys: list[Any] = []
     while (batch := reader.read(1000)) is not None:
@@ -145,6 +186,15 @@ def test_a_moved_instance_hands_all_its_state_to_the_new_actor_and_counts_stay_e
     index0 = RoutingTable.uniform(NUM_KEY_GROUPS, 2).key_groups_of(0)
     assert np.array_equal(np.flatnonzero(held.any(axis=1)), index0)
     assert held[index0].all()
+    if files is not None:  # the old RocksDB went whole, then the rows written since
+        sizes = dict(files["copied"]["files"])
+        assert files["files"] == len(sizes) > 0 and files["file_bytes"] == sum(sizes.values())
+        assert files["pulled_bytes"] == (
+            0 if transfer == "files_same_node" else sum(sizes.values())
+        )
+        assert files["copied"]["key_groups"] == index0.tolist()
+        assert files["changed_rows"] > 0  # the source ran on between the copy and the barrier
+        assert not old.engine.handover and old.engine.task.done.is_set()
 
 
 def test_cli_move_and_update_call_the_job_and_print_the_change(monkeypatch: Any) -> None:
@@ -209,3 +259,27 @@ def test_a_moves_phases_are_seconds_from_its_start_per_instance() -> None:
         "chunks_out": 3,
         "record_wait_ms": {"p50": float(np.median([10.0, 30.0, 20.0])), "max": 30.0},
     }
+
+
+def test_a_move_with_an_unknown_transfer_is_refused_before_anything_changes() -> None:
+    from types import SimpleNamespace
+
+    from raystream.errors import ReconfigurationError
+    from raystream.reconfigurations import MOVE_TRANSFERS, Reconfigurations
+
+    flow = rs.Dataflow("refuse", num_key_groups=NUM_KEY_GROUPS, sub_groups=SUB_GROUPS)
+    flow.source(_generator()).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
+    plan = physical_plan(flow, {"count": 2}, RuntimeConfig(), time.time_ns(), Path("unused"))
+    checked: list[str] = []
+    controller = SimpleNamespace(
+        plan=plan, config=RuntimeConfig(), _check_movable=checked.append, _queued=0
+    )
+    move = Reconfigurations.move(controller, "count", 0, "node", {"transfer": "bytes"})
+    try:
+        asyncio.run(move)
+    except ReconfigurationError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("a move with transfer='bytes' was not refused")
+    assert f"transfer must be one of {MOVE_TRANSFERS}" in msg and "got 'bytes'" in msg
+    assert checked == ["count"] and controller._queued == 0  # refused before it queued

@@ -230,3 +230,41 @@ def test_many_timers_of_one_group_by_timestamp(tmp_path: Path) -> None:
         seen[k].append(t)
     assert seen == {k: sorted(v) for k, v in per_key.items()}
     inst.backend.close()
+
+
+def test_a_whole_instances_timers_move_by_its_files_and_the_rows_changed_since(
+    tmp_path: Path,
+) -> None:
+    """A move by files (raystream.runtime.move_files): a checkpoint of a's RocksDB opened as
+    b's, then the keys a wrote or deleted after it (tracked) copied over. Timers registered,
+    deleted and fired after the checkpoint end up at b exactly as a has them."""
+    a = Instance(tmp_path / "a")
+    keys = list(range(120))
+    a.register(keys, [100 + k for k in keys])
+    a.backend.flush_cache()
+    a.register(keys[:60], [500 + k for k in keys[:60]])  # pending (not written) at the copy
+    copy = a.backend.snapshot_async(tmp_path / "copy")
+    a.backend.track_writes()
+    copy.result()
+    a.register(keys[:10], [100 + k for k in keys[:10]], delete=True)  # deleted after the copy
+    a.register([1000, 1001], [700, 710])  # new after the copy
+    fired = a.fire(115)  # fired (deleted) after the copy: 10..15
+    assert fired == [(100 + k, k) for k in range(10, 16)]
+    a.backend._write_pending(None)  # what hand_over_changes does at the seal
+    changed = a.backend.take_tracked()
+    values = a.backend.multi_get(changed)
+    b = Instance(tmp_path / "copy")  # the checkpoint opened as b's RocksDB
+    b.backend.write_direct(
+        [k for k, v in zip(changed, values, strict=True) if v is not None],
+        [v for v in values if v is not None],
+        deletes=[k for k, v in zip(changed, values, strict=True) if v is None],
+    )
+    want = sorted(
+        [(100 + k, k) for k in keys[16:]]
+        + [(500 + k, k) for k in keys[:60]]
+        + [(700, 1000), (710, 1001)]
+    )
+    assert sorted(b.fire(10_000)) == want
+    assert sorted(a.fire(10_000)) == want  # a, unchanged, has the same
+    a.backend.close()
+    b.backend.close()
