@@ -275,7 +275,6 @@ def _one(
             # runs without a rescale start no warm standby actors (they would compete for the
             # 2 cores)
             standby_instances=2 if strategy else 0,
-            standby_delay_s=0.0,  # warm before the first rescale, as under an autoscaler
             **state,
         )
     finally:

@@ -640,8 +640,6 @@ def main(
                 batch_rows=batch_rows,
                 source_batch_rows=batch_rows,
                 linger_ms=linger_ms,
-                # a planned rescale finds its warm standbys up (as under an autoscaler)
-                **({"standby_delay_s": 0.0} if rescales else {}),
             )
         except rs.RaystreamError as exc:
             click.echo(f"Error: the key-count job failed: {exc}", err=True)

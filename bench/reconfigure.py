@@ -295,7 +295,6 @@ def main(
             flow,
             parallelism={STEP: parallelism},
             linger_ms=10.0,
-            standby_delay_s=0.0,  # a planned change finds its warm standbys up
             **({"state_dir": state_dir} if state_dir else {}),
         )
         log: list[Any] = []

@@ -158,7 +158,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                 self.autoscaler.run(lambda: self.state == "running")
             )
         if self.config.migration_support and any(s.is_keyed for s in self.plan.steps.values()):
-            asyncio.get_running_loop().create_task(self._fill_standby(self._standby_delay_s()))
+            asyncio.get_running_loop().create_task(self._fill_standby(self.config.standby_delay_s))
         return self.describe()
 
     async def _deploy(self, start_at: float | None = None) -> None:
@@ -830,17 +830,6 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         deadline = time.monotonic() + timeout_s
         while (self._rescale_lock.locked() or self._queued) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-
-    def _standby_delay_s(self) -> float:
-        """When the warm standbys start after the job: ``standby_delay_s``, or if None at once
-        under an autoscaler (its first scale-out may come early) and otherwise after
-        ``AUTO_STANDBY_DELAY_S``: a short job, or one first changed within that time, starts no
-        spare process (the first change fills the pool)."""
-        from raystream.runtime.instance import AUTO_STANDBY_DELAY_S
-
-        if self.config.standby_delay_s is not None:
-            return float(self.config.standby_delay_s)
-        return 0.0 if self._autoscaler_spec is not None else AUTO_STANDBY_DELAY_S
 
     async def _fill_standby(self, delay_s: float = 0.0) -> None:
         """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs of keyed

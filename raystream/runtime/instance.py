@@ -68,9 +68,6 @@ Sender = Callable[[ChannelId, tuple[ChannelId, int, Any]], Awaitable[Any]]
 Reporter = Callable[[str, dict[str, Any]], Any]
 
 
-AUTO_STANDBY_DELAY_S = 5.0  # standby_delay_s=None without an autoscaler
-
-
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Knobs of the data plane."""
@@ -84,9 +81,7 @@ class RuntimeConfig:
     migration: str = "meces"  # default migration strategy for rescales
     migration_support: bool = True  # False: no per-sub-group tracking, rescale refused
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
-    # ... started this long after the job starts; None: at once with an autoscaler, else
-    # AUTO_STANDBY_DELAY_S (a job that ends or is first changed within it starts no spare)
-    standby_delay_s: float | None = None
+    standby_delay_s: float = 0.0  # ... started this long after the job starts (0: at once)
     state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
     state_cache_bytes: int = 64 << 20  # ... and its bound in bytes of keys and values
     migration_buffer_bytes: int = 64 << 20  # records waiting for moving state, per instance
@@ -112,8 +107,6 @@ class RuntimeConfig:
                 raise ConfigError(msg)
         for name in ("linger_ms", "checkpoint_interval_s", "restart_delay_s", "standby_delay_s"):
             v = getattr(self, name)
-            if name == "standby_delay_s" and v is None:
-                continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 msg = f"{name} must be a number >= 0, got {v!r}"
                 raise ConfigError(msg)
