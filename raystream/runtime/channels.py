@@ -195,7 +195,10 @@ class Inbox:
                 q.append(item)
             self._next_seq[channel] = seq + 1
             cond.notify_all()
-        self.max_depth_seen = max(self.max_depth_seen, len(q))
+        # items queued besides watermarks (the bound a channel's room keeps; a watermark that
+        # came with rows shares their push and takes no room of its own)
+        queued = sum(1 for x in q if not isinstance(x, Watermark))
+        self.max_depth_seen = max(self.max_depth_seen, queued)
         self._readable.set()
 
     async def _put_fence(self, channel: ChannelId, seq: int) -> None:

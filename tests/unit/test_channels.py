@@ -515,3 +515,30 @@ def test_a_watermark_after_buffered_rows_goes_in_their_push() -> None:
     assert [type(item) for _, item in r.sent] == [RowsThenWatermark, Watermark]
     assert isinstance(got[0], pa.RecordBatch) and got[0].column("x").to_pylist() == list(range(8))
     assert got[1:] == [Watermark(7), Watermark(9)]
+
+
+def test_rows_with_their_watermark_take_one_slot_and_keep_the_bound() -> None:
+    """A push of rows with the watermark after them queues both (batch first); the watermark is
+    not counted as a queued item, so ``max_depth_seen`` stays within ``capacity`` batches."""
+    import pyarrow as pa
+
+    from raystream.runtime.messages import RowsThenWatermark, Watermark
+
+    async def main() -> None:
+        inbox = Inbox(capacity=2)
+        batch = pa.record_batch({"k": [1, 2]})
+        tasks = [
+            asyncio.create_task(inbox.put(A, s, RowsThenWatermark(batch, Watermark(s))))
+            for s in range(5)
+        ]
+        await settle()
+        assert 1 <= sum(t.done() for t in tasks) < 5  # the rest wait for room
+        got = []
+        while len(got) < 10:
+            _, item = await asyncio.wait_for(inbox.get(), 5)
+            got.append(item)
+            await settle()
+        assert [type(x).__name__ for x in got] == ["RecordBatch", "Watermark"] * 5
+        assert inbox.max_depth_seen <= 2
+
+    asyncio.run(main())
