@@ -382,6 +382,8 @@ def test_status_rescale_stop_a_submitted_job_by_name(ray_head: Head) -> None:
     resc = _cli("rescale", "keycount", "count", "3", "--strategy", "meces", env=env)
     assert resc.returncode == 0, resc.stderr
     assert "rescaled 'count' 2 -> 3 with meces" in resc.stdout, resc.stdout
+    bad = _cli("rescale", "keycount", "count", "0", env=env)  # refused, the job runs on
+    assert bad.returncode != 0 and "parallelism" in (bad.stderr + bad.stdout), bad.stderr
     after = _status_json(env)
     assert after["parallelism"]["count"] == 3
     assert {r["operator"]: r["parallelism"] for r in after["operators"]}["count"] == 3

@@ -5,14 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import ray
 
 import raystream as rs
-from tests.integration._rescale_helpers import UntilGate, prefix_counts
 
 CLI = str(Path(sys.executable).parent / "raystream")
 
@@ -30,38 +28,6 @@ def _cli(*args: str, cwd: Path, address: str | None = "") -> subprocess.Complete
     if address is not None:
         env["RAY_ADDRESS"] = address or ray.get_runtime_context().gcs_address
     return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
-
-
-def test_status_rescale_and_unknown_job_from_another_process(tmp_path: Path) -> None:
-    flow = rs.Dataflow("cli-job", num_key_groups=32)
-    gen = rs.sources.generator(events=4_800_000, keys=5_000, zipf=1.0, seed=4, rate_eps=80_000)
-    gate = str(tmp_path / "enough")  # the stream runs until the CLI calls are done
-    src = UntilGate(gen, gate, after_rows=40_000)
-    flow.source(src).key_by("key").apply(cli_count, name="count").sink(rs.sinks.collect(), name="out")
-    job = rs.start(flow, parallelism={"count": 2})
-    time.sleep(1.0)
-
-    status = _cli("status", "cli-job", cwd=tmp_path)
-    assert status.returncode == 0, status.stderr
-    assert "count" in status.stdout and "source" in status.stdout, status.stdout
-
-    rescaled = _cli("rescale", "cli-job", "count", "3", "--strategy", "meces", cwd=tmp_path)
-    assert rescaled.returncode == 0, rescaled.stderr
-    assert "rescaled 'count' 2 -> 3 with meces" in rescaled.stdout, rescaled.stdout
-
-    bad = _cli("rescale", "cli-job", "count", "0", cwd=tmp_path)
-    assert bad.returncode != 0 and "parallelism" in (bad.stderr + bad.stdout)
-
-    missing = _cli("status", "no-such-job", cwd=tmp_path)
-    assert missing.returncode == 2 and "no running job named 'no-such-job'" in missing.stderr
-
-    Path(gate).touch()
-    result = job.wait(timeout_s=120)
-    assert result.state == "finished", result.state
-    expected = prefix_counts(gen, int(Path(gate + ".events").read_text()))
-    out = result.table("out").to_pandas().groupby("key")["count"].max()
-    assert out.to_dict() == dict(expected)
-    assert [(r["from"], r["to"]) for r in result.rescales] == [(2, 3)]
 
 
 FAILING_JOB = '''
