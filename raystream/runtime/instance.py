@@ -45,6 +45,7 @@ from raystream.runtime.processors import (
     input_events_of,
     make_processor,
 )
+from raystream.runtime.slicing import BatchCost
 from raystream.runtime.watermarks import (
     WATERMARK_MAX,
     WATERMARK_MIN,
@@ -269,7 +270,7 @@ class OperatorInstance:
         self._unconnected: set[ChannelId] = set()  # new receivers not routed to yet
         self._removal: str | None = None  # the step was removed: its state "drop" or "emit"
         self._switched_epoch = 0  # the last rescale epoch this instance switched at
-        self.row_cost_s = 0.0  # keyed steps: seconds of work per record (moving average)
+        self.batch_cost = BatchCost()  # keyed steps: learnt cost of a batch (slice sizes)
         self.inbox.on_overtaking = self._overtake_outputs
         # receivers in this process (an operator chain, raystream.runtime.chain): a direct call
         self.local: dict[ChannelId, Any] = {}
@@ -579,8 +580,8 @@ class OperatorInstance:
             snap["target_rate_eps"] = pace.rate_at(t_s)
             snap["lag_rows"] = max(0, int(pace.rows_by(t_s)) - self.rows_emitted)
         snap["backlog_rows"] = self.inbox.backlog_rows()
-        if self.row_cost_s > 0:
-            snap["row_cost_s"] = self.row_cost_s
+        if self.batch_cost.mean_row_s > 0:
+            snap["row_cost_s"] = self.batch_cost.mean_row_s
         snap["inputs"] = len(self.inputs)
         snap["eos"] = len(self._eos)
         snap["barriers_open"] = {e: len(v) for e, v in self._barrier_seen.items()}
@@ -937,19 +938,16 @@ class OperatorInstance:
                 await self._emit(outs)
 
     def _slice_rows(self) -> int:
-        """Rows of a slice: about SLICE_TARGET_S of work at the measured cost (SERVE_SLICE_ROWS
+        """Rows of a slice: about SLICE_TARGET_S of work at the learnt cost (SERVE_SLICE_ROWS
         while unmeasured); while serving moved state, SERVE_SLICE_TARGET_S and at most
         SERVE_SLICE_ROWS (each round trip of a new owner's fetch waits for one slice)."""
-        cost = self.row_cost_s
-        serving = self._serving()
-        target = SERVE_SLICE_TARGET_S if serving else SLICE_TARGET_S
-        rows = SERVE_SLICE_ROWS if cost <= 0 else max(SLICE_MIN_ROWS, int(target / cost))
-        return min(rows, SERVE_SLICE_ROWS) if serving else rows
+        if self._serving():
+            rows = self.batch_cost.slice_rows(SERVE_SLICE_TARGET_S, SLICE_MIN_ROWS, SERVE_SLICE_ROWS)
+            return min(rows, SERVE_SLICE_ROWS)
+        return self.batch_cost.slice_rows(SLICE_TARGET_S, SLICE_MIN_ROWS, SERVE_SLICE_ROWS)
 
     def _learn_cost(self, elapsed_s: float, rows: int) -> None:
-        if rows > 0:
-            cost = elapsed_s / rows
-            self.row_cost_s = cost if self.row_cost_s <= 0 else 0.8 * self.row_cost_s + 0.2 * cost
+        self.batch_cost.learn(elapsed_s, rows)
 
     def _give_way(self) -> None:
         """An old owner whose moved state another thread serves lets it go first (briefly)."""
