@@ -14,6 +14,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))  # the repository: bench's cluster helpers
 
 import _rescale_helpers as h  # noqa: E402
 import ray  # noqa: E402
@@ -21,6 +22,7 @@ from ray import cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import raystream as rs  # noqa: E402
+from bench._cluster import instance_nodes  # noqa: E402
 from raystream.runtime.actors import NAMESPACE  # noqa: E402
 
 cloudpickle.register_pickle_by_value(h)
@@ -37,11 +39,8 @@ SEQUENCE = [
 
 
 def _where(status: dict[str, Any]) -> dict[str, str]:
-    return {
-        str(m["index"]): m["node_id"]
-        for m in status["instances"]
-        if m.get("step") == h.STEP and not m.get("finished")
-    }
+    """The node of each live instance of the rescaled step, by index (a JSON object's keys)."""
+    return {str(i): node for i, node in instance_nodes(status, h.STEP).items()}
 
 
 def _named(actor: str) -> bool:
