@@ -227,19 +227,32 @@ def _record_us(
     histograms: Iterable[HdrHistogram], values_us: np.ndarray, weights: np.ndarray | None = None
 ) -> None:
     """Record int64 microsecond values (value ``i`` ``weights[i]`` times, default once): bucket
-    them with numpy, then one ``record_value`` per non-empty bucket (at most a few thousand),
-    never one per record."""
+    them with numpy and add the bucket counts to each histogram's counts array in one numpy
+    operation; the same counts, total, min and max as HdrHistogram's ``record_value`` of each
+    bucket's value (a Python call per bucket cost ~0.5 ms per batch of a few hundred records)."""
     hists = list(histograms)
-    index = _counts_index(hists[0], values_us)
+    first = hists[0]
+    index = _counts_index(first, values_us)
     if weights is None:
         per_bucket = np.bincount(index)
     else:  # float sums of int64 weights: exact below 2**53
         per_bucket = np.rint(np.bincount(index, weights=weights)).astype(np.int64)
-    for i in np.flatnonzero(per_bucket).tolist():
-        value = hists[0].get_value_from_index(i)
-        count = int(per_bucket[i])
-        for h in hists:
-            h.record_value(value, count)
+    nonzero = np.flatnonzero(per_bucket)
+    if nonzero.size == 0:
+        return
+    if int(nonzero[-1]) >= first.counts_len:
+        msg = f"latency index {int(nonzero[-1])} outside the histogram ({first.counts_len} counts)"
+        raise ConfigError(msg)
+    counts = per_bucket[nonzero]
+    total = int(counts.sum())
+    lowest = first.get_value_from_index(int(nonzero[0]))
+    highest = first.get_value_from_index(int(nonzero[-1]))
+    for h in hists:
+        view = np.ctypeslib.as_array(h.counts)[: h.counts_len]
+        view[nonzero] += counts.astype(view.dtype)
+        h.total_count += total
+        h.min_value = min(h.min_value, lowest)
+        h.max_value = max(h.max_value, highest)
 
 
 def _percentiles_us(h: HdrHistogram, percentiles: Sequence[float]) -> list[int]:

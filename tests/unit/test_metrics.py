@@ -257,3 +257,26 @@ def test_attempt_totals_add_up_over_attempts() -> None:
         assert total[step]["busy_s"] == pytest.approx(sum(m["busy_s"] for m in snaps))
         assert total[step]["instances"] == 9
         assert per[0][step]["instances"] == 3
+
+
+def test_weighted_recording_adds_the_same_counts_as_record_value_per_bucket() -> None:
+    """The vectorised recording (bucket counts added to the counts array with numpy) leaves
+    each histogram exactly as HdrHistogram's own record_value of each value, weight times:
+    counts array, total, min and max; batches add up."""
+    rng = np.random.default_rng(7)
+    rec = LatencyRecorder(0)
+    ref = HdrHistogram(1, 3_600_000_000, 3)
+    for _ in range(5):
+        values_us = rng.integers(0, 10**7, 300).astype(np.int64)
+        weights = rng.integers(0, 4, 300)
+        rec.record(-values_us * 1000, now_ns=0, weights=weights)
+        for v, w in zip(values_us.tolist(), weights.tolist(), strict=True):
+            if w:
+                ref.record_value(v, w)
+    got = rec.total_histogram()
+    n = ref.counts_len
+    assert np.array_equal(np.ctypeslib.as_array(got.counts)[:n], np.ctypeslib.as_array(ref.counts)[:n])
+    assert got.get_total_count() == ref.get_total_count()
+    assert got.get_min_value() == ref.get_min_value()
+    assert got.get_max_value() == ref.get_max_value()
+    assert HdrHistogram.decode(rec.snapshot()["total"]).get_total_count() == ref.get_total_count()

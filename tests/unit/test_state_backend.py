@@ -343,3 +343,39 @@ def test_snapshot_async_writes_the_barriers_dirty_entries_off_the_callers_thread
         assert all_rows(b) == {**newer, **more, **again}
     finally:
         b.close()
+
+
+def test_a_full_write_back_cache_writes_small_slices_of_its_oldest_dirty_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once max_dirty entries are dirty, each write sends at most what it made dirty beyond the
+    bound plus max_dirty / DIRTY_SLICE_FRACTION of the oldest to RocksDB (no stall of an eighth of
+    the cache at once); every value read back, and scanned from RocksDB, is the last written."""
+    from raystream.state import rocks
+
+    written: list[int] = []
+    real = RocksStateBackend._write_through_now
+
+    def counted(self, keys, values, deletes=()):  # noqa: ANN001, ANN202
+        keys = list(keys)
+        written.append(len(keys))
+        return real(self, keys, values, deletes)
+
+    monkeypatch.setattr(RocksStateBackend, "_write_through_now", counted)
+    max_dirty = 1024
+    b = RocksStateBackend(tmp_path / "db", cache_entries=100_000, max_dirty=max_dirty)
+    try:
+        expected: dict[bytes, bytes] = {}
+        for seed in range(60):  # 60 writes of 50 rows each, some keys written again
+            rows = make_rows(50, seed % 40)
+            put_all(b, rows)
+            expected.update(rows)
+            assert len(b._dirty) < max_dirty  # noqa: SLF001 - bounded after every write
+        slice_ = max_dirty // rocks.DIRTY_SLICE_FRACTION
+        assert written, "expected the full cache to write some of its dirty entries"
+        assert max(written) <= 50 + slice_, f"one write sent {max(written)} entries at once"
+        assert b.multi_get(list(expected)) == list(expected.values())
+        b.flush_cache()
+        assert all_rows(b) == expected
+    finally:
+        b.close()
