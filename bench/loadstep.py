@@ -88,6 +88,8 @@ def _rescale_timing(r: dict[str, Any]) -> dict[str, Any]:
         "backlog_source_lag_rows": backlog.get("source_lag_rows"),
         "backlog_work_s": backlog.get("total_work_s"),
         "handover_rows": r.get("handover_rows", 0),
+        # after a scale-out: how long the refill of the warm standbys waited for the catch-up
+        "standby_refill": r.get("standby_refill"),
     }
 
 
@@ -174,7 +176,12 @@ def _plot(path: Path, report: dict[str, Any]) -> None:
     "--parallelism", type=click.IntRange(min=1), default=1, help="Initial count instances."
 )
 @click.option("--max-parallelism", type=click.IntRange(min=1), default=8)
-@click.option("--interval-s", type=click.FloatRange(min=0.1), default=1.0)
+@click.option(
+    "--interval-s",
+    type=click.FloatRange(min=0.05),
+    default=0.25,
+    help="Autoscaler sampling (and decision) interval.",
+)
 @click.option("--window-s", type=click.FloatRange(min=0.1), default=3.0)
 @click.option("--cooldown-s", type=click.FloatRange(min=0), default=3.0)
 @click.option("--stabilization-s", type=click.FloatRange(min=0), default=6.0)

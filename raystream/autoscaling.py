@@ -32,7 +32,7 @@ from raystream.errors import ConfigError
 from raystream.plugins import AUTOSCALER_POLICIES
 from raystream.plugins import load as load_plugin
 
-__all__ = ["Autoscaler", "resolve_policy"]
+__all__ = ["Autoscaler", "next_tick_wait", "resolve_policy"]
 
 log = logging.getLogger("raystream.autoscaler")
 
@@ -109,12 +109,15 @@ class Autoscaler:
         """Tick every ``interval_s`` while ``running()``; never raises (errors are logged)."""
         log.info("autoscaler %s started: %s", self.label, self.config)
         while running():
+            began = self._clock()
             try:
                 await self.tick()
             except Exception as e:  # noqa: BLE001 - the job must keep running
                 log.warning("autoscaler tick failed: %s: %s", type(e).__name__, e, exc_info=True)
                 self._record({"action": "error", "reason": f"tick failed: {type(e).__name__}: {e}"})
-            await self._sleep(self.config.interval_s)
+            # one tick per interval: the time the tick took (asking busy instances for their
+            # counters, a rescale) comes off the wait, so the samples stay interval_s apart
+            await self._sleep(next_tick_wait(began, self._clock(), self.config.interval_s))
 
     async def tick(self) -> list[dict[str, Any]]:
         """One sample; once the window is full, one decision. Returns the entries it recorded."""
@@ -321,6 +324,17 @@ class Autoscaler:
             label=label,
             max_allowed=controller.flow.key_space.num_key_groups,
         )
+
+
+def next_tick_wait(began_s: float, now_s: float, interval_s: float) -> float:
+    """Seconds to wait after a tick that began at ``began_s`` (it is ``now_s``) so that ticks
+    start ``interval_s`` apart; a tick that took longer than that (a rescale) is followed by a
+    short pause, not by a burst of catch-up ticks.
+
+    >>> next_tick_wait(10.0, 10.05, 0.25), next_tick_wait(10.0, 12.0, 0.25)
+    (0.2, 0.025)
+    """
+    return round(max(interval_s - (now_s - began_s), interval_s / 10), 9)
 
 
 def _describe(e: dict[str, Any]) -> str:

@@ -608,7 +608,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                 # did not stop it: stop it now, its name is free for the next scale-out
                 self._stop_retired(iid)
         await self._settle_retired_sinks(retired_sinks)
-        asyncio.get_running_loop().create_task(self._fill_standby())
+        if parallelism <= old.parallelism:  # (after a scale-out: once it caught up, below)
+            asyncio.get_running_loop().create_task(self._fill_standby())
         t1 = time.time()
         waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
         # per old owner and migration step: the wait of its first on-demand request, from the
@@ -692,6 +693,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             "transfer": transfer_summary(stats),
         }
         self.rescales.append(record)
+        if parallelism > old.parallelism:  # new processes only once the backlog is worked off
+            asyncio.get_running_loop().create_task(self._fill_standby_after_catch_up(record))
         self._export("rescale", record["duration_s"])
         self._record_reconfiguration(
             "rescale",
@@ -851,6 +854,29 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                 await self._fill_standby_once()
         finally:
             self._standby_filling = False
+
+    async def _fill_standby_after_catch_up(self, record: dict[str, Any]) -> None:
+        """Refill the warm standbys a scale-out used once its step caught up with its backlog
+        (``raystream.standby_pacing``): their start-up would take the CPU the catch-up needs.
+        The rescale's ``record`` gets ``standby_refill``: seconds waited after the scale-out's
+        end and whether the step had caught up by then."""
+        from raystream.standby_pacing import wait_caught_up
+
+        step = record["step"]
+        epoch = self.routing[step].epoch
+
+        async def read() -> dict[str, Any] | None:
+            if self.state != "running" or self.routing[step].epoch != epoch:
+                return None  # ended, or rescaled again (that rescale asks for its own fill)
+            return await self._backlog(step, list(range(self.parallelism[step])))
+
+        waited = await wait_caught_up(read)
+        record["standby_refill"] = {
+            "after_s": round(waited["waited_s"], 3),
+            "caught_up": waited["caught_up"],
+        }
+        if self.state == "running":
+            await self._fill_standby()
 
     def _standby_count(self) -> int:
         """Warm standbys to keep: ``standby_instances``, or as many as the autoscaler's policy
