@@ -57,7 +57,9 @@ def test_gives_up_after_max_wait_and_stops_when_the_step_is_gone() -> None:
     got = asyncio.run(
         wait_caught_up(never, max_wait_s=2.0, poll_s=0.25, clock=ft.clock, sleep=ft.sleep)
     )
-    assert got["caught_up"] is False and got["waited_s"] == 2.0 and calls == 9  # at 0, 0.25, .., 2.0
+    assert (
+        got["caught_up"] is False and got["waited_s"] == 2.0 and calls == 9
+    )  # at 0, 0.25, .., 2.0
 
     async def gone() -> None:
         return None
