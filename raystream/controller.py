@@ -866,9 +866,13 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         epoch = self.routing[step].epoch
 
         async def read() -> dict[str, Any] | None:
-            if self.state != "running" or self.routing[step].epoch != epoch:
+            table = self.routing.get(step)
+            if self.state != "running" or table is None or table.epoch != epoch:
                 return None  # ended, or rescaled again (that rescale asks for its own fill)
-            return await self._backlog(step, list(range(self.parallelism[step])))
+            try:
+                return await self._backlog(step, list(range(self.parallelism[step])))
+            except Exception:  # noqa: BLE001 - (an instance replaced meanwhile) fill now
+                return None
 
         waited = await wait_caught_up(read)
         record["standby_refill"] = {
