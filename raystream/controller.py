@@ -1239,6 +1239,8 @@ def _backlog_of(mine: list[dict[str, Any]], sources: list[dict[str, Any]]) -> di
         "queued_work_s": queued * cost / per if cost is not None else None,
         "total_work_s": (queued + lag) * cost / per if cost is not None else None,
         "row_cost_us": cost * 1e6 if cost is not None else None,
+        "busy_s": float(sum(m.get("busy_s", 0) or 0 for m in mine)),
+        "instances": len(mine),
     }
 
 

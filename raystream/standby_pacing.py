@@ -3,19 +3,26 @@
 A scale-out takes its new instances from the warm standbys; refilling them starts as many new
 processes (Python start-up and imports: about a second of CPU each). Right after a scale-out the
 job works off the backlog that built up before the new capacity came, and on a small machine
-those processes take the CPU the catch-up needs. So the refill waits until the step's backlog
-(queued rows at its instances plus the rows its sources are behind their schedule) is down to
-``max_work_s`` seconds of work on two readings in a row, or at most ``max_wait_s``. No Ray here:
-the backlog reader, the clock and the sleep are injected.
+those processes take the CPU the catch-up needs. So the refill waits until the step caught up:
+between two readings of its backlog, its instances were busy at most ``max_busy`` of the time
+(an instance working off a backlog is busy all the time) and the work still queued at them plus
+the rows its sources are behind their schedule is at most ``max_work_s`` seconds -- on
+``readings`` such pairs in a row, or at most ``max_wait_s``. No Ray here: the backlog reader,
+the clock and the sleep are injected.
+
+A reading is what ``Controller._backlog`` gives: ``total_work_s`` (None when the cost per row is
+not known: then ``queued_rows + source_lag_rows`` count, against ``max_rows``), ``busy_s`` (the
+step's instances' busy seconds so far, summed) and ``instances``.
 
 Example::
 
-    >>> caught_up({"total_work_s": 0.02, "queued_rows": 300, "source_lag_rows": 0})
+    >>> prev = {"total_work_s": 0.02, "busy_s": 10.0, "instances": 3}
+    >>> caught_up(prev, {"total_work_s": 0.02, "busy_s": 10.5, "instances": 3}, 0.25)  # 67 %
     True
-    >>> caught_up({"total_work_s": 0.8, "queued_rows": 9000, "source_lag_rows": 2000})
+    >>> caught_up(prev, {"total_work_s": 0.02, "busy_s": 10.75, "instances": 3}, 0.25)  # 100 %
     False
-    >>> caught_up({"total_work_s": None, "queued_rows": 300, "source_lag_rows": 0})  # no cost
-    True
+    >>> caught_up(prev, {"total_work_s": 0.8, "busy_s": 10.5, "instances": 3}, 0.25)
+    False
 """
 
 from __future__ import annotations
@@ -25,24 +32,48 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-__all__ = ["MAX_WAIT_S", "MAX_WORK_S", "caught_up", "wait_caught_up"]
+__all__ = ["MAX_BUSY", "MAX_WAIT_S", "MAX_WORK_S", "busy_fraction", "caught_up", "wait_caught_up"]
 
+MAX_BUSY = 0.85  # busier than this between two readings: still working off a backlog
 MAX_WORK_S = 0.1  # backlog left, in seconds of work per instance, that counts as caught up
 MAX_ROWS = 2_000  # ... in rows, when the step's cost per row is not known
 MAX_WAIT_S = 10.0  # the refill starts after this long in any case
 POLL_S = 0.25  # how often the backlog is read meanwhile
 
 
+def busy_fraction(
+    prev: Mapping[str, Any], cur: Mapping[str, Any], elapsed_s: float
+) -> float | None:
+    """Mean busy fraction of the step's instances between two readings ``elapsed_s`` apart
+    (None: not known -- no busy time, or a counter went back, e.g. an instance replaced)."""
+    if elapsed_s <= 0 or prev.get("busy_s") is None or cur.get("busy_s") is None:
+        return None
+    busy = float(cur["busy_s"]) - float(prev["busy_s"])
+    if busy < 0:
+        return None
+    return busy / (elapsed_s * max(int(cur.get("instances") or 1), 1))
+
+
 def caught_up(
-    backlog: Mapping[str, Any], *, max_work_s: float = MAX_WORK_S, max_rows: int = MAX_ROWS
+    prev: Mapping[str, Any] | None,
+    cur: Mapping[str, Any],
+    elapsed_s: float,
+    *,
+    max_busy: float = MAX_BUSY,
+    max_work_s: float = MAX_WORK_S,
+    max_rows: int = MAX_ROWS,
 ) -> bool:
-    """True if ``backlog`` (as ``Controller._backlog`` gives it: ``total_work_s``, or
-    ``queued_rows`` and ``source_lag_rows`` when the cost per row is unknown) is small."""
-    work = backlog.get("total_work_s")
+    """True if the step, between readings ``prev`` and ``cur``, was not saturated and has
+    little work waiting (see the module)."""
+    work = cur.get("total_work_s")
     if work is not None:
-        return float(work) <= max_work_s
-    rows = int(backlog.get("queued_rows") or 0) + int(backlog.get("source_lag_rows") or 0)
-    return rows <= max_rows
+        small = float(work) <= max_work_s
+    else:
+        small = int(cur.get("queued_rows") or 0) + int(cur.get("source_lag_rows") or 0) <= max_rows
+    if not small or prev is None:
+        return False
+    busy = busy_fraction(prev, cur, elapsed_s)
+    return busy is not None and busy <= max_busy
 
 
 async def wait_caught_up(
@@ -54,19 +85,22 @@ async def wait_caught_up(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
 ) -> dict[str, Any]:
-    """Wait until ``readings`` backlog readings in a row are :func:`caught_up` (a reading of
-    None -- the step is gone, the job ended -- ends the wait at once), or ``max_wait_s``.
-    Returns ``{"waited_s", "caught_up", "last": the last reading}``."""
+    """Wait until ``readings`` readings in a row are :func:`caught_up` against the one before
+    (a reading of None -- the step is gone, the job ended -- ends the wait at once), or
+    ``max_wait_s``. Returns ``{"waited_s", "caught_up", "last": the last reading}``."""
     start = clock()
     in_row = 0
-    last: Mapping[str, Any] | None = None
+    prev: Mapping[str, Any] | None = None
+    prev_at = start
     while True:
-        last = await read_backlog()
-        if last is None:
-            return {"waited_s": clock() - start, "caught_up": False, "last": None}
-        in_row = in_row + 1 if caught_up(last) else 0
+        cur = await read_backlog()
+        now = clock()
+        if cur is None:
+            return {"waited_s": now - start, "caught_up": False, "last": None}
+        in_row = in_row + 1 if caught_up(prev, cur, now - prev_at) else 0
         if in_row >= readings:
-            return {"waited_s": clock() - start, "caught_up": True, "last": dict(last)}
-        if clock() - start + poll_s > max_wait_s:
-            return {"waited_s": clock() - start, "caught_up": False, "last": dict(last)}
+            return {"waited_s": now - start, "caught_up": True, "last": dict(cur)}
+        if now - start + poll_s > max_wait_s:
+            return {"waited_s": now - start, "caught_up": False, "last": dict(cur)}
+        prev, prev_at = cur, now
         await sleep(poll_s)

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from raystream.autoscaling import next_tick_wait
-from raystream.standby_pacing import caught_up, wait_caught_up
+from raystream.standby_pacing import busy_fraction, caught_up, wait_caught_up
 
 
 class FakeTime:
@@ -20,28 +20,44 @@ class FakeTime:
         self.t += s
 
 
-def backlog(work_s: float | None, rows: int = 0, lag: int = 0) -> dict[str, Any]:
-    return {"total_work_s": work_s, "queued_rows": rows, "source_lag_rows": lag}
+def reading(work_s: float | None, busy_s: float, rows: int = 0, lag: int = 0) -> dict[str, Any]:
+    return {
+        "total_work_s": work_s,
+        "queued_rows": rows,
+        "source_lag_rows": lag,
+        "busy_s": busy_s,
+        "instances": 2,
+    }
 
 
-def test_caught_up_by_work_or_by_rows_when_the_cost_is_unknown() -> None:
-    assert caught_up(backlog(0.05, rows=40_000))  # the work decides when it is known
-    assert not caught_up(backlog(0.5, rows=10))
-    assert caught_up(backlog(None, rows=1_500, lag=400))
-    assert not caught_up(backlog(None, rows=1_500, lag=600))
+def test_caught_up_needs_little_work_waiting_and_spare_time_between_two_readings() -> None:
+    prev = reading(0.5, 10.0)
+    # 2 instances, 0.5 s apart: 0.6 busy seconds = 60 %
+    assert caught_up(prev, reading(0.05, 10.6, rows=40_000), 0.5)  # work decides, if known
+    assert not caught_up(prev, reading(0.05, 10.9), 0.5)  # 90 % busy: still catching up
+    assert not caught_up(prev, reading(0.5, 10.2, rows=10), 0.5)  # too much work waiting
+    assert caught_up(prev, reading(None, 10.6, rows=1_500, lag=400), 0.5)  # cost unknown: rows
+    assert not caught_up(prev, reading(None, 10.6, rows=1_500, lag=600), 0.5)
+    assert not caught_up(None, reading(0.0, 10.6), 0.5)  # the first reading has nothing before
+    assert busy_fraction(prev, reading(0.0, 9.0), 0.5) is None  # a counter went back
+    assert not caught_up(prev, reading(0.0, 9.0), 0.5)
 
 
-def test_waits_for_two_readings_in_a_row_below_the_bound() -> None:
+def test_waits_for_two_readings_in_a_row_that_caught_up() -> None:
     ft = FakeTime()
-    # a backlog worked off over 1.5 s, with one reading that dips early
-    works = iter([1.2, 0.9, 0.05, 0.6, 0.3, 0.08, 0.02, 0.01])
+    # (work, busy seconds so far) every 0.25 s on 2 instances: saturated (0.5 s busy per
+    # reading) while the work goes down, one reading with spare time too early, then 40 %
+    steps = iter(
+        [(1.2, 0.0), (0.9, 0.5), (0.05, 1.0), (0.04, 1.2), (0.3, 1.7), (0.08, 1.9), (0.02, 2.1)]
+    )
 
     async def read() -> dict[str, Any]:
-        return backlog(next(works))
+        work, busy = next(steps)
+        return reading(work, busy)
 
     got = asyncio.run(wait_caught_up(read, poll_s=0.25, clock=ft.clock, sleep=ft.sleep))
     assert got["caught_up"] is True
-    assert got["waited_s"] == 1.5  # the 7th reading (0.02) follows 0.08: 6 polls of 0.25 s
+    assert got["waited_s"] == 1.5  # the 7th reading, after 6 polls of 0.25 s
     assert got["last"]["total_work_s"] == 0.02
 
 
@@ -52,14 +68,13 @@ def test_gives_up_after_max_wait_and_stops_when_the_step_is_gone() -> None:
     async def never() -> dict[str, Any]:
         nonlocal calls
         calls += 1
-        return backlog(3.0)
+        return reading(3.0, 0.5 * calls)
 
     got = asyncio.run(
         wait_caught_up(never, max_wait_s=2.0, poll_s=0.25, clock=ft.clock, sleep=ft.sleep)
     )
-    assert (
-        got["caught_up"] is False and got["waited_s"] == 2.0 and calls == 9
-    )  # at 0, 0.25, .., 2.0
+    assert got["caught_up"] is False
+    assert got["waited_s"] == 2.0 and calls == 9  # at 0, 0.25, .., 2.0
 
     async def gone() -> None:
         return None
