@@ -37,6 +37,7 @@ __all__ = ["loadstep_flow", "main"]
 
 STEP = "count"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "loadstep"
+PHASE_END_EPS_S = 1e-6  # a phase ends just before its end time (see the phases' latency)
 
 
 def slow_count_op(cost_s: float) -> Any:
@@ -342,7 +343,9 @@ def main(
         "autoscaling": result.autoscaling,
         "phases": {
             name: {
-                "latency": lat.summary_between(a, b) if lat else None,
+                # the latency windows that start in [a, b): the window starting at b (the
+                # step, for the low phase) belongs to the next phase
+                "latency": lat.summary_between(a, b - PHASE_END_EPS_S) if lat else None,
                 "rescales": [
                     (r["from"], r["to"]) for r in result.rescales if a <= r["start_s"] < b
                 ],
