@@ -834,7 +834,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         while (self._rescale_lock.locked() or self._queued) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
-    async def _fill_standby(self, delay_s: float = 0.0) -> None:
+    async def _fill_standby(self, delay_s: float = 0.0, *, one_at_a_time: bool = False) -> None:
         """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs of keyed
         steps without actor options. Ray names an actor only when it is created, so each is
         created under the name of the instance it would become (``standby_slots``); a slot
@@ -851,7 +851,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             self._standby_refill = True
             while self._standby_refill and self.state == "running":
                 self._standby_refill = False
-                await self._fill_standby_once()
+                await self._fill_standby_once(one_at_a_time=one_at_a_time)
         finally:
             self._standby_filling = False
 
@@ -880,7 +880,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             "caught_up": waited["caught_up"],
         }
         if self.state == "running":
-            await self._fill_standby()
+            await self._fill_standby(one_at_a_time=True)
 
     def _standby_count(self) -> int:
         """Warm standbys to keep: ``standby_instances``, or as many as the autoscaler's policy
@@ -890,7 +890,11 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             count = max(count, self.autoscaler.next_scale_out_instances())
         return count
 
-    async def _fill_standby_once(self) -> None:
+    async def _fill_standby_once(self, *, one_at_a_time: bool = False) -> None:
+        """Start the missing warm standbys: side by side (the next scale-out waits for the
+        slowest, not their sum), or ``one_at_a_time`` (each once the one before is up: after a
+        scale-out the job runs on, and two process start-ups at once take both cores of a
+        small machine)."""
         from raystream.placement import standby_slots
         from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
 
@@ -906,6 +910,17 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         wanted = standby_slots(steps, held, count)
         pooled = {slot for *_, slot in self._standby}
         started: list[tuple[ChannelId, Any]] = []
+
+        async def pool(slot: ChannelId, h: Any) -> None:
+            try:
+                node = await h.ping.remote()
+                if self.state != "running":  # the job ended meanwhile: do not leak it
+                    ray.kill(h, no_restart=True)
+                    return
+                self._standby.append((h, node, slot))
+            finally:
+                self._standby_creating.discard(slot)
+
         for slot in wanted:
             if self.state != "running":
                 break
@@ -928,17 +943,10 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             except ValueError:  # the name is still held: a later fill takes the slot
                 continue
             self._standby_creating.add(slot)
-            started.append((slot, h))
-
-        async def pool(slot: ChannelId, h: Any) -> None:
-            try:
-                node = await h.ping.remote()
-                if self.state != "running":  # the job ended meanwhile: do not leak it
-                    ray.kill(h, no_restart=True)
-                    return
-                self._standby.append((h, node, slot))
-            finally:
-                self._standby_creating.discard(slot)
+            if one_at_a_time:
+                await pool(slot, h)
+            else:
+                started.append((slot, h))
 
         # the processes start side by side: a scale-out right after this fill waits for the
         # slowest of them, not for their sum
