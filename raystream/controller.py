@@ -858,6 +858,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
     async def _fill_standby_after_catch_up(self, record: dict[str, Any]) -> None:
         """Refill the warm standbys a scale-out used once its step caught up with its backlog
         (``raystream.standby_pacing``): their start-up would take the CPU the catch-up needs.
+        A step that does not keep up gets them 1 s after the scale-out (the next one needs them);
+        they start one at a time.
         The rescale's ``record`` gets ``standby_refill``: seconds waited after the scale-out's
         end and whether the step had caught up by then."""
         from raystream.standby_pacing import wait_caught_up
@@ -878,6 +880,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         record["standby_refill"] = {
             "after_s": round(waited["waited_s"], 3),
             "caught_up": waited["caught_up"],
+            "not_draining": waited["not_draining"],  # the new capacity did not keep up
         }
         if self.state == "running":
             await self._fill_standby(one_at_a_time=True)

@@ -65,10 +65,10 @@ def test_gives_up_after_max_wait_and_stops_when_the_step_is_gone() -> None:
     ft = FakeTime()
     calls = 0
 
-    async def never() -> dict[str, Any]:
+    async def never() -> dict[str, Any]:  # work waits, the instances are half busy
         nonlocal calls
         calls += 1
-        return reading(3.0, 0.5 * calls)
+        return reading(3.0, 0.25 * calls)
 
     got = asyncio.run(
         wait_caught_up(never, max_wait_s=2.0, poll_s=0.25, clock=ft.clock, sleep=ft.sleep)
@@ -80,7 +80,35 @@ def test_gives_up_after_max_wait_and_stops_when_the_step_is_gone() -> None:
         return None
 
     got = asyncio.run(wait_caught_up(gone, clock=ft.clock, sleep=ft.sleep))
-    assert got == {"waited_s": 0.0, "caught_up": False, "last": None}
+    assert got == {"waited_s": 0.0, "caught_up": False, "not_draining": False, "last": None}
+
+
+def test_a_step_that_does_not_keep_up_gets_its_standbys_after_drain_s() -> None:
+    # saturated after the scale-out and the backlog stays (another scale-out will come): the
+    # refill starts 1 s after it, not after max_wait_s
+    ft = FakeTime()
+    calls = 0
+
+    async def stuck() -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        return reading(0.5 + 0.01 * calls, 0.5 * calls)  # 100 % busy, work creeping up
+
+    got = asyncio.run(wait_caught_up(stuck, poll_s=0.25, clock=ft.clock, sleep=ft.sleep))
+    assert got["not_draining"] is True and got["caught_up"] is False
+    assert got["waited_s"] == 1.0
+
+    # saturated but the backlog goes down fast enough: it keeps waiting for the catch-up
+    ft = FakeTime()
+    works = iter([0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.08, 0.05, 0.03])
+    busy = iter([0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 3.7, 3.9])
+
+    async def draining() -> dict[str, Any]:
+        return reading(next(works), next(busy))
+
+    got = asyncio.run(wait_caught_up(draining, poll_s=0.25, clock=ft.clock, sleep=ft.sleep))
+    assert got["caught_up"] is True and got["not_draining"] is False
+    assert got["waited_s"] == 2.25  # 0.05 (40 %) then 0.03 (40 %)
 
 
 def test_ticks_keep_their_interval_whatever_a_tick_took() -> None:
