@@ -64,7 +64,15 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _rescale_timing(r: dict[str, Any]) -> dict[str, Any]:
+def _refill_of(r: dict[str, Any], refills: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The standby refill after rescale ``r`` (a scale-out), if any."""
+    for f in refills:
+        if f.get("step") == r.get("step") and f.get("rescale_start_s") == r.get("start_s"):
+            return {k: f[k] for k in ("after_s", "caught_up", "not_draining") if k in f}
+    return None
+
+
+def _rescale_timing(r: dict[str, Any], refills: list[dict[str, Any]]) -> dict[str, Any]:
     """One rescale's timings, in seconds from the request (the autoscaler's decision; the
     controller takes it a few ms later): routing switched at the first instance, last old owner
     sealed, first on-demand chunk served, all state settled; and the backlog then."""
@@ -90,7 +98,7 @@ def _rescale_timing(r: dict[str, Any]) -> dict[str, Any]:
         "backlog_work_s": backlog.get("total_work_s"),
         "handover_rows": r.get("handover_rows", 0),
         # after a scale-out: how long the refill of the warm standbys waited for the catch-up
-        "standby_refill": r.get("standby_refill"),
+        "standby_refill": _refill_of(r, refills),
     }
 
 
@@ -354,7 +362,9 @@ def main(
         },
         "timeline": timeline,
     }
-    report["per_rescale"] = [_rescale_timing(r) for r in result.rescales]
+    refills = getattr(result, "standby_refills", [])
+    report["standby_refills"] = refills
+    report["per_rescale"] = [_rescale_timing(r, refills) for r in result.rescales]
     high_start = phases["high"][0]
     outs = [r for r in result.rescales if r["to"] > r["from"] and r["start_s"] >= high_start - 1]
     report["reaction_s"] = {

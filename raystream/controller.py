@@ -93,6 +93,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         self._standby_creating: set[ChannelId] = set()  # slots a fill is starting an actor for
         self._spawning: set[ChannelId] = set()  # ids a scale-out is starting an instance for
         self._standby_refill = False  # a fill was asked for while one ran
+        self.standby_refills: list[dict[str, Any]] = []  # after each scale-out: when and why
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
         self._barrier_expected: dict[int, set[ChannelId]] = {}
@@ -299,6 +300,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             },
             "retired_results": self.retired_sink_results(),
             "rescales": list(self.rescales),
+            "standby_refills": list(self.standby_refills),
             "recoveries": list(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
             "autoscaling": list(self.autoscaler.history) if self.autoscaler else [],
@@ -860,8 +862,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         (``raystream.standby_pacing``): their start-up would take the CPU the catch-up needs.
         A step that does not keep up gets them 1 s after the scale-out (the next one needs them);
         they start one at a time.
-        The rescale's ``record`` gets ``standby_refill``: seconds waited after the scale-out's
-        end and whether the step had caught up by then."""
+        ``standby_refills`` (in the job's result) gets one entry per scale-out: its step and
+        ``start_s``, the seconds waited after its end, and why the wait ended (the rescale
+        record itself is not changed after the rescale returned it)."""
         from raystream.standby_pacing import wait_caught_up
 
         step = record["step"]
@@ -877,11 +880,15 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                 return None
 
         waited = await wait_caught_up(read)
-        record["standby_refill"] = {
-            "after_s": round(waited["waited_s"], 3),
-            "caught_up": waited["caught_up"],
-            "not_draining": waited["not_draining"],  # the new capacity did not keep up
-        }
+        self.standby_refills.append(
+            {
+                "step": step,
+                "rescale_start_s": record["start_s"],
+                "after_s": round(waited["waited_s"], 3),
+                "caught_up": waited["caught_up"],
+                "not_draining": waited["not_draining"],  # the new capacity did not keep up
+            }
+        )
         if self.state == "running":
             await self._fill_standby(one_at_a_time=True)
 
