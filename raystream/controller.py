@@ -876,10 +876,12 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                 return None  # ended, or rescaled again (that rescale asks for its own fill)
             try:
                 return await self._backlog(step, list(range(self.parallelism[step])))
-            except Exception:  # noqa: BLE001 - (an instance replaced meanwhile) fill now
-                return None
+            except Exception:  # noqa: BLE001 - (an instance replaced meanwhile) not known:
+                return {}  # such readings never count as caught up; the fill comes at max_wait_s
 
         waited = await wait_caught_up(read)
+        if waited["last"] is None:
+            return  # the job ended, or the step was rescaled again: that rescale asks for a fill
         self.standby_refills.append(
             {
                 "step": step,
@@ -889,7 +891,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                 "not_draining": waited["not_draining"],  # the new capacity did not keep up
             }
         )
-        if self.state == "running":
+        if self.state == "running" and not self._rescale_lock.locked():
+            # (a rescale that runs now asks for a fill when it ends)
             await self._fill_standby(one_at_a_time=True)
 
     def _standby_count(self) -> int:
