@@ -68,6 +68,10 @@ class AutoscalerConfig:
     max_parallelism: int | Mapping[str, int] = 8
     default_max_parallelism: int = 8
     interval_s: float = 1.0  # how often signals are sampled and the policy asked
+    # between two samples, the sources' target rates are read this often (0: not); a change by
+    # more than demand_change (a fraction) samples and asks the policy at once
+    demand_poll_s: float = 0.05
+    demand_change: float = 0.2
     window_s: float = 5.0  # sliding window of the signals (also the warm-up after a rescale)
     cooldown_s: float = 10.0  # no rescale of an operator this long after its last one
     stabilization_s: float = 10.0  # scale down only to the highest wish of this long
@@ -82,6 +86,8 @@ class AutoscalerConfig:
         _bound("default_max_parallelism", self.default_max_parallelism)
         _number("interval_s", self.interval_s, minimum=0, strict=True)
         _number("window_s", self.window_s, minimum=0, strict=True)
+        _number("demand_poll_s", self.demand_poll_s, minimum=0)
+        _number("demand_change", self.demand_change, minimum=0, strict=True)
         _number("cooldown_s", self.cooldown_s, minimum=0)
         _number("stabilization_s", self.stabilization_s, minimum=0)
         _number("max_scale_down_factor", self.max_scale_down_factor, minimum=1)

@@ -37,6 +37,7 @@ __all__ = ["loadstep_flow", "main"]
 
 STEP = "count"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "loadstep"
+PHASE_END_EPS_S = 1e-6  # a phase ends just before its end time (see the phases' latency)
 
 
 def slow_count_op(cost_s: float) -> Any:
@@ -63,7 +64,15 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _rescale_timing(r: dict[str, Any]) -> dict[str, Any]:
+def _refill_of(r: dict[str, Any], refills: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The standby refill after rescale ``r`` (a scale-out), if any."""
+    for f in refills:
+        if f.get("step") == r.get("step") and f.get("rescale_start_s") == r.get("start_s"):
+            return {k: f[k] for k in ("after_s", "caught_up", "not_draining") if k in f}
+    return None
+
+
+def _rescale_timing(r: dict[str, Any], refills: list[dict[str, Any]]) -> dict[str, Any]:
     """One rescale's timings, in seconds from the request (the autoscaler's decision; the
     controller takes it a few ms later): routing switched at the first instance, last old owner
     sealed, first on-demand chunk served, all state settled; and the backlog then."""
@@ -88,6 +97,8 @@ def _rescale_timing(r: dict[str, Any]) -> dict[str, Any]:
         "backlog_source_lag_rows": backlog.get("source_lag_rows"),
         "backlog_work_s": backlog.get("total_work_s"),
         "handover_rows": r.get("handover_rows", 0),
+        # after a scale-out: how long the refill of the warm standbys waited for the catch-up
+        "standby_refill": _refill_of(r, refills),
     }
 
 
@@ -174,7 +185,12 @@ def _plot(path: Path, report: dict[str, Any]) -> None:
     "--parallelism", type=click.IntRange(min=1), default=1, help="Initial count instances."
 )
 @click.option("--max-parallelism", type=click.IntRange(min=1), default=8)
-@click.option("--interval-s", type=click.FloatRange(min=0.1), default=1.0)
+@click.option(
+    "--interval-s",
+    type=click.FloatRange(min=0.05),
+    default=0.25,
+    help="Autoscaler sampling (and decision) interval.",
+)
 @click.option("--window-s", type=click.FloatRange(min=0.1), default=3.0)
 @click.option("--cooldown-s", type=click.FloatRange(min=0), default=3.0)
 @click.option("--stabilization-s", type=click.FloatRange(min=0), default=6.0)
@@ -335,7 +351,9 @@ def main(
         "autoscaling": result.autoscaling,
         "phases": {
             name: {
-                "latency": lat.summary_between(a, b) if lat else None,
+                # the latency windows that start in [a, b): the window starting at b (the
+                # step, for the low phase) belongs to the next phase
+                "latency": lat.summary_between(a, b - PHASE_END_EPS_S) if lat else None,
                 "rescales": [
                     (r["from"], r["to"]) for r in result.rescales if a <= r["start_s"] < b
                 ],
@@ -344,7 +362,9 @@ def main(
         },
         "timeline": timeline,
     }
-    report["per_rescale"] = [_rescale_timing(r) for r in result.rescales]
+    refills = getattr(result, "standby_refills", [])
+    report["standby_refills"] = refills
+    report["per_rescale"] = [_rescale_timing(r, refills) for r in result.rescales]
     high_start = phases["high"][0]
     outs = [r for r in result.rescales if r["to"] > r["from"] and r["start_s"] >= high_start - 1]
     report["reaction_s"] = {

@@ -10,7 +10,8 @@ from the autoscaler's decision to done, to the routing switch, to the last old o
 to the first on-demand chunk served; the preparation before the barrier; the on-demand serve wait
 p99 (old owner, from its seal or the request to the chunk) and the record wait p50/p99 (new
 owner, from a record's arrival to its state's); the backlog at the decision; the sink p99 of the
-low and high phases and their ratio; whether the final counts were exact. Writes each run's
+low and high phases and their ratio, the highest window p99 after the step and how long after
+the step the window p99 was last above 2x the low phase's; whether the final counts were exact. Writes each run's
 figures and, per figure, the median, minimum and maximum over the runs.
 """
 
@@ -24,6 +25,29 @@ from typing import Any
 import click
 
 __all__ = ["first_scale_out", "main", "summarize"]
+
+
+def latency_recovery(report: dict[str, Any], factor: float = 2.0) -> dict[str, Any]:
+    """How the sink latency came back after the step, from the report's timeline (one row per
+    latency window: ``[t_s, records, p50_ms, p99_ms, max_ms]``): the highest window p99 of the
+    high phase, and seconds from the step to the end of the last high-phase window whose p99
+    is above ``factor`` x the low phase's p99 (0: none was; None: no timeline)."""
+    timeline = report.get("timeline")
+    low = (report["phases"]["low"]["latency"] or {}).get("p99_ms")
+    if not timeline or not low:
+        return {"peak_window_p99_ms": None, "back_within_2x_s": None}
+    step_at, down_at = report["offered"][1][0], report["offered"][2][0]
+    width = (
+        min(b[0] - a[0] for a, b in zip(timeline, timeline[1:], strict=False))
+        if len(timeline) > 1
+        else 0.25
+    )
+    high = [row for row in timeline if step_at <= row[0] < down_at and row[3] is not None]
+    over = [row[0] + width - step_at for row in high if row[3] > factor * low]
+    return {
+        "peak_window_p99_ms": max((row[3] for row in high), default=None),
+        "back_within_2x_s": round(max(over), 3) if over else 0.0,
+    }
 
 
 def first_scale_out(report: dict[str, Any]) -> dict[str, Any]:
@@ -40,6 +64,7 @@ def first_scale_out(report: dict[str, Any]) -> dict[str, Any]:
         "high_p99_ms": high,
         "high_over_low_p99": (high / low) if low and high else None,
         "decision_after_step_s": report["reaction_s"]["first_scale_out_after_step"],
+        **latency_recovery(report),
     }
     if not outs:
         return {**row, "rescale": None}
@@ -62,6 +87,8 @@ def first_scale_out(report: dict[str, Any]) -> dict[str, Any]:
         "record_wait_p99_ms": r["fetch_wait_p99_ms"],
         "backlog_work_s": r["backlog_work_s"],
         "handover_rows": r["handover_rows"],
+        # seconds after the move's end the warm standbys' refill began (it waits for the catch-up)
+        "standby_refill_after_s": (r.get("standby_refill") or {}).get("after_s"),
         "all_rescales": [
             f"{x['from']}->{x['to']} done {x['done_s']:.2f} s" for x in report["per_rescale"]
         ],

@@ -32,12 +32,13 @@ from raystream.errors import ConfigError
 from raystream.plugins import AUTOSCALER_POLICIES
 from raystream.plugins import load as load_plugin
 
-__all__ = ["Autoscaler", "resolve_policy"]
+__all__ = ["Autoscaler", "demand_changed", "next_tick_wait", "resolve_policy", "source_demand"]
 
 log = logging.getLogger("raystream.autoscaler")
 
 MetricsFn = Callable[[], Awaitable[Mapping[str, Any]]]
 RescaleFn = Callable[[str, int], Awaitable[Mapping[str, Any]]]
+DemandFn = Callable[[], Awaitable[Mapping[str, float]]]  # source step -> target rate, eps
 MAX_HISTORY = 1000
 
 
@@ -82,6 +83,7 @@ class Autoscaler:
         busy: Callable[[], bool] = lambda: False,
         label: str = "policy",
         max_allowed: int | None = None,
+        demand: DemandFn | None = None,
     ) -> None:
         self.policy = policy
         self._decide = policy_callable(policy)
@@ -103,18 +105,50 @@ class Autoscaler:
         self.last_signals: dict[str, OperatorSignals] = {}
         self._last_hold: dict[str, str] = {}
         self._seen_parallelism = dict(parallelism())
+        self._demand = demand
+        self._demand_base: dict[str, float] = {}  # sources' target rates at the last tick
+        self.early_ticks = 0  # ticks a change of demand brought forward
+        self.last_reading_s = 0.0  # how long the last tick's reading took
 
     # ---- the loop -------------------------------------------------------------------------
     async def run(self, running: Callable[[], bool]) -> None:
         """Tick every ``interval_s`` while ``running()``; never raises (errors are logged)."""
         log.info("autoscaler %s started: %s", self.label, self.config)
         while running():
+            began = self._clock()
             try:
                 await self.tick()
             except Exception as e:  # noqa: BLE001 - the job must keep running
                 log.warning("autoscaler tick failed: %s: %s", type(e).__name__, e, exc_info=True)
                 self._record({"action": "error", "reason": f"tick failed: {type(e).__name__}: {e}"})
-            await self._sleep(self.config.interval_s)
+            # one tick per interval: the time the tick took (asking busy instances for their
+            # counters, a rescale) comes off the wait, so the samples stay interval_s apart
+            await self._wait_next_tick(began, running)
+
+    async def _wait_next_tick(self, began: float, running: Callable[[], bool]) -> None:
+        """Until the next tick is due; meanwhile, every ``demand_poll_s``, the sources' target
+        rates: if one changed by more than ``demand_change`` since the last tick (a load step),
+        the next tick comes at once instead of up to ``interval_s`` later."""
+        wait = next_tick_wait(began, self._clock(), self.config.interval_s)
+        poll = self.config.demand_poll_s
+        if self._demand is None or poll <= 0 or poll >= wait or not self._demand_base:
+            await self._sleep(wait)
+            return
+        end = self._clock() + wait
+        while running():
+            left = end - self._clock()
+            if left <= 0:
+                return
+            await self._sleep(min(poll, left))
+            if not self.window.ready():
+                continue  # no decision could be taken yet anyway
+            try:
+                now = await self._demand()
+            except Exception:  # noqa: BLE001 - a source that does not answer: tick as usual
+                continue
+            if demand_changed(self._demand_base, now, self.config.demand_change):
+                self.early_ticks += 1
+                return
 
     async def tick(self) -> list[dict[str, Any]]:
         """One sample; once the window is full, one decision. Returns the entries it recorded."""
@@ -125,8 +159,11 @@ class Autoscaler:
         if current != self._seen_parallelism:  # changed from outside: start the window over
             self._seen_parallelism = current
             self.window.reset()
+        read_at = self._clock()
         snap = await self._metrics()
         now = self._clock()
+        self.last_reading_s = now - read_at
+        self._demand_base = source_demand(snap.get("instances", []))
         self.window.add(now, snap.get("instances", []))
         if not self.window.ready():
             return []
@@ -234,6 +271,7 @@ class Autoscaler:
             "reason": c.reason,
             "guard": list(c.notes),
             "warnings": list(c.warnings),
+            "reading_s": round(self.last_reading_s, 4),  # the sample's own time
         }
         if sig is not None:
             entry["signals"] = {
@@ -256,6 +294,7 @@ class Autoscaler:
         return {
             "policy": self.label,
             "decisions": self.decisions,
+            "early_ticks": self.early_ticks,
             "recent": self.history[-5:],
             "signals": {
                 n: {
@@ -305,6 +344,17 @@ class Autoscaler:
             done = [o.get("metrics", {}) for o in controller.outcomes.values()]
             return {"instances": got + done}
 
+        async def demand() -> Mapping[str, float]:
+            """The live sources' target rates only (they answer at once, unlike a busy keyed
+            instance)."""
+            live = [
+                controller.handles[i]
+                for i in controller.plan.sources
+                if i not in controller.outcomes
+            ]
+            snaps = await asyncio.gather(*(h.metrics.remote() for h in live))
+            return source_demand(snaps)
+
         async def rescale(step: str, parallelism: int) -> Mapping[str, Any]:
             return await controller.rescale(step, parallelism, config.strategy)  # type: ignore[no-any-return]
 
@@ -320,7 +370,54 @@ class Autoscaler:
             busy=controller._rescale_lock.locked,
             label=label,
             max_allowed=controller.flow.key_space.num_key_groups,
+            demand=demand,
         )
+
+
+def source_demand(instances: Any) -> dict[str, float]:
+    """Target rate per source step (sum over its live instances) from metric snapshots; steps
+    whose sources report none (not rate-limited) are left out.
+
+    >>> source_demand([{"step": "gen", "target_rate_eps": 5e3}, {"step": "gen", "index": 1,
+    ...   "target_rate_eps": 5e3}, {"step": "count"}, {"step": "gen", "finished": True}])
+    {'gen': 10000.0}
+    """
+    out: dict[str, float] = {}
+    for m in instances:
+        if (
+            isinstance(m, Mapping)
+            and m.get("target_rate_eps") is not None
+            and not m.get("finished")
+        ):
+            out[str(m["step"])] = out.get(str(m["step"]), 0.0) + float(m["target_rate_eps"])
+    return out
+
+
+def demand_changed(before: Mapping[str, float], now: Mapping[str, float], change: float) -> bool:
+    """True if a source's target rate in ``now`` differs from ``before`` by more than
+    ``change`` (a fraction of the larger of the two); a source in only one of them does not count.
+
+    >>> demand_changed({"gen": 5e3}, {"gen": 2e4}, 0.2), demand_changed({"gen": 5e3}, {"gen": 5.5e3}, 0.2)
+    (True, False)
+    """
+    for step, rate in now.items():
+        old = before.get(step)
+        if old is None:
+            continue
+        if abs(rate - old) > change * max(abs(rate), abs(old), 1e-9):
+            return True
+    return False
+
+
+def next_tick_wait(began_s: float, now_s: float, interval_s: float) -> float:
+    """Seconds to wait after a tick that began at ``began_s`` (it is ``now_s``) so that ticks
+    start ``interval_s`` apart; a tick that took longer than that (a rescale) is followed by a
+    short pause, not by a burst of catch-up ticks.
+
+    >>> next_tick_wait(10.0, 10.05, 0.25), next_tick_wait(10.0, 12.0, 0.25)
+    (0.2, 0.025)
+    """
+    return round(max(interval_s - (now_s - began_s), interval_s / 10), 9)
 
 
 def _describe(e: dict[str, Any]) -> str:

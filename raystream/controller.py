@@ -93,6 +93,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         self._standby_creating: set[ChannelId] = set()  # slots a fill is starting an actor for
         self._spawning: set[ChannelId] = set()  # ids a scale-out is starting an instance for
         self._standby_refill = False  # a fill was asked for while one ran
+        self.standby_refills: list[dict[str, Any]] = []  # after each scale-out: when and why
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
         self._barrier_expected: dict[int, set[ChannelId]] = {}
@@ -299,6 +300,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             },
             "retired_results": self.retired_sink_results(),
             "rescales": list(self.rescales),
+            "standby_refills": list(self.standby_refills),
             "recoveries": list(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
             "autoscaling": list(self.autoscaler.history) if self.autoscaler else [],
@@ -608,7 +610,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                 # did not stop it: stop it now, its name is free for the next scale-out
                 self._stop_retired(iid)
         await self._settle_retired_sinks(retired_sinks)
-        asyncio.get_running_loop().create_task(self._fill_standby())
+        if parallelism <= old.parallelism:  # (after a scale-out: once it caught up, below)
+            asyncio.get_running_loop().create_task(self._fill_standby())
         t1 = time.time()
         waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
         # per old owner and migration step: the wait of its first on-demand request, from the
@@ -692,6 +695,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             "transfer": transfer_summary(stats),
         }
         self.rescales.append(record)
+        if parallelism > old.parallelism:  # new processes only once the backlog is worked off
+            asyncio.get_running_loop().create_task(self._fill_standby_after_catch_up(record))
         self._export("rescale", record["duration_s"])
         self._record_reconfiguration(
             "rescale",
@@ -831,7 +836,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         while (self._rescale_lock.locked() or self._queued) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
-    async def _fill_standby(self, delay_s: float = 0.0) -> None:
+    async def _fill_standby(self, delay_s: float = 0.0, *, one_at_a_time: bool = False) -> None:
         """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs of keyed
         steps without actor options. Ray names an actor only when it is created, so each is
         created under the name of the instance it would become (``standby_slots``); a slot
@@ -848,9 +853,47 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             self._standby_refill = True
             while self._standby_refill and self.state == "running":
                 self._standby_refill = False
-                await self._fill_standby_once()
+                await self._fill_standby_once(one_at_a_time=one_at_a_time)
         finally:
             self._standby_filling = False
+
+    async def _fill_standby_after_catch_up(self, record: dict[str, Any]) -> None:
+        """Refill the warm standbys a scale-out used once its step caught up with its backlog
+        (``raystream.standby_pacing``): their start-up would take the CPU the catch-up needs.
+        A step that does not keep up gets them 1 s after the scale-out (the next one needs them);
+        they start one at a time.
+        ``standby_refills`` (in the job's result) gets one entry per scale-out: its step and
+        ``start_s``, the seconds waited after its end, and why the wait ended (the rescale
+        record itself is not changed after the rescale returned it)."""
+        from raystream.standby_pacing import wait_caught_up
+
+        step = record["step"]
+        epoch = self.routing[step].epoch
+
+        async def read() -> dict[str, Any] | None:
+            table = self.routing.get(step)
+            if self.state != "running" or table is None or table.epoch != epoch:
+                return None  # ended, or rescaled again (that rescale asks for its own fill)
+            try:
+                return await self._backlog(step, list(range(self.parallelism[step])))
+            except Exception:  # noqa: BLE001 - (an instance replaced meanwhile) not known:
+                return {}  # such readings never count as caught up; the fill comes at max_wait_s
+
+        waited = await wait_caught_up(read)
+        if waited["last"] is None:
+            return  # the job ended, or the step was rescaled again: that rescale asks for a fill
+        self.standby_refills.append(
+            {
+                "step": step,
+                "rescale_start_s": record["start_s"],
+                "after_s": round(waited["waited_s"], 3),
+                "caught_up": waited["caught_up"],
+                "not_draining": waited["not_draining"],  # the new capacity did not keep up
+            }
+        )
+        if self.state == "running" and not self._rescale_lock.locked():
+            # (a rescale that runs now asks for a fill when it ends)
+            await self._fill_standby(one_at_a_time=True)
 
     def _standby_count(self) -> int:
         """Warm standbys to keep: ``standby_instances``, or as many as the autoscaler's policy
@@ -860,7 +903,11 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             count = max(count, self.autoscaler.next_scale_out_instances())
         return count
 
-    async def _fill_standby_once(self) -> None:
+    async def _fill_standby_once(self, *, one_at_a_time: bool = False) -> None:
+        """Start the missing warm standbys: side by side (the next scale-out waits for the
+        slowest, not their sum), or ``one_at_a_time`` (each once the one before is up: after a
+        scale-out the job runs on, and two process start-ups at once take both cores of a
+        small machine)."""
         from raystream.placement import standby_slots
         from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
 
@@ -876,6 +923,17 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         wanted = standby_slots(steps, held, count)
         pooled = {slot for *_, slot in self._standby}
         started: list[tuple[ChannelId, Any]] = []
+
+        async def pool(slot: ChannelId, h: Any) -> None:
+            try:
+                node = await h.ping.remote()
+                if self.state != "running":  # the job ended meanwhile: do not leak it
+                    ray.kill(h, no_restart=True)
+                    return
+                self._standby.append((h, node, slot))
+            finally:
+                self._standby_creating.discard(slot)
+
         for slot in wanted:
             if self.state != "running":
                 break
@@ -898,17 +956,10 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             except ValueError:  # the name is still held: a later fill takes the slot
                 continue
             self._standby_creating.add(slot)
-            started.append((slot, h))
-
-        async def pool(slot: ChannelId, h: Any) -> None:
-            try:
-                node = await h.ping.remote()
-                if self.state != "running":  # the job ended meanwhile: do not leak it
-                    ray.kill(h, no_restart=True)
-                    return
-                self._standby.append((h, node, slot))
-            finally:
-                self._standby_creating.discard(slot)
+            if one_at_a_time:
+                await pool(slot, h)
+            else:
+                started.append((slot, h))
 
         # the processes start side by side: a scale-out right after this fill waits for the
         # slowest of them, not for their sum
@@ -1209,6 +1260,8 @@ def _backlog_of(mine: list[dict[str, Any]], sources: list[dict[str, Any]]) -> di
         "queued_work_s": queued * cost / per if cost is not None else None,
         "total_work_s": (queued + lag) * cost / per if cost is not None else None,
         "row_cost_us": cost * 1e6 if cost is not None else None,
+        "busy_s": float(sum(m.get("busy_s", 0) or 0 for m in mine)),
+        "instances": len(mine),
     }
 
 

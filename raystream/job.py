@@ -57,6 +57,8 @@ class JobResult:
     checkpoints: dict[str, Any] = field(default_factory=dict)  # completed, failed, last
     # attempts a recovery replaced: cause, each instance's last metrics, totals per step
     failed_attempts: list[dict[str, Any]] = field(default_factory=list)
+    # after each scale-out, when the warm standbys it used were refilled (raystream.standby_pacing)
+    standby_refills: list[dict[str, Any]] = field(default_factory=list)
 
     def table(self, sink: str | None = None) -> pa.Table:
         """The rows a collect sink received, as one table (all instances)."""
@@ -269,6 +271,7 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
             out.get("recoveries", []),
             out.get("checkpoints", {}),
             out.get("failed_attempts", []),
+            out.get("standby_refills", []),
         )
     finally:
         if out["state"] in ("finished", "failed", "stopped"):

@@ -582,3 +582,36 @@ def test_a_repeated_hold_or_warning_is_recorded_once(caplog: pytest.LogCaptureFi
     holds = [e for e in loop.history if e["action"] == "hold"]
     assert len(holds) == 1 and "clamped to 3" in holds[0]["warnings"][0]
     assert sum("clamped to 3" in r.getMessage() for r in caplog.records) == 2  # act, first hold
+
+
+def _run_loop(sim: SimPipeline, loop: Autoscaler, until_s: float) -> None:
+    """``Autoscaler.run`` itself on the fake clock: its sleeps advance the pipeline."""
+
+    async def sleep(s: float) -> None:
+        sim.advance(s)
+
+    loop._sleep = sleep
+    asyncio.run(loop.run(lambda: sim.t < until_s))
+
+
+def test_a_change_of_the_sources_target_rate_brings_the_next_tick_forward() -> None:
+    # a 4x step at t=10.02, just after a tick: with 1 s ticks the decision would wait ~1 s
+    def run(demand_poll_s: float) -> tuple[SimPipeline, Autoscaler]:
+        sim = SimPipeline([(0, 8_000), (10.02, 32_000)])
+
+        async def demand() -> dict[str, float]:
+            return {"src": sim.rate()}
+
+        loop = make_loop(sim, DS2(), demand_poll_s=demand_poll_s)
+        loop._demand = demand
+        _run_loop(sim, loop, 14.0)
+        return sim, loop
+
+    sim, loop = run(0.05)
+    assert [p for _, p in sim.rescales] == [4]
+    decided = next(e["t_s"] for e in loop.history if e["action"] == "scale_out")
+    assert 10.02 <= decided <= 10.02 + 0.05 + 1e-9, decided  # at the next poll, not tick
+    assert loop.early_ticks == 1
+    sim, loop = run(0.0)  # no polling: the next tick (t=11)
+    decided = next(e["t_s"] for e in loop.history if e["action"] == "scale_out")
+    assert decided == 11.0 and loop.early_ticks == 0

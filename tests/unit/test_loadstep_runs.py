@@ -61,3 +61,22 @@ def test_a_run_without_a_scale_out_after_the_step_has_no_rescale_figures() -> No
     row = first_scale_out(rep)
     assert row["rescale"] is None and row["exact"] is False
     assert summarize([row])["exact_runs"] == 0
+
+
+def test_latency_recovery_is_the_last_high_window_above_twice_the_low_p99() -> None:
+    rep = _report(0.9, 300.0)
+    # windows of 0.25 s: low p99 100 ms, so above 200 ms counts; the step is at 10.0, the
+    # step down at 30.0 (a window after it does not count)
+    rep["timeline"] = [
+        [9.75, 100, 50.0, 90.0, 95.0],
+        [10.0, 100, 150.0, 250.0, 260.0],
+        [10.25, 100, 400.0, 900.0, 950.0],
+        [10.5, 100, 150.0, 180.0, 210.0],  # back within 2x ...
+        [10.75, 100, 200.0, 201.0, 230.0],  # ... not yet: this one ends at 11.0
+        [11.0, 100, 50.0, 80.0, 90.0],
+        [30.0, 100, 500.0, 5000.0, 5000.0],
+    ]
+    row = first_scale_out(rep)
+    assert row["peak_window_p99_ms"] == 900.0
+    assert row["back_within_2x_s"] == 1.0
+    assert first_scale_out(_report(0.9, 300.0))["back_within_2x_s"] is None  # no timeline
