@@ -500,6 +500,14 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             raise RescaleError(msg)
         return load_plugin(MIGRATION_STRATEGIES, strategy or self.config.migration, **args)
 
+    def _ended_mid_rescale(self, step: str, parallelism: int, done: int, steps: int) -> str:
+        """The message for a rescale in steps that the job's end overtook after some moved."""
+        return (
+            f"job {self.flow.name!r} reached the end of its input while rescaling {step!r} to "
+            f"{parallelism}: {done} of its {steps} migration steps were done and are consistent "
+            "(results stay exact); the rest was not carried out"
+        )
+
     def _not_started(self, step: str, parallelism: int) -> str:
         """The message for a rescale the job's end overtook before any state moved."""
         return (
@@ -551,7 +559,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             if self._sources_done() and not switched:
                 raise RescaleError(self._not_started(step, parallelism))
             if self._sources_done():
-                msg = f"the sources finished; {k} of {len(plan.steps)} migration steps were done"
+                msg = self._ended_mid_rescale(step, parallelism, k, len(plan.steps))
                 raise RescaleError(msg)
             epoch = self._next_epoch()
             epochs.append(epoch)
@@ -589,7 +597,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                         # EndOfStream from their (ended) upstream and finish empty
                         if not switched:
                             raise RescaleError(self._not_started(step, parallelism))
-                        msg = f"the sources finished; {k} of {len(plan.steps)} migration steps done"
+                        msg = self._ended_mid_rescale(step, parallelism, k, len(plan.steps))
                         raise RescaleError(msg)
                 switched.append(k)
                 stats += await self._await_migration(step, parallelism, epoch, peers, width)
