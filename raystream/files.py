@@ -346,6 +346,12 @@ class FileSource:
     def open(self, index: int, parallelism: int) -> FileReader:
         return FileReader(self, index, parallelism)
 
+    def warm_up(self) -> None:
+        """Import the reader of the format (``pyarrow.dataset`` and its format module: tens of
+        ms a process pays once), so a source instance pays it while the job deploys, not in
+        its first read."""
+        _format(self.format, self.file_schema, self.delimiter)
+
     def describe(self) -> str:
         what = "row group(s)" if self.format == "parquet" else "file(s)"
         return (

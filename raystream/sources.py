@@ -92,6 +92,9 @@ class Source(Protocol):
 
     def describe(self) -> str: ...
 
+    # optional: ``warm_up()``, called once in each source instance's process when it is built
+    # (before the job runs), e.g. to import what its first read needs
+
 
 # --------------------------------------------------------------------------------------------
 # shared checks and helpers

@@ -197,10 +197,12 @@ def run_query(
     max_out_of_orderness_ms: int = 0,
     errors: list[str] | None = None,
     extra_sinks: dict[str, Any] | None = None,
+    source_parallelism: int = 1,
     **config: Any,
 ) -> rs.JobResult:
     """Build, start, rescale the query's step at the given times (P@T), wait; a job still
-    running at the timeout is stopped and raises."""
+    running at the timeout is stopped and raises. ``source_parallelism``: instances of each
+    table's source (each reads a share of the file's row groups)."""
     sink = sink if sink is not None else rs.sinks.collect()
     flow, spec = build_flow(
         query,
@@ -209,7 +211,8 @@ def run_query(
         max_out_of_orderness_ms=max_out_of_orderness_ms,
         extra_sinks=extra_sinks,
     )
-    job = rs.start(flow, parallelism={spec.step: parallelism}, migration=strategy, **config)
+    steps = {spec.step: parallelism, **{t: source_parallelism for t in spec.tables}}
+    job = rs.start(flow, parallelism=steps, migration=strategy, **config)
     errors = errors if errors is not None else []
 
     def drive() -> None:
@@ -338,6 +341,13 @@ def _connect_ray() -> bool:
 )
 @click.option("--parallelism", type=click.IntRange(min=1), default=2)
 @click.option(
+    "--source-parallelism",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Instances of each table's source (each reads a share of the row groups); at the "
+    "query's parallelism a stateless query's step runs in the source's actors (chained).",
+)
+@click.option(
     "--rescale", "rescale_at", multiple=True, metavar="P@T", help="Rescale at T s (keyed queries)."
 )
 @click.option("--strategy", default="meces", help="Migration strategy of rescales.")
@@ -362,6 +372,7 @@ def main(
     input_dir: Path | None,
     generate_dir: Path | None,
     parallelism: int,
+    source_parallelism: int,
     rescale_at: tuple[str, ...],
     strategy: str,
     replay_rate: float,
@@ -453,6 +464,7 @@ def main(
                 timeout_s=timeout_s,
                 errors=errors,
                 extra_sinks=extra,
+                source_parallelism=source_parallelism,
                 batch_rows=batch_rows,
                 source_batch_rows=batch_rows,
                 linger_ms=linger_ms,
@@ -467,6 +479,7 @@ def main(
             "rate": rate if input_dir is None else None,
             "seed": seed,
             "parallelism": parallelism,
+            "source_parallelism": source_parallelism,
             "rescale": [f"{p}@{t:g}" for p, t in rescales],
             "strategy": strategy,
             "replay_rate": replay_rate,

@@ -233,6 +233,9 @@ class OperatorInstance:
                 max_pending_bytes=spec.config.migration_buffer_bytes,
                 heat_half_life_s=spec.config.heat_half_life_s,
             )
+        warm_up = getattr(spec.step.fn, "warm_up", None) if self.role == "source" else None
+        if callable(warm_up):  # e.g. the lazy imports of its first read: paid before the run
+            warm_up()
         self.outputs: list[tuple[Any, list[OutputChannel]]] = []
         self._pending_barriers: list[Barrier] = []
         self._barrier_seen: dict[int, set[ChannelId]] = {}

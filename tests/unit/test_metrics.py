@@ -73,6 +73,35 @@ def test_latency_recorder_agrees_with_hdrhistogram_fed_one_by_one() -> None:
         assert merged.get_value_at_percentile(q) == ref.get_value_at_percentile(q)
 
 
+def test_latency_of_runs_of_equal_stamps_agrees_with_hdrhistogram_fed_one_by_one() -> None:
+    """Batches stamped in runs (a source stamps what it reads at once with one time) are
+    recorded run by run: the histogram is the one fed every record, with and without weights;
+    runs of length 1 and a batch with too many runs to collapse too."""
+    rng = np.random.default_rng(5)
+    stamps = rng.integers(1, 10**9, 40)
+    lengths = rng.integers(1, 5000, 40)
+    lengths[3] = 1
+    ingest_us = np.repeat(stamps, lengths)  # neighbouring runs may share a stamp: still exact
+    weights = rng.integers(0, 4, ingest_us.size)
+    ragged = rng.integers(0, 10**9, 3000)  # almost every neighbour differs: not collapsed
+    for w in (None, weights):
+        rec = LatencyRecorder(0)
+        rec.record(-ingest_us * 1000, now_ns=0, weights=w)
+        rec.record(-ragged * 1000, now_ns=0)
+        ref = HdrHistogram(1, 3_600_000_000, 3)
+        counts = np.ones(ingest_us.size, np.int64) if w is None else w
+        for v, c in zip(ingest_us.tolist(), counts.tolist(), strict=True):
+            if c:
+                ref.record_value(v, c)
+        for v in ragged.tolist():
+            ref.record_value(v)
+        assert rec.count == ref.get_total_count()
+        assert rec.rows == ingest_us.size + ragged.size
+        merged = HdrHistogram.decode(rec.snapshot()["total"])
+        for q in (1, 10, 50, 90, 99, 99.9, 100):
+            assert merged.get_value_at_percentile(q) == ref.get_value_at_percentile(q)
+
+
 def test_latency_windows_follow_the_write_time() -> None:
     rec = LatencyRecorder(ORIGIN, window_ms=250)
     data = {0: latencies_ms(1000, 3), 1: latencies_ms(500, 4), 4: latencies_ms(10, 5)}
