@@ -62,6 +62,9 @@ RATE_SECONDS = 10
 RATE_WARMUP_S = 4
 STEADY_SKIP_S = 1.0
 
+# 24 s at 100k events/s, the first 8 s (the warm standbys starting) left out of the latency
+_LONG_RATE_100K = ["--rate", "100000", "--events", "2400000", "--parallelism", "2", "--warmup", "8"]
+
 CASES: dict[str, list[str]] = {
     "gen_p1": ["--events", "6000000", "--parallelism", "1"],
     "gen_p2": ["--events", "6000000", "--parallelism", "2"],
@@ -119,30 +122,10 @@ CASES: dict[str, list[str]] = {
     ],
     # long runs for the cost of migration support in steady state (after its one-time start)
     "long_gen_p2": ["--events", "24000000", "--parallelism", "2"],
-    "long_rate_100k": [
-        "--rate",
-        "100000",
-        "--events",
-        "2400000",
-        "--parallelism",
-        "2",
-        "--warmup",
-        "8",
-    ],
+    "long_rate_100k": _LONG_RATE_100K,
     # 24 s at 100k events/s with the sink chained to the count: the sink's own upkeep (it
     # compacts its table as it grows) shows in a run this long
-    "long_rate_100k_sink": [
-        "--rate",
-        "100000",
-        "--events",
-        "2400000",
-        "--parallelism",
-        "2",
-        "--warmup",
-        "8",
-        "--sink-parallelism",
-        "2",
-    ],
+    "long_rate_100k_sink": [*_LONG_RATE_100K, "--sink-parallelism", "2"],
 }
 # seconds of a run left out of steady throughput (long runs: after the warm standby actors,
 # which a job with migration support starts in its first seconds, are up)
