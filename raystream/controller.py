@@ -918,6 +918,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         small machine)."""
         from raystream.placement import standby_slots
         from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
+        from raystream.runtime.warm_standby import standby_env
 
         steps = {
             n: self.parallelism[n]
@@ -960,6 +961,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                     namespace=NAMESPACE,
                     max_concurrency=10_000,
                     scheduling_strategy="SPREAD",
+                    # its imports run at the lowest CPU priority (raystream.runtime.warm_standby)
+                    runtime_env={"env_vars": standby_env()},
                 ).remote(None)
             except ValueError:  # the name is still held: a later fill takes the slot
                 continue
