@@ -12,7 +12,8 @@ import pytest
 
 from raystream.runtime.warm_standby import STANDBY_ENV, WARM_MODULES, WARM_NICE
 
-PROBE = """
+PROBE = (
+    """
 import json, os, sys, threading
 before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 import raystream
@@ -25,7 +26,9 @@ print(json.dumps({
     "env_left": os.environ.get(%r),
     "modules": sorted(sys.modules),
 }))
-""" % STANDBY_ENV
+"""
+    % STANDBY_ENV
+)
 
 
 def _probe(standby: bool) -> dict:
@@ -43,7 +46,9 @@ def test_a_standby_imports_in_a_low_priority_thread_and_keeps_its_main_thread_pr
     got = _probe(standby=True)
     rep = got["report"]
     assert rep is not None, "the warm-up did not run in a process started as a warm standby"
-    assert rep["modules"] == list(WARM_MODULES), f"imported {rep['modules']}, failed {rep['failed']}"
+    assert rep["modules"] == list(WARM_MODULES), (
+        f"imported {rep['modules']}, failed {rep['failed']}"
+    )
     assert rep["nice"] == WARM_NICE, f"helper thread nice: expected {WARM_NICE}, got {rep['nice']}"
     assert got["main_nice_after"] == got["main_nice_before"], (
         f"the main thread's nice changed: {got['main_nice_before']} -> {got['main_nice_after']}"
