@@ -7,10 +7,12 @@ running flat out, two of them starting took a fifth of a short job's throughput.
 
 The controller starts each standby with ``RAYSTREAM_WARM_STANDBY=1`` in its environment.
 ``raystream/__init__`` calls :func:`warm_up_if_standby` first thing: in such a process the
-modules of :data:`WARM_MODULES` are imported by a helper thread whose own priority is lowered to
-nice 19 (Linux schedules threads one by one), while the main thread waits for it; the rest of
-raystream's import then finds them loaded. The main thread's priority is never changed, so the
-instance the standby becomes runs at normal priority (raising a priority back needs privileges).
+modules of :data:`WARM_MODULES` are imported by a helper thread in the idle scheduling class
+(``SCHED_IDLE``; else at nice 19: Linux schedules threads one by one; Ray already runs its
+workers at nice 15, so nice 19 alone would still take a third of a worker's share), while the
+main thread waits for it; the rest of raystream's import then finds them loaded. The main
+thread's priority is never changed, so the instance the standby becomes runs at the priority it
+would have had (raising a priority back needs privileges).
 On an idle machine the imports take as long as before; while the job keeps every core busy they
 take the CPU left over, and the standby is ready later.
 
@@ -32,7 +34,7 @@ STANDBY_ENV = "RAYSTREAM_WARM_STANDBY"
 # to_numpy imports lazily); raystream's own modules cannot be imported from another thread while
 # the main thread is inside raystream/__init__ (it holds the package's import lock)
 WARM_MODULES = ("numpy", "pyarrow", "pyarrow.compute", "rocksdict", "xxhash", "hdrh", "pandas")
-WARM_NICE = 19  # the helper thread's nice value (the lowest priority)
+WARM_NICE = 19  # the helper thread's nice value where there is no idle scheduling class
 
 # what the warm-up did in this process (None: not a standby), for the start-up timeline
 last_warm_up: dict[str, Any] | None = None
@@ -43,32 +45,39 @@ def standby_env() -> dict[str, str]:
     return {STANDBY_ENV: "1"}
 
 
-def _lower_thread_priority(nice: int) -> int | None:
-    """Set the calling thread's nice value (Linux: per thread); its new value, or None where the
-    platform has no per-thread priority."""
-    if not hasattr(os, "setpriority"):
-        return None
+def _lower_thread_priority(nice: int) -> str | None:
+    """Put the calling thread (Linux: priorities are per thread) in the idle scheduling class
+    (``SCHED_IDLE``: it runs when nothing else wants the CPU), or else at nice ``nice``; says
+    which (``"idle"``, ``"nice <n>"``), or None where the platform has neither."""
     tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, nice)
-        return os.getpriority(os.PRIO_PROCESS, tid)
-    except OSError:
-        return None
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return "idle"
+        except OSError:
+            pass
+    if hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+            return f"nice {os.getpriority(os.PRIO_PROCESS, tid)}"
+        except OSError:
+            pass
+    return None
 
 
 def warm_up_if_standby(modules: tuple[str, ...] = WARM_MODULES) -> dict[str, Any] | None:
     """In a warm standby process (``RAYSTREAM_WARM_STANDBY`` set; it is removed, so processes
     this one starts do not inherit it), import ``modules`` in a helper thread at nice
     :data:`WARM_NICE` and wait for it. Returns what it did (also kept in ``last_warm_up``):
-    the modules imported, the thread's nice value, its CPU and wall seconds; None elsewhere.
+    the modules imported, the thread's priority, its CPU and wall seconds; None elsewhere.
     A module that fails to import is left for the normal import to report."""
     global last_warm_up
     if os.environ.pop(STANDBY_ENV, "") != "1":
         return None
-    report: dict[str, Any] = {"modules": [], "failed": [], "nice": None}
+    report: dict[str, Any] = {"modules": [], "failed": [], "priority": None}
 
     def run() -> None:
-        report["nice"] = _lower_thread_priority(WARM_NICE)
+        report["priority"] = _lower_thread_priority(WARM_NICE)
         cpu0 = time.thread_time()
         for name in modules:
             try:
