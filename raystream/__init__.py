@@ -31,12 +31,6 @@ if _ilu.find_spec("raystream.operators") is None:  # pragma: no cover - depends 
     )
     raise ImportError(_msg)
 
-# a warm standby process (started by the controller for scale-outs) does its heavy imports in a
-# thread at the lowest CPU priority first, so they take no CPU the running job needs
-from raystream.runtime.warm_standby import warm_up_if_standby as _warm_up_if_standby  # noqa: E402
-
-_warm_up_if_standby()
-
 from raystream.errors import (  # noqa: E402
     CheckpointError,
     ConfigError,

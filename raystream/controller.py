@@ -159,9 +159,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                 self.autoscaler.run(lambda: self.state == "running")
             )
         if self.config.migration_support and any(s.is_keyed for s in self.plan.steps.values()):
-            # the first standbys warm up on CPU the job leaves (raystream.runtime.warm_standby)
-            first_fill = self._fill_standby(self.config.standby_delay_s, low_priority=True)
-            asyncio.get_running_loop().create_task(first_fill)
+            asyncio.get_running_loop().create_task(self._fill_standby(self.config.standby_delay_s))
         return self.describe()
 
     async def _deploy(self, start_at: float | None = None) -> None:
@@ -846,19 +844,13 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         while (self._rescale_lock.locked() or self._queued) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
-    async def _fill_standby(
-        self, delay_s: float = 0.0, *, one_at_a_time: bool = False, low_priority: bool = False
-    ) -> None:
+    async def _fill_standby(self, delay_s: float = 0.0, *, one_at_a_time: bool = False) -> None:
         """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs of keyed
         steps without actor options. Ray names an actor only when it is created, so each is
         created under the name of the instance it would become (``standby_slots``); a slot
         whose name is still held (a retiring instance) is left for a later fill. The first fill
         waits ``delay_s``: its processes would compete with the job's own start-up, and a job
-        that ends sooner (or rescales before: it starts what it needs) needs none.
-        ``low_priority``: the standbys import their libraries at the lowest CPU priority (the
-        job's first fill: they take only CPU the job leaves; refills after a scale-out, which
-        ``raystream.standby_pacing`` times, warm up at normal priority: the next scale-out may
-        need them soon)."""
+        that ends sooner (or rescales before: it starts what it needs) needs none."""
         if delay_s > 0:
             await asyncio.sleep(delay_s)
         if self._standby_filling:
@@ -869,9 +861,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             self._standby_refill = True
             while self._standby_refill and self.state == "running":
                 self._standby_refill = False
-                await self._fill_standby_once(
-                    one_at_a_time=one_at_a_time, low_priority=low_priority
-                )
+                await self._fill_standby_once(one_at_a_time=one_at_a_time)
         finally:
             self._standby_filling = False
 
@@ -921,16 +911,13 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             count = max(count, self.autoscaler.next_scale_out_instances())
         return count
 
-    async def _fill_standby_once(
-        self, *, one_at_a_time: bool = False, low_priority: bool = False
-    ) -> None:
+    async def _fill_standby_once(self, *, one_at_a_time: bool = False) -> None:
         """Start the missing warm standbys: side by side (the next scale-out waits for the
         slowest, not their sum), or ``one_at_a_time`` (each once the one before is up: after a
         scale-out the job runs on, and two process start-ups at once take both cores of a
         small machine)."""
         from raystream.placement import standby_slots
         from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
-        from raystream.runtime.warm_standby import standby_env
 
         steps = {
             n: self.parallelism[n]
@@ -973,8 +960,6 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                     namespace=NAMESPACE,
                     max_concurrency=10_000,
                     scheduling_strategy="SPREAD",
-                    # its imports at the lowest CPU priority (raystream.runtime.warm_standby)
-                    **({"runtime_env": {"env_vars": standby_env()}} if low_priority else {}),
                 ).remote(None)
             except ValueError:  # the name is still held: a later fill takes the slot
                 continue

@@ -65,10 +65,7 @@ class InstanceEndpoint:
             import pandas  # noqa: F401 - ... pyarrow's to_numpy imports it lazily: pay that here
         pandas_at = time.time()
         self._instance = OperatorInstance(spec) if spec is not None else None  # type: ignore[assignment]
-        from raystream.runtime.warm_standby import last_warm_up
-
         self._startup = {
-            "warm_up": last_warm_up,  # a warm standby's low-priority imports (None: none)
             "init_at": init_at,
             "pandas_s": round(pandas_at - init_at, 4),
             "instance_s": round(time.time() - pandas_at, 4),  # a keyed one opens RocksDB
