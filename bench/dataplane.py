@@ -25,6 +25,12 @@ alternating between repeats; ``--compare chaining``: operator chaining on and of
       python -m bench.dataplane --name dataplane_chained_sink --compare chaining \
           --case gen_p2_sink --case rate_100k_sink
 
+* ``gen_p2_no_standby`` (not in the default set): ``gen_p2`` with ``--standby-instances 0``:
+  the job with migration support starts no warm standby actors, so the pair shows the per-batch
+  cost of migration support alone::
+
+      python -m bench.dataplane --name support_gen --case gen_p2 --case gen_p2_no_standby
+
 * ``long_rate_100k_sink`` (not in the default set): ``rate_100k_sink`` for 24 s (warm-up 8 s):
   the sink's own upkeep (it compacts its table as it grows) shows only in a run this long;
 * ``rate_10k``, ``rate_100k``, ``rate_500k``: the generator at that many events/s (open loop,
@@ -68,6 +74,9 @@ _LONG_RATE_100K = ["--rate", "100000", "--events", "2400000", "--parallelism", "
 CASES: dict[str, list[str]] = {
     "gen_p1": ["--events", "6000000", "--parallelism", "1"],
     "gen_p2": ["--events", "6000000", "--parallelism", "2"],
+    # gen_p2 without warm standby actors: what migration support costs per batch, without the
+    # one-time start of the two standbys a job with it keeps (not in the default set)
+    "gen_p2_no_standby": ["--events", "6000000", "--parallelism", "2", "--standby-instances", "0"],
     "parquet_p1": ["--parallelism", "1"],
     "parquet_p2": ["--parallelism", "2"],
     **{
@@ -131,7 +140,9 @@ CASES: dict[str, list[str]] = {
 # which a job with migration support starts in its first seconds, are up)
 STEADY_SKIP = {"long_gen_p2": 8.0}
 DEFAULT_CASES = [
-    c for c in CASES if not c.startswith("long_") and not c.endswith(("_map", "_sink"))
+    c
+    for c in CASES
+    if not c.startswith("long_") and not c.endswith(("_map", "_sink", "_no_standby"))
 ]
 # what a pair of runs compares: (key, flags) of the first and of the second run of each pair
 PAIRS: dict[str, tuple[tuple[str, list[str]], tuple[str, list[str]]]] = {

@@ -442,6 +442,13 @@ def _stop(job: rs.Job) -> None:
     help="Off: no per-sub-group tracking (to measure its cost); rescales are refused.",
 )
 @click.option(
+    "--standby-instances",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Warm standby actors the job keeps for scale-outs (default: RuntimeConfig's, 2); 0 "
+    "separates their one-time start-up from the per-batch cost of migration support.",
+)
+@click.option(
     "--checkpoint-interval",
     "checkpoint_interval_s",
     type=click.FloatRange(min=0),
@@ -501,6 +508,7 @@ def main(
     sink_parallelism: int,
     chaining: bool,
     migration_support: bool,
+    standby_instances: int | None,
     checkpoint_interval_s: float,
     checkpoint_dir: str | None,
     kill_at: tuple[str, ...],
@@ -586,6 +594,7 @@ def main(
         "rescale": [f"{p}@{t:g}" for p, t in rescales],
         "strategy": strategy,
         "migration_support": migration_support,
+        "standby_instances": standby_instances,
         "source_parallelism": source_parallelism,
         "pre_map": pre_map,
         "sink_parallelism": sink_parallelism,
@@ -636,6 +645,7 @@ def main(
                 **({"checkpoint_dir": checkpoint_dir} if checkpoint_dir else {}),
                 **({"state_dir": state_dir} if state_dir else {}),
                 migration_support=migration_support,
+                **({} if standby_instances is None else {"standby_instances": standby_instances}),
                 chaining=chaining,
                 batch_rows=batch_rows,
                 source_batch_rows=batch_rows,
