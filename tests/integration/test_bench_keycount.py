@@ -160,6 +160,8 @@ def test_bench_generator_per_key_form(bench_main: Any, tmp_path: Path) -> None:
             "3",
             "--batch-rows",
             "8000",
+            "--standby-instances",
+            "0",
             "--output",
             str(out),
             "--report",
@@ -176,6 +178,7 @@ def test_bench_generator_per_key_form(bench_main: Any, tmp_path: Path) -> None:
     report = json.loads(rep.read_text())
     _check_report(report, 40_000, 3)
     assert report["config"]["form"] == "per-key"
+    assert report["config"]["standby_instances"] == 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -192,6 +195,7 @@ def test_bench_generator_per_key_form(bench_main: Any, tmp_path: Path) -> None:
         (lambda d: ["--form", "columnar"], "'columnar' is not one of 'vectorised', 'per-key'"),
         (lambda d: ["--parallelism", "0"], "--parallelism"),
         (lambda d: ["--parallelism", "129"], "at most 128"),
+        (lambda d: ["--standby-instances", "-1"], "--standby-instances"),
         (lambda d: ["--output", str(d / "nodir" / "counts.parquet")], "does not exist"),
     ],
     ids=[
@@ -202,6 +206,7 @@ def test_bench_generator_per_key_form(bench_main: Any, tmp_path: Path) -> None:
         "bad-form",
         "parallelism-0",
         "parallelism-129",
+        "standby-instances-negative",
         "output-dir-missing",
     ],
 )
