@@ -21,7 +21,9 @@ class Meces:
     chunk_sub_groups: int = 8
     chunk_bytes: int = 4 << 20
     fetch_concurrency: int = 2
-    inflight_chunks: int = 3
+    # calls outstanding per (new owner, old owner) pair, one kept for on-demand fetches; a pair
+    # moves about (inflight_chunks - 1) x chunk_bytes per round trip of a call
+    inflight_chunks: int = 5
 
     def plan(self, ctx: RescaleContext) -> MigrationPlan:
         policy = FetchPolicy(

@@ -1242,6 +1242,11 @@ def _waiting_for(snap: Any, epoch: int) -> str:
         f"({mig.get('pending_bytes', 0)} bytes) waiting)"
     )
     parts.append(f"{mig.get('outgoing_left', 0)} sub-groups still to hand out")
+    if mig.get("outgoing_left"):
+        parts.append(
+            f"{mig.get('chunks_out', 0)} chunks served, {mig.get('serve_calls_queued', 0)} "
+            f"serve calls queued, serving loop: {mig.get('server', '?')}"
+        )
     if snap.get("finished"):
         parts.append("its input ended")
     return ", ".join(parts)

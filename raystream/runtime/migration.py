@@ -192,6 +192,13 @@ class MigrationTask:
     ready_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(
         default_factory=list
     )
+    # old owner: the serve calls of this step waiting for a chunk (a heap: urgent first, then
+    # in arrival order) and the loop serving them, woken by ``serve_wake``. They belong to the
+    # step, not the engine: a call of the next step may come (on the transfer thread) while
+    # the instance's loop is still inside ``prepare``
+    serve_queue: list[tuple[int, int, _ServeRequest]] = field(default_factory=list)
+    server: asyncio.Task[Any] | None = None
+    serve_wake: asyncio.Event | None = None
     # this process's resident memory from the switch here to the end of the move (bytes)
     rss: PeakRss | None = None
     activated_at: float = 0.0
@@ -256,10 +263,7 @@ class MigrationEngine:
         self.pending_bytes = 0
         self.max_pending_bytes = max_pending_bytes
         self._slots: dict[int, PrioritySlots] = {}  # per old owner: serve calls outstanding
-        self._serve_queue: list[tuple[int, int, _ServeRequest]] = []
         self._serve_seq = itertools.count()
-        self._serve_wake = asyncio.Event()
-        self._server: asyncio.Task[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the instance's loop
         self._ready_lock = threading.Lock()
         self._serve_idle = threading.Event()  # no request being served or queued (once ready)
@@ -410,24 +414,25 @@ class MigrationEngine:
 
     # ---- protocol ------------------------------------------------------------------------
     def prepare(self, task: MigrationTask) -> None:
-        if self.task is not None and not self.task.done.is_set():
-            msg = f"epoch {task.epoch} prepared while epoch {self.task.epoch} is still moving"
+        """Take the task of a rescale step. It is published (``self.task``) last: the serving
+        loop (another thread under Ray) serves the step's calls the moment it sees it."""
+        last = self.task
+        if last is not None and not last.done.is_set():
+            msg = f"epoch {task.epoch} prepared while epoch {last.epoch} is still moving"
             raise StateError(msg)
-        self.task = task
+        for g in task.outgoing:
+            if not self.held[g]:
+                msg = f"sub-group {g} is to be handed out but is not held here"
+                raise StateError(msg)
         self._slots = {}
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
-        server = self._server
-        if server is not None:  # the last epoch's server (idle: its epoch is done)
+        self.task = task
+        server = last.server if last is not None else None
+        if server is not None and not server.done():  # the last step's (idle: it is done)
             server.get_loop().call_soon_threadsafe(server.cancel)
-            self._server = None
-        self._serve_queue = []
-        for g in task.outgoing:
-            if not self.held[g]:
-                msg = f"sub-group {g} is to be handed out but is not held here"
-                raise StateError(msg)
 
     def activate(self, epoch: int) -> None:
         task = self.task
@@ -510,7 +515,8 @@ class MigrationEngine:
         serves moved state, block (without the GIL) until it is idle, at most ``max_s``. The
         transfer goes first: records buffered at the new owners wait for it, and the old owner's
         own records wait at most ``max_s`` per slice."""
-        server = self._server
+        task = self.task
+        server = task.server if task is not None else None
         if server is None or self._serve_idle.is_set() or server.get_loop() is self._loop:
             return
         self._serve_idle.wait(max_s)
@@ -723,13 +729,15 @@ class MigrationEngine:
             raise StateError(msg)
         loop = asyncio.get_running_loop()
         req = _ServeRequest(urgent, list(groups), max_bytes, time.monotonic(), loop.create_future())
-        heapq.heappush(self._serve_queue, (0 if urgent else 1, next(self._serve_seq), req))
-        if self._server is None or self._server.done() or self._server.get_loop() is not loop:
+        heapq.heappush(task.serve_queue, (0 if urgent else 1, next(self._serve_seq), req))
+        server = task.server
+        if server is None or server.done() or server.get_loop() is not loop:
             # requests of one epoch come on one loop (the actor's transfer group, or the
             # instance's own loop when called directly)
-            self._serve_wake = asyncio.Event()
-            self._server = loop.create_task(self._serve_loop(task))
-        self._serve_wake.set()
+            task.serve_wake = asyncio.Event()
+            task.server = loop.create_task(self._serve_loop(task))
+        assert task.serve_wake is not None
+        task.serve_wake.set()
         return await req.future
 
     async def _serve_loop(self, task: MigrationTask) -> None:
@@ -737,7 +745,7 @@ class MigrationEngine:
             await self._serve_requests(task)
         except Exception as e:  # noqa: BLE001 - every waiting requester fails with it
             self._serve_idle.set()
-            queue, self._serve_queue = self._serve_queue, []
+            queue, task.serve_queue = task.serve_queue, []
             for _, _, req in queue:
                 if not req.future.done():
                     req.future.set_exception(e)
@@ -750,15 +758,18 @@ class MigrationEngine:
     async def _serve_requests(self, task: MigrationTask) -> None:
         await self._wait_ready(task)  # sealed, fenced, evicted (on the instance's loop)
         burst_from = time.monotonic()
+        queue = task.serve_queue
         while self.task is task:
-            if not self._serve_queue:
+            if not queue:
                 self._serve_idle.set()
-                self._serve_wake.clear()
-                await self._serve_wake.wait()
+                wake = task.serve_wake
+                assert wake is not None
+                wake.clear()
+                await wake.wait()
                 burst_from = time.monotonic()
                 continue
             self._serve_idle.clear()
-            _, _, req = heapq.heappop(self._serve_queue)
+            _, _, req = heapq.heappop(queue)
             if req.urgent:
                 start = max(req.arrived_at, task.sealed_at)
                 task.serve_wait_ms.append((time.monotonic() - start) * 1000)
@@ -768,7 +779,7 @@ class MigrationEngine:
                 req.future.set_result(self._serve_chunk(task, req.groups, req.max_bytes))
             except Exception as e:  # noqa: BLE001 - the requester's call fails with it
                 req.future.set_exception(e)
-            if self._serve_queue and time.monotonic() - burst_from < SERVE_BURST_S:
+            if queue and time.monotonic() - burst_from < SERVE_BURST_S:
                 continue  # requests queued while records ran: serve them together
             await asyncio.sleep(0)  # records, and new (urgent) requests, between bursts
             burst_from = time.monotonic()
@@ -862,6 +873,8 @@ class MigrationEngine:
             "rss_peak_bytes": t.rss.peak if t.rss is not None else None,
             "fenced": t.fenced.is_set(),
             "chunks_out": t.chunks_out,
+            "serve_calls_queued": len(t.serve_queue),
+            "server": _server_state(t),
             "max_chunk_bytes": t.max_chunk_bytes,
             "max_inflight_chunks": t.max_inflight_chunks,
             "handover_rows_out": t.handover_rows_out,
@@ -888,6 +901,16 @@ class MigrationEngine:
             self.poke()
 
     error: BaseException | None = None
+
+
+def _server_state(task: MigrationTask) -> str:
+    """The old owner's serving loop of ``task``, in words (for a rescale that did not finish)."""
+    server = task.server
+    if server is None:
+        return "none (no serve call came)"
+    if server.done():
+        return "ended"
+    return "serving" if task.ready.is_set() else "waiting for the seal and fence"
 
 
 def _merge_runs(pieces: list[pa.RecordBatch]) -> list[pa.RecordBatch]:

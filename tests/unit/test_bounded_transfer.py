@@ -574,3 +574,111 @@ def test_an_old_owner_serves_from_a_loop_in_another_thread_while_its_own_loop_wr
     assert pair.old.task.export_s > 0 and pair.new.task.import_s > 0
     assert len(pair.new.task.fetch_rtt_ms) == pair.new.task.fetch_calls
     pair.close()
+
+
+class _PublishHook(MigrationEngine):
+    """An engine that runs ``on_task`` (once) the moment ``prepare`` publishes a new task:
+    the point where a serving loop in another thread, polling for the task, can go on."""
+
+    on_task: Any = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "task" and value is not None and self.on_task is not None:
+            hook, self.on_task = self.on_task, None
+            hook()
+
+
+def test_a_fetch_that_comes_while_the_next_step_is_being_prepared_is_served(
+    tmp_path: Path,
+) -> None:
+    """Two steps of one rescale (fluid: one key group per step). The controller sends a step's
+    task beside its barrier without waiting, so a new owner's fetch may reach a busy old owner
+    first; the old owner's transfer thread waits for the task and serves the fetch the moment
+    it sees it. Here it sees it exactly while the instance's loop is still inside ``prepare``
+    (the last step's idle server on the transfer loop): the fetch must still be served."""
+    import threading
+
+    rows = _rows(range(NUM_KEY_GROUPS), per_sub_group=20, value_bytes=200, seed=33)
+    policy = FetchPolicy(chunk_bytes=4_000, inflight_chunks=2)
+    pair = Pair(tmp_path, policy, rows)
+    old = _PublishHook(pair.old_db, NUM_KEY_GROUPS, SUB_GROUPS, range(NUM_KEY_GROUPS))
+    pair.old = old
+    steps = [pair.moving[: len(pair.moving) // 2], pair.moving[len(pair.moving) // 2 :]]
+    transfer = asyncio.new_event_loop()
+    server = threading.Thread(target=transfer.run_forever, daemon=True)
+    server.start()
+    published = threading.Event()
+    submitted = threading.Event()
+    serve = MigrationEngine.serve
+
+    async def on_transfer_loop(epoch: int, groups: list[int], max_bytes: int, urgent: bool):
+        while old.task is None or old.task.epoch < epoch:  # the actor waits for the task
+            await asyncio.sleep(0.001)
+        call = asyncio.ensure_future(serve(old, epoch, groups, max_bytes, urgent))
+        await asyncio.sleep(0)  # the request is queued (serve ran up to its first await)
+        if published.is_set():
+            submitted.set()
+        return await call
+
+    def across(epoch: int, groups: list[int], max_bytes: int, urgent: bool):
+        fut = asyncio.run_coroutine_threadsafe(
+            on_transfer_loop(epoch, groups, max_bytes, urgent), transfer
+        )
+        return asyncio.wrap_future(fut)
+
+    old.serve = across  # type: ignore[method-assign]
+
+    def step_tasks(epoch: int, moving: list[int]) -> tuple[MigrationTask, MigrationTask]:
+        return (
+            MigrationTask(epoch, policy, incoming={}, outgoing=set(moving)),
+            MigrationTask(epoch, policy, incoming=dict.fromkeys(moving, 0), outgoing=set()),
+        )
+
+    async def run_step(epoch: int, moving: list[int], *, late_task: bool) -> None:
+        out_task, in_task = step_tasks(epoch, moving)
+        pair.new.prepare(in_task)
+        pair.new.activate(epoch)
+        pair.new.seal(epoch)
+        if late_task:  # the fetch is out; the old owner takes its task only now
+            await _until(lambda: pair.new.task.fetch_calls > 0)
+            await asyncio.sleep(0.02)
+
+            def hold_prepare() -> None:  # the transfer thread goes on at this very point
+                published.set()
+                assert submitted.wait(5), "the fetch was not submitted"
+
+            old.on_task = hold_prepare
+        old.prepare(out_task)
+        old.activate(epoch)
+        old.seal(epoch)
+        deadline = time.monotonic() + 10
+        while not (pair.new.task.done.is_set() and old.task.done.is_set()):
+            pair.new.take_released()
+            assert time.monotonic() < deadline, (
+                f"step {epoch} did not finish: new owner {pair.new.stats()}, "
+                f"old owner {old.stats()}"
+            )
+            await asyncio.sleep(0.002)
+
+    async def go() -> None:
+        await run_step(1, steps[0], late_task=False)
+        await run_step(2, steps[1], late_task=True)
+
+    try:
+        asyncio.run(go())
+    finally:
+
+        async def stop() -> None:
+            for t in asyncio.all_tasks():
+                if t is not asyncio.current_task():
+                    t.cancel()
+
+        asyncio.run_coroutine_threadsafe(stop(), transfer).result(5)
+        transfer.call_soon_threadsafe(transfer.stop)
+        server.join(5)
+    assert published.is_set() and submitted.is_set()
+    moved = _moved(rows, NUM_KEY_GROUPS // 2)
+    assert _dump(pair.new_db) == moved
+    assert _dump(pair.old_db) == {k: v for k, v in rows.items() if k not in moved}
+    pair.close()

@@ -140,3 +140,27 @@ def test_a_migration_step_ends_when_every_instance_reported_even_if_a_call_is_un
     ]
     assert took_s < 0.5
     assert c._migration_reports == {}  # nothing kept after the step
+
+
+def test_a_step_that_did_not_finish_says_what_the_old_owner_served_and_has_queued() -> None:
+    snap = {
+        "inputs": 2,
+        "eos": 0,
+        "barriers_open": {},
+        "migration": {
+            "epoch": 7,
+            "active": True,
+            "sealed": True,
+            "fenced": True,
+            "incoming": 0,
+            "outgoing_left": 16,
+            "chunks_out": 0,
+            "serve_calls_queued": 0,
+            "server": "none (no serve call came)",
+        },
+    }
+    text = controller_module._waiting_for(snap, 7)
+    assert "16 sub-groups still to hand out" in text
+    assert "0 chunks served, 0 serve calls queued, serving loop: none (no serve call came)" in text
+    snap["migration"]["outgoing_left"] = 0
+    assert "chunks served" not in controller_module._waiting_for(snap, 7)
