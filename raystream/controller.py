@@ -43,6 +43,8 @@ __all__ = ["Controller"]
 
 # a rescale plans from the autoscaler's reading (load per sub-group, backlog) if it is this fresh
 READING_MAX_AGE_S = 2.0
+# an old owner takes short slices this long after a rescale starts, or until its task came
+EXPECT_RESCALE_S = 2.0
 STANDBY_STARTS_KEPT = 8  # standby waves whose start-up time the estimate keeps
 
 
@@ -531,6 +533,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         old = self.routing[step]
         s = self.flow.key_space.sub_groups
         live = [i for i in range(old.parallelism)]
+        for i in live:  # small slices from now: the barrier follows the plan and the new instances
+            self.handles[self._at(step, i)].expect_rescale.remote(EXPECT_RESCALE_S)
         reading = self._fresh_reading(step, live)
         if reading is not None:  # the autoscaler's reading behind this decision, ms old
             loads, backlog = reading

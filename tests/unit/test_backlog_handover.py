@@ -393,3 +393,29 @@ def test_an_overloaded_old_owner_hands_queued_records_over_with_their_state(
     assert new_task.handover_rows_in == old_task.handover_rows_out
     # the seal did not wait for the backlog queued when the rescale started
     assert processed_at_seal == 0, (processed_at_seal, backlog_rows)
+
+
+def test_an_old_owner_takes_short_slices_while_a_rescale_barrier_is_expected(
+    tmp_path: Path,
+) -> None:
+    """The controller tells the old owners a rescale starts (``expect_rescale``) before it plans
+    and configures the new instances: until the migration task comes (or ``hold_s`` passed) a
+    slice is about SERVE_SLICE_TARGET_S of work, so the barrier waits for a short slice."""
+    from raystream.runtime import instance as inst_mod
+
+    job = Job(tmp_path)
+    old = job.instances[COUNT]
+    for _ in range(20):  # learnt: 100 us per row, no fixed part
+        old.batch_cost.learn(0.1, 1000)
+        old.batch_cost.learn(0.2, 2000)
+    normal = old._slice_rows()
+    assert normal == int(inst_mod.SLICE_TARGET_S / 1e-4)  # 1000 rows, 0.1 s
+    old.expect_rescale(5.0)
+    short = old._slice_rows()
+    assert short == int(inst_mod.SERVE_SLICE_TARGET_S / 1e-4)  # 200 rows, 0.02 s
+    # the task came: the migration decides (outgoing sub-groups: short slices; none: normal)
+    policy = FetchPolicy(on_demand=True, background="none")
+    old.prepare_migration(MigrationTask(1, policy, incoming={}, outgoing=set()), None)
+    assert old._slice_rows() == normal
+    old.expect_rescale(0.0)  # expired at once (a rescale that never came)
+    assert old._slice_rows() == normal
