@@ -413,21 +413,23 @@ class MigrationEngine:
         if self.task is not None and not self.task.done.is_set():
             msg = f"epoch {task.epoch} prepared while epoch {self.task.epoch} is still moving"
             raise StateError(msg)
-        self.task = task
+        for g in task.outgoing:
+            if not self.held[g]:
+                msg = f"sub-group {g} is to be handed out but is not held here"
+                raise StateError(msg)
         self._slots = {}
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
-        server = self._server
+        server, self._server = self._server, None
+        self._serve_queue = []
+        # the task last: a fetch waiting for it on the serving loop (another thread; it may run
+        # while this one wakes that loop, below) queues its request only once the last epoch's
+        # queue and server are gone, so its request is neither dropped nor left to that server
+        self.task = task
         if server is not None:  # the last epoch's server (idle: its epoch is done)
             server.get_loop().call_soon_threadsafe(server.cancel)
-            self._server = None
-        self._serve_queue = []
-        for g in task.outgoing:
-            if not self.held[g]:
-                msg = f"sub-group {g} is to be handed out but is not held here"
-                raise StateError(msg)
 
     def activate(self, epoch: int) -> None:
         task = self.task
