@@ -890,7 +890,11 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         missing = max(0, self._standby_count() - len(self._standby))
         cpus = self._cluster_cpus()
         start_s = start_estimate_s(self._standby_starts, cpus)
-        next_s = self.autoscaler.next_rescale_after_s() if self.autoscaler is not None else None
+        # ... if the policy plans its next scale-out (threshold doubles): a policy that sizes
+        # from rates (ds2) does not scale out again because the step is catching up, and
+        # processes starting during the catch-up make it longer
+        plans_next = self.autoscaler is not None and self.autoscaler.next_scale_out_instances() > 0
+        next_s = self.autoscaler.next_rescale_after_s() if plans_next else None
         max_wait_s = refill_deadline_s(next_s, missing, start_s, cpus)
 
         async def read() -> dict[str, Any] | None:

@@ -13,9 +13,10 @@ scale-out the step is still saturated and its backlog has not gone down (by at l
 coming, and it should find warm processes, so the refill starts then. No Ray here: the backlog reader,
 the clock and the sleep are injected.
 
-The wait has a deadline, too: the policy can ask for its next scale-out once the rescaled
-operator's cooldown and a full signal window have passed (``next_scale_out_s`` after the
-rescale), and the refill should be done by then. It starts its processes in waves
+The wait has a deadline, too, if the policy says what its next scale-out will be (threshold
+doubles; ds2 sizes from rates and does not scale out again because the step is catching up): it
+can ask for it once the rescaled operator's cooldown and a full signal window have passed
+(``next_scale_out_s`` after the rescale), and the refill should be done by then. It starts its processes in waves
 (:func:`refill_waves`: the first alone, so that the job keeps most of the CPU while the catch-up
 ends, the rest side by side, so that they take the longest start-up, not the sum);
 :func:`refill_deadline_s` is the longest the wait may last so that the waves, at the measured
