@@ -68,7 +68,8 @@ def _refill_of(r: dict[str, Any], refills: list[dict[str, Any]]) -> dict[str, An
     """The standby refill after rescale ``r`` (a scale-out), if any."""
     for f in refills:
         if f.get("step") == r.get("step") and f.get("rescale_start_s") == r.get("start_s"):
-            return {k: f[k] for k in ("after_s", "caught_up", "not_draining") if k in f}
+            keys = ("after_s", "caught_up", "not_draining", "deadline", "max_wait_s", "waves")
+            return {k: f[k] for k in keys if k in f}
     return None
 
 

@@ -89,8 +89,30 @@ def first_scale_out(report: dict[str, Any]) -> dict[str, Any]:
         "handover_rows": r["handover_rows"],
         # seconds after the move's end the warm standbys' refill began (it waits for the catch-up)
         "standby_refill_after_s": (r.get("standby_refill") or {}).get("after_s"),
+        **later_scale_outs(outs),
         "all_rescales": [
             f"{x['from']}->{x['to']} done {x['done_s']:.2f} s" for x in report["per_rescale"]
+        ],
+    }
+
+
+def later_scale_outs(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The scale-outs after the first (threshold doubles: 2 -> 4 -> 8): the longest of them
+    (seconds from the decision to done), the longest any scale-out spent starting or
+    configuring instances (``prepare_phases_s.spawn``), and the highest record wait p99 of any
+    (records of moved sub-groups waiting for their state on demand)."""
+    later = outs[1:]
+    spawn = [(r.get("prepare_phases_s") or {}).get("spawn") for r in outs]
+    waits = [r.get("fetch_wait_p99_ms") for r in outs]
+    return {
+        "scale_outs": len(outs),
+        "later_done_s_max": max((r["done_s"] for r in later), default=None),
+        "spawn_s_max": max((x for x in spawn if x is not None), default=None),
+        "record_wait_p99_ms_max": max((x for x in waits if x is not None), default=None),
+        "later": [
+            f"{r['from']}->{r['to']} done {r['done_s']:.2f} s, spawn "
+            f"{(r.get('prepare_phases_s') or {}).get('spawn', float('nan')):.2f} s"
+            for r in later
         ],
     }
 

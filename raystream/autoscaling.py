@@ -40,6 +40,7 @@ MetricsFn = Callable[[], Awaitable[Mapping[str, Any]]]
 RescaleFn = Callable[[str, int], Awaitable[Mapping[str, Any]]]
 DemandFn = Callable[[], Awaitable[Mapping[str, float]]]  # source step -> target rate, eps
 MAX_HISTORY = 1000
+WINDOW_READY = 0.95  # a decision once the samples cover this much of the window
 
 
 def resolve_policy(spec: Any, config: AutoscalerConfig) -> tuple[Any, str]:
@@ -140,7 +141,7 @@ class Autoscaler:
             if left <= 0:
                 return
             await self._sleep(min(poll, left))
-            if not self.window.ready():
+            if not self.window.ready(WINDOW_READY):
                 continue  # no decision could be taken yet anyway
             try:
                 now = await self._demand()
@@ -165,7 +166,7 @@ class Autoscaler:
         self.last_reading_s = now - read_at
         self._demand_base = source_demand(snap.get("instances", []))
         self.window.add(now, snap.get("instances", []))
-        if not self.window.ready():
+        if not self.window.ready(WINDOW_READY):
             return []
         signals = self.window.signals(self.kinds, current)
         self.last_signals = signals
@@ -243,6 +244,11 @@ class Autoscaler:
             hi = self.guard.bounds(op)[1]
             total += max(0, min(hi, int(fn(p))) - p)
         return total
+
+    def next_rescale_after_s(self) -> float:
+        """Seconds after an operator's rescale ended before this autoscaler can rescale it
+        again: its cooldown, and a (nearly) full signal window (the window starts over)."""
+        return max(float(self.config.cooldown_s), float(self.config.window_s) * WINDOW_READY)
 
     # ---- records --------------------------------------------------------------------------
     def _news(self, change: Change) -> bool:

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,9 @@ __all__ = ["Controller"]
 
 # a rescale plans from the autoscaler's reading (load per sub-group, backlog) if it is this fresh
 READING_MAX_AGE_S = 2.0
+# an old owner takes short slices this long after a rescale starts, or until its task came
+EXPECT_RESCALE_S = 2.0
+STANDBY_STARTS_KEPT = 8  # standby waves whose start-up time the estimate keeps
 
 
 class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
@@ -94,6 +98,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         self._spawning: set[ChannelId] = set()  # ids a scale-out is starting an instance for
         self._standby_refill = False  # a fill was asked for while one ran
         self.standby_refills: list[dict[str, Any]] = []  # after each scale-out: when and why
+        self._standby_starts: list[tuple[int, float]] = []  # (processes, seconds) per wave
+        self._cpus: float | None = None
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
         self._barrier_expected: dict[int, set[ChannelId]] = {}
@@ -527,6 +533,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         old = self.routing[step]
         s = self.flow.key_space.sub_groups
         live = [i for i in range(old.parallelism)]
+        for i in live:  # small slices from now: the barrier follows the plan and the new instances
+            self.handles[self._at(step, i)].expect_rescale.remote(EXPECT_RESCALE_S)
         reading = self._fresh_reading(step, live)
         if reading is not None:  # the autoscaler's reading behind this decision, ms old
             loads, backlog = reading
@@ -844,7 +852,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         while (self._rescale_lock.locked() or self._queued) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
-    async def _fill_standby(self, delay_s: float = 0.0, *, one_at_a_time: bool = False) -> None:
+    async def _fill_standby(self, delay_s: float = 0.0, *, in_waves: bool = False) -> None:
         """Keep ``standby_instances`` warm actors (started, imports done) for scale-outs of keyed
         steps without actor options. Ray names an actor only when it is created, so each is
         created under the name of the instance it would become (``standby_slots``); a slot
@@ -861,7 +869,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             self._standby_refill = True
             while self._standby_refill and self.state == "running":
                 self._standby_refill = False
-                await self._fill_standby_once(one_at_a_time=one_at_a_time)
+                await self._fill_standby_once(in_waves=in_waves)
         finally:
             self._standby_filling = False
 
@@ -869,14 +877,25 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         """Refill the warm standbys a scale-out used once its step caught up with its backlog
         (``raystream.standby_pacing``): their start-up would take the CPU the catch-up needs.
         A step that does not keep up gets them 1 s after the scale-out (the next one needs them);
-        they start one at a time.
+        they start in waves (the first alone, the rest side by side), and the wait ends in time
+        for them to be up when the autoscaler could next scale the step out.
         ``standby_refills`` (in the job's result) gets one entry per scale-out: its step and
         ``start_s``, the seconds waited after its end, and why the wait ended (the rescale
         record itself is not changed after the rescale returned it)."""
-        from raystream.standby_pacing import wait_caught_up
+        from raystream.standby_pacing import refill_deadline_s, start_estimate_s, wait_caught_up
 
         step = record["step"]
         epoch = self.routing[step].epoch
+        # done by the time the policy could ask for the next scale-out, even if not caught up
+        missing = max(0, self._standby_count() - len(self._standby))
+        cpus = self._cluster_cpus()
+        start_s = start_estimate_s(self._standby_starts, cpus)
+        # ... if the policy plans its next scale-out (threshold doubles): a policy that sizes
+        # from rates (ds2) does not scale out again because the step is catching up, and
+        # processes starting during the catch-up make it longer
+        plans_next = self.autoscaler is not None and self.autoscaler.next_scale_out_instances() > 0
+        next_s = self.autoscaler.next_rescale_after_s() if plans_next else None
+        max_wait_s = refill_deadline_s(next_s, missing, start_s, cpus)
 
         async def read() -> dict[str, Any] | None:
             table = self.routing.get(step)
@@ -887,7 +906,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             except Exception:  # noqa: BLE001 - (an instance replaced meanwhile) not known:
                 return {}  # such readings never count as caught up; the fill comes at max_wait_s
 
-        waited = await wait_caught_up(read)
+        waited = await wait_caught_up(read, max_wait_s=max_wait_s)
         if waited["last"] is None:
             return  # the job ended, or the step was rescaled again: that rescale asks for a fill
         self.standby_refills.append(
@@ -897,11 +916,24 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
                 "after_s": round(waited["waited_s"], 3),
                 "caught_up": waited["caught_up"],
                 "not_draining": waited["not_draining"],  # the new capacity did not keep up
+                "deadline": waited["max_wait"],  # ... or the next scale-out could come soon
+                "max_wait_s": round(max_wait_s, 3),
+                "start_estimate_s": round(start_s, 3),
+                "waves": [],  # (processes, seconds until all were up) per wave
             }
         )
         if self.state == "running" and not self._rescale_lock.locked():
             # (a rescale that runs now asks for a fill when it ends)
-            await self._fill_standby(one_at_a_time=True)
+            await self._fill_standby(in_waves=True)
+
+    def _cluster_cpus(self) -> float:
+        """CPUs of the Ray cluster (standby processes starting side by side share them)."""
+        if self._cpus is None:
+            try:
+                self._cpus = float(ray.cluster_resources().get("CPU", 1.0)) or 1.0
+            except Exception:  # noqa: BLE001 - not known: as if one core
+                self._cpus = 1.0
+        return self._cpus
 
     def _standby_count(self) -> int:
         """Warm standbys to keep: ``standby_instances``, or as many as the autoscaler's policy
@@ -911,12 +943,14 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             count = max(count, self.autoscaler.next_scale_out_instances())
         return count
 
-    async def _fill_standby_once(self, *, one_at_a_time: bool = False) -> None:
+    async def _fill_standby_once(self, *, in_waves: bool = False) -> None:
         """Start the missing warm standbys: side by side (the next scale-out waits for the
-        slowest, not their sum), or ``one_at_a_time`` (each once the one before is up: after a
-        scale-out the job runs on, and two process start-ups at once take both cores of a
-        small machine)."""
+        slowest, not their sum), or ``in_waves`` (``standby_pacing.refill_waves``: the first
+        alone, then the rest side by side: after a scale-out the job runs on, and process
+        start-ups take the cores of a small machine). Each wave's time goes into the estimate
+        of a process's start-up (and into the last ``standby_refills`` entry)."""
         from raystream.placement import standby_slots
+        from raystream.standby_pacing import refill_waves
         from raystream.runtime.actors import NAMESPACE, InstanceActor, instance_actor_name
 
         steps = {
@@ -931,6 +965,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         wanted = standby_slots(steps, held, count)
         pooled = {slot for *_, slot in self._standby}
         started: list[tuple[ChannelId, Any]] = []
+        missing = [slot for slot in wanted if slot not in pooled]
+        waves = refill_waves(len(missing)) if in_waves else [len(missing)]
+        wave_started = time.monotonic()
 
         async def pool(slot: ChannelId, h: Any) -> None:
             try:
@@ -964,19 +1001,36 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             except ValueError:  # the name is still held: a later fill takes the slot
                 continue
             self._standby_creating.add(slot)
-            if one_at_a_time:
-                await pool(slot, h)
-            else:
-                started.append((slot, h))
+            started.append((slot, h))
+            if waves and len(started) >= waves[0]:
+                await self._standby_wave(started, wave_started, in_waves, pool)
+                waves.pop(0)
+                started, wave_started = [], time.monotonic()
 
-        # the processes start side by side: a scale-out right after this fill waits for the
-        # slowest of them, not for their sum
-        await asyncio.gather(*(pool(slot, h) for slot, h in started))
+        # the processes of a wave start side by side: a scale-out right after this fill waits
+        # for the slowest of them, not for their sum
+        if started:
+            await self._standby_wave(started, wave_started, in_waves, pool)
         # standbys named for indexes beyond the next ones (a scale-in came) make room
         extra = len(self._standby) - count
         for entry in [e for e in self._standby if e[2] not in wanted][: max(0, extra)]:
             self._standby.remove(entry)
             ray.kill(entry[0], no_restart=True)
+
+    async def _standby_wave(
+        self,
+        started: list[tuple[ChannelId, Any]],
+        t0: float,
+        in_waves: bool,
+        pool: Callable[[ChannelId, Any], Awaitable[None]],
+    ) -> None:
+        """Wait until the standby processes ``started`` side by side (since ``t0``) are up;
+        learn how long that took."""
+        await asyncio.gather(*(pool(slot, h) for slot, h in started))
+        took = time.monotonic() - t0
+        self._standby_starts = [*self._standby_starts, (len(started), took)][-STANDBY_STARTS_KEPT:]
+        if in_waves and self.standby_refills:
+            self.standby_refills[-1].setdefault("waves", []).append([len(started), round(took, 3)])
 
     async def _take_standby(self, iid: ChannelId, node: str | None) -> Any:
         """The warm standby actor named for instance ``iid`` if it runs on ``node`` (any node if

@@ -13,6 +13,15 @@ scale-out the step is still saturated and its backlog has not gone down (by at l
 coming, and it should find warm processes, so the refill starts then. No Ray here: the backlog reader,
 the clock and the sleep are injected.
 
+The wait has a deadline, too, if the policy says what its next scale-out will be (threshold
+doubles; ds2 sizes from rates and does not scale out again because the step is catching up): it
+can ask for it once the rescaled operator's cooldown and a full signal window have passed
+(``next_scale_out_s`` after the rescale), and the refill should be done by then. It starts its processes in waves
+(:func:`refill_waves`: the first alone, so that the job keeps most of the CPU while the catch-up
+ends, the rest side by side, so that they take the longest start-up, not the sum);
+:func:`refill_deadline_s` is the longest the wait may last so that the waves, at the measured
+start-up time of a process (:func:`start_estimate_s`), end by the next possible scale-out.
+
 A reading is what ``Controller._backlog`` gives: ``total_work_s`` (None when the cost per row is
 not known: then ``queued_rows + source_lag_rows`` count, against ``max_rows``), ``busy_s`` (the
 step's instances' busy seconds so far, summed) and ``instances``.
@@ -42,6 +51,10 @@ __all__ = [
     "busy_fraction",
     "caught_up",
     "not_draining",
+    "refill_deadline_s",
+    "refill_time_s",
+    "refill_waves",
+    "start_estimate_s",
     "wait_caught_up",
 ]
 
@@ -52,6 +65,69 @@ MAX_WAIT_S = 10.0  # the refill starts after this long in any case
 DRAIN_S = 1.0  # ... or this long after the scale-out if the backlog is not going down
 MIN_DRAIN = 0.1  # going down: by this fraction of the first reading's at least
 POLL_S = 0.25  # how often the backlog is read meanwhile
+START_S = 1.0  # seconds a standby process takes to start, until one was measured
+
+
+def refill_waves(missing: int) -> list[int]:
+    """Processes per wave of a refill after a scale-out: the first alone, the rest side by side.
+
+    >>> refill_waves(0), refill_waves(1), refill_waves(2), refill_waves(4)
+    ([], [1], [1, 1], [1, 3])
+    """
+    if missing <= 0:
+        return []
+    return [1] if missing == 1 else [1, missing - 1]
+
+
+def refill_time_s(waves: list[int], start_s: float, cpus: float) -> float:
+    """Seconds the ``waves`` take if a process alone starts in ``start_s`` and processes side
+    by side share ``cpus`` cores (more of them than cores take proportionally longer).
+
+    >>> refill_time_s([1, 3], 1.0, 2)
+    2.5
+    """
+    cores = max(float(cpus), 1.0)
+    return sum(start_s * max(1.0, n / cores) for n in waves)
+
+
+def start_estimate_s(
+    starts: list[tuple[int, float]], cpus: float, default: float = START_S
+) -> float:
+    """Seconds one process takes to start, from past waves ``(processes, seconds)``: the
+    median of their times scaled to one process (:func:`refill_time_s` backwards); ``default``
+    before any was measured.
+
+    >>> start_estimate_s([(1, 0.8), (3, 1.8), (1, 1.4)], 2)
+    1.2
+    """
+    cores = max(float(cpus), 1.0)
+    per = sorted(s / max(1.0, n / cores) for n, s in starts if n > 0 and s > 0)
+    if not per:
+        return default
+    mid = len(per) // 2
+    return per[mid] if len(per) % 2 else (per[mid - 1] + per[mid]) / 2
+
+
+def refill_deadline_s(
+    next_scale_out_s: float | None,
+    missing: int,
+    start_s: float,
+    cpus: float,
+    max_wait_s: float = MAX_WAIT_S,
+) -> float:
+    """The longest a refill of ``missing`` processes may wait for the catch-up so that its
+    waves are done ``next_scale_out_s`` after the scale-out (when the policy can next ask for
+    one; None: no autoscaler, only ``max_wait_s``).
+
+    >>> refill_deadline_s(3.0, 4, 1.0, 2)  # waves [1, 3]: 2.5 s
+    0.5
+    >>> refill_deadline_s(3.0, 6, 1.0, 2), refill_deadline_s(None, 6, 1.0, 2)
+    (0.0, 10.0)
+    """
+    if next_scale_out_s is None:
+        return max_wait_s
+    need = refill_time_s(refill_waves(missing), start_s, cpus)
+    return min(max_wait_s, max(0.0, next_scale_out_s - need))
 
 
 def busy_fraction(
@@ -136,19 +212,23 @@ async def wait_caught_up(
 ) -> dict[str, Any]:
     """Wait until ``readings`` readings in a row are :func:`caught_up` against the one before
     (a reading of None -- the step is gone, the job ended -- ends the wait at once), or
-    ``max_wait_s``, or until the step is found :func:`not_draining` ``drain_s`` or later after
-    the start. Returns ``{"waited_s", "caught_up", "not_draining", "last": the last reading}``."""
+    ``max_wait_s`` (at the last reading before it; 0: one reading), or until the step is found
+    :func:`not_draining` ``drain_s`` or later after the start. Returns ``{"waited_s",
+    "caught_up", "not_draining", "max_wait", "last": the last reading}``."""
     start = clock()
     in_row = 0
     first: Mapping[str, Any] | None = None
     prev: Mapping[str, Any] | None = None
     prev_at = start
 
-    def out(done: bool, stuck: bool, last: Mapping[str, Any] | None) -> dict[str, Any]:
+    def out(
+        done: bool, stuck: bool, last: Mapping[str, Any] | None, *, timed_out: bool = False
+    ) -> dict[str, Any]:
         return {
             "waited_s": clock() - start,
             "caught_up": done,
             "not_draining": stuck,
+            "max_wait": timed_out,
             "last": None if last is None else dict(last),
         }
 
@@ -164,6 +244,6 @@ async def wait_caught_up(
         if now - start >= drain_s and not_draining(first, prev, cur, now - prev_at):
             return out(False, True, cur)
         if now - start + poll_s > max_wait_s:
-            return out(False, False, cur)
+            return out(False, False, cur, timed_out=True)
         prev, prev_at = cur, now
         await sleep(poll_s)

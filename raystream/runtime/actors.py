@@ -206,6 +206,11 @@ class InstanceEndpoint:
     async def sub_group_load(self) -> Any:
         return self._instance.sub_group_load()
 
+    async def expect_rescale(self, hold_s: float) -> None:
+        """A rescale of this instance's step starts: its barrier comes soon (see
+        :meth:`OperatorInstance.expect_rescale`)."""
+        self._instance.expect_rescale(hold_s)
+
     async def snapshot_state(self, directory: str) -> dict[str, Any]:
         return self._instance.snapshot_state(directory)
 

@@ -274,6 +274,7 @@ class OperatorInstance:
         self._removal: str | None = None  # the step was removed: its state "drop" or "emit"
         self._switched_epoch = 0  # the last rescale epoch this instance switched at
         self.batch_cost = BatchCost()  # keyed steps: learnt cost of a batch (slice sizes)
+        self._rescale_expected_until = 0.0  # monotonic: small slices, a rescale barrier comes
         self.inbox.on_overtaking = self._overtake_outputs
         # receivers in this process (an operator chain, raystream.runtime.chain): a direct call
         self.local: dict[ChannelId, Any] = {}
@@ -399,11 +400,19 @@ class OperatorInstance:
             self._eos.discard(ch)
             self.watermarks.add(ch)
 
+    def expect_rescale(self, hold_s: float) -> None:
+        """The controller starts a rescale of this step: for the next ``hold_s`` seconds (or
+        until the migration task comes: then :meth:`_serving` decides) take slices of
+        SERVE_SLICE_TARGET_S, so that the barrier, coming a little later (after the plan and the
+        new instances' configuration), waits for a short slice, not a SLICE_TARGET_S one."""
+        self._rescale_expected_until = time.monotonic() + max(0.0, hold_s)
+
     def prepare_migration(self, task: MigrationTask, fetcher: Any) -> None:
         engine = self.engine
         assert engine is not None
         engine.fetcher = fetcher
         engine.prepare(task)
+        self._rescale_expected_until = 0.0  # the task is here: _serving() takes over
 
     async def serve_state(
         self, epoch: int, groups: list[int], max_bytes: int, urgent: bool = False
@@ -943,8 +952,9 @@ class OperatorInstance:
     def _slice_rows(self) -> int:
         """Rows of a slice: about SLICE_TARGET_S of work at the learnt cost (SERVE_SLICE_ROWS
         while unmeasured); while serving moved state, SERVE_SLICE_TARGET_S and at most
-        SERVE_SLICE_ROWS (each round trip of a new owner's fetch waits for one slice)."""
-        if self._serving():
+        SERVE_SLICE_ROWS (each round trip of a new owner's fetch waits for one slice), and so
+        while a rescale barrier is expected (:meth:`expect_rescale`)."""
+        if self._serving() or time.monotonic() < self._rescale_expected_until:
             rows = self.batch_cost.slice_rows(SERVE_SLICE_TARGET_S, SLICE_MIN_ROWS, SERVE_SLICE_ROWS)
             return min(rows, SERVE_SLICE_ROWS)
         return self.batch_cost.slice_rows(SLICE_TARGET_S, SLICE_MIN_ROWS, SERVE_SLICE_ROWS)

@@ -493,6 +493,21 @@ def test_standbys_for_the_next_scale_out_follow_the_policy_within_its_bounds() -
     assert make_loop(sim, DS2()).next_scale_out_instances() == 0
 
 
+def test_the_next_rescale_can_come_after_the_cooldown_and_a_full_window() -> None:
+    """The standby refill after a scale-out is done by then (``standby_pacing``); the loop
+    itself decides no sooner: after a rescale the window starts over."""
+    sim = SimPipeline([(0, 8_000), (5, 32_000)])
+    assert make_loop(sim, Threshold(), cooldown_s=5.0).next_rescale_after_s() == 5.0
+    loop = make_loop(sim, Threshold(), cooldown_s=1.0, window_s=4.0, interval_s=0.25)
+    assert loop.next_rescale_after_s() == 4.0 * 0.95  # the window counts as full at 95 %
+    asyncio.run(drive(sim, loop, 30))
+    assert len(sim.rescales) >= 2, sim.rescales
+    ends = [t for t, _ in sim.rescales]
+    for a, b in zip(ends, ends[1:], strict=False):
+        # the rescale at b was asked at b - 0.5 (the sim's rescale takes 0.5 s)
+        assert (b - 0.5) - a >= loop.next_rescale_after_s() - 1e-9, sim.rescales
+
+
 def test_loop_keeps_running_when_the_policy_misbehaves(caplog: pytest.LogCaptureFixture) -> None:
     calls = {"n": 0}
 

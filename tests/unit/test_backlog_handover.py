@@ -393,3 +393,89 @@ def test_an_overloaded_old_owner_hands_queued_records_over_with_their_state(
     assert new_task.handover_rows_in == old_task.handover_rows_out
     # the seal did not wait for the backlog queued when the rescale started
     assert processed_at_seal == 0, (processed_at_seal, backlog_rows)
+
+
+def test_an_old_owner_takes_short_slices_while_a_rescale_barrier_is_expected(
+    tmp_path: Path,
+) -> None:
+    """The controller tells the old owners a rescale starts (``expect_rescale``) before it plans
+    and configures the new instances: until the migration task comes (or ``hold_s`` passed) a
+    slice is about SERVE_SLICE_TARGET_S of work, so the barrier waits for a short slice."""
+    from raystream.runtime import instance as inst_mod
+
+    job = Job(tmp_path)
+    old = job.instances[COUNT]
+    for _ in range(20):  # learnt: 100 us per row, no fixed part
+        old.batch_cost.learn(0.1, 1000)
+        old.batch_cost.learn(0.2, 2000)
+    normal = old._slice_rows()
+    assert normal == int(inst_mod.SLICE_TARGET_S / 1e-4)  # 1000 rows, 0.1 s
+    old.expect_rescale(5.0)
+    short = old._slice_rows()
+    assert short == int(inst_mod.SERVE_SLICE_TARGET_S / 1e-4)  # 200 rows, 0.02 s
+    # the task came: the migration decides (outgoing sub-groups: short slices; none: normal)
+    policy = FetchPolicy(on_demand=True, background="none")
+    old.prepare_migration(MigrationTask(1, policy, incoming={}, outgoing=set()), None)
+    assert old._slice_rows() == normal
+    old.expect_rescale(0.0)  # expired at once (a rescale that never came)
+    assert old._slice_rows() == normal
+
+
+def test_a_fetch_that_sees_the_new_task_while_it_is_prepared_is_served(tmp_path: Path) -> None:
+    """An old owner serves state on the transfer group's loop, in another thread. A new owner's
+    fetch that came before the migration task polls for it there; ``prepare`` wakes the last
+    epoch's server on that loop to stop it (``call_soon_threadsafe``: the GIL is released, the
+    polling fetch may run). A fetch that saw the new task by then was queued before the queue
+    was reset, and never answered (the rescale hung: the old owner "still had sub-groups to hand
+    out" that were all requested). Here the fetch runs exactly there, in the same thread."""
+
+    async def go() -> tuple[list[int], bool]:
+        db = RocksStateBackend(tmp_path / "old")
+        engine = MigrationEngine(db, 4, 2, range(4))
+        loop = asyncio.get_running_loop()
+        last = MigrationTask(
+            0, FetchPolicy(on_demand=True, background="none"), incoming={}, outgoing=set()
+        )
+        last.done.set()
+        last.server = loop.create_task(asyncio.sleep(3600))  # the last epoch's server, idle
+        engine.task = last
+        moving = [4, 5]
+        task = MigrationTask(
+            1, FetchPolicy(on_demand=True, background="none"), incoming={}, outgoing=set(moving)
+        )
+        early: list[Any] = []
+        saw_task = False
+        wake = loop.call_soon_threadsafe
+
+        def racing(cb: Any, *args: Any, **kw: Any) -> Any:
+            nonlocal saw_task
+            if engine.task is task:  # the polling fetch sees its task: it asks now
+                saw_task = True
+                coro = engine.serve(1, moving, 1 << 20, True)
+                early.append((coro, coro.send(None)))  # runs until it waits for its chunk
+            return wake(cb, *args, **kw)
+
+        loop.call_soon_threadsafe = racing  # type: ignore[method-assign]
+        try:
+            engine.prepare(task)
+        finally:
+            loop.call_soon_threadsafe = wake  # type: ignore[method-assign]
+        try:
+            if early:
+                coro, fut = early[0]
+                engine.activate(1)
+                engine.seal(1)
+                await asyncio.wait_for(asyncio.shield(fut), 5.0)
+                coro.close()
+                done, _ = fut.result()
+            else:  # it saw the old task: it keeps polling, and asks once prepare is done
+                fetch = asyncio.ensure_future(engine.serve(1, moving, 1 << 20, True))
+                engine.activate(1)
+                engine.seal(1)
+                done, _ = await asyncio.wait_for(fetch, 5.0)
+            return sorted(done), saw_task
+        finally:
+            db.close()
+
+    done, _ = asyncio.run(go())
+    assert done == [4, 5]

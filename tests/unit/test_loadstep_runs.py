@@ -80,3 +80,20 @@ def test_latency_recovery_is_the_last_high_window_above_twice_the_low_p99() -> N
     assert row["peak_window_p99_ms"] == 900.0
     assert row["back_within_2x_s"] == 1.0
     assert first_scale_out(_report(0.9, 300.0))["back_within_2x_s"] is None  # no timeline
+
+
+def test_the_scale_outs_after_the_first_give_the_longest_move_spawn_and_record_wait() -> None:
+    rep = _report(0.9, 300.0)
+    rep["per_rescale"][1]["prepare_phases_s"] = {"spawn": 0.1}
+    rep["per_rescale"][2]["prepare_phases_s"] = {"spawn": 2.6}
+    rep["per_rescale"][2]["fetch_wait_p99_ms"] = 450.0
+    row = first_scale_out(rep)
+    assert row["scale_outs"] == 2
+    assert row["later_done_s_max"] == 9  # 3 -> 4, not the first (0.9 s) nor the scale-in
+    assert row["spawn_s_max"] == 2.6
+    assert row["record_wait_p99_ms_max"] == 450.0
+    assert row["later"] == ["3->4 done 9.00 s, spawn 2.60 s"]
+    rep["per_rescale"] = rep["per_rescale"][:2]  # one scale-out only
+    row = first_scale_out(rep)
+    assert row["later_done_s_max"] is None and row["later"] == []
+    assert row["spawn_s_max"] == 0.1

@@ -6,7 +6,15 @@ import asyncio
 from typing import Any
 
 from raystream.autoscaling import next_tick_wait
-from raystream.standby_pacing import busy_fraction, caught_up, wait_caught_up
+from raystream.standby_pacing import (
+    busy_fraction,
+    caught_up,
+    refill_deadline_s,
+    refill_time_s,
+    refill_waves,
+    start_estimate_s,
+    wait_caught_up,
+)
 
 
 class FakeTime:
@@ -73,14 +81,20 @@ def test_gives_up_after_max_wait_and_stops_when_the_step_is_gone() -> None:
     got = asyncio.run(
         wait_caught_up(never, max_wait_s=2.0, poll_s=0.25, clock=ft.clock, sleep=ft.sleep)
     )
-    assert got["caught_up"] is False
+    assert got["caught_up"] is False and got["max_wait"] is True
     assert got["waited_s"] == 2.0 and calls == 9  # at 0, 0.25, .., 2.0
 
     async def gone() -> None:
         return None
 
     got = asyncio.run(wait_caught_up(gone, clock=ft.clock, sleep=ft.sleep))
-    assert got == {"waited_s": 0.0, "caught_up": False, "not_draining": False, "last": None}
+    assert got == {
+        "waited_s": 0.0,
+        "caught_up": False,
+        "not_draining": False,
+        "max_wait": False,
+        "last": None,
+    }
 
 
 def test_a_step_that_does_not_keep_up_gets_its_standbys_after_drain_s() -> None:
@@ -115,3 +129,55 @@ def test_ticks_keep_their_interval_whatever_a_tick_took() -> None:
     assert next_tick_wait(5.0, 5.0, 0.25) == 0.25
     assert next_tick_wait(5.0, 5.1, 0.25) == 0.15
     assert next_tick_wait(5.0, 6.5, 0.25) == 0.025  # a rescale ran: a short pause, no burst
+
+
+def test_a_refill_starts_its_first_process_alone_and_the_rest_side_by_side() -> None:
+    assert refill_waves(0) == [] and refill_waves(-1) == []
+    assert refill_waves(1) == [1]
+    assert refill_waves(2) == [1, 1]  # ds2's two standbys: one at a time, as before
+    assert refill_waves(4) == [1, 3]  # threshold after 2 -> 4: the rest together
+    # processes side by side share the cores: 3 on 2 cores take 1.5x one alone
+    assert refill_time_s([1, 3], 0.8, 2) == 0.8 + 1.2
+    assert refill_time_s([1, 1], 0.8, 2) == 1.6
+    assert refill_time_s([2], 0.8, 0) == 1.6  # an unknown core count counts as one
+    assert refill_time_s([], 0.8, 2) == 0.0
+
+
+def test_the_start_up_estimate_is_the_median_of_past_waves_scaled_to_one_process() -> None:
+    assert start_estimate_s([], 2) == 1.0  # nothing measured yet: the default
+    assert start_estimate_s([], 2, default=0.7) == 0.7
+    assert start_estimate_s([(2, 1.1)], 2) == 1.1  # 2 on 2 cores: as one alone
+    assert start_estimate_s([(4, 3.0)], 2) == 1.5  # 4 on 2 cores: twice one alone
+    assert start_estimate_s([(1, 0.9), (1, 1.3), (4, 2.2), (0, 5.0), (1, -1.0)], 2) == 1.1
+
+
+def test_the_wait_for_the_catch_up_ends_in_time_for_the_next_possible_scale_out() -> None:
+    # threshold after 2 -> 4: it may ask for 4 -> 8 three seconds after the move (cooldown and
+    # a full window); 4 processes in waves [1, 3] at 1 s each on 2 cores take 2.5 s
+    assert refill_deadline_s(3.0, 4, 1.0, 2) == 0.5
+    assert refill_deadline_s(3.0, 4, 1.4, 2) == 0.0  # slower start-ups: at once
+    assert refill_deadline_s(3.0, 2, 1.0, 2) == 1.0  # ds2's 2 standbys, one after the other
+    assert refill_deadline_s(30.0, 2, 1.0, 2) == 10.0  # far away: max_wait_s
+    assert refill_deadline_s(30.0, 2, 1.0, 2, max_wait_s=4.0) == 4.0
+    assert refill_deadline_s(None, 8, 1.0, 2) == 10.0  # no autoscaler: only max_wait_s
+    assert refill_deadline_s(3.0, 0, 1.0, 2) == 3.0  # nothing to start
+
+    # the deadline ends a wait whose step has not caught up yet, at the last reading before it
+    ft = FakeTime()
+    calls = 0
+
+    async def catching_up() -> dict[str, Any]:  # saturated, backlog going down
+        nonlocal calls
+        calls += 1
+        return reading(1.0 / calls, 0.5 * calls)
+
+    got = asyncio.run(
+        wait_caught_up(catching_up, max_wait_s=0.5, poll_s=0.25, clock=ft.clock, sleep=ft.sleep)
+    )
+    assert got["max_wait"] is True and got["caught_up"] is False
+    assert got["waited_s"] == 0.5 and calls == 3
+    ft = FakeTime()
+    got = asyncio.run(
+        wait_caught_up(catching_up, max_wait_s=0.0, poll_s=0.25, clock=ft.clock, sleep=ft.sleep)
+    )
+    assert got["max_wait"] is True and got["waited_s"] == 0.0  # one reading, then at once
