@@ -555,15 +555,7 @@ def test_an_old_owner_serves_from_a_loop_in_another_thread_while_its_own_loop_wr
     try:
         writes = asyncio.run(go())
     finally:
-
-        async def stop() -> None:  # the idle server of the finished epoch
-            for t in asyncio.all_tasks():
-                if t is not asyncio.current_task():
-                    t.cancel()
-
-        asyncio.run_coroutine_threadsafe(stop(), transfer).result(5)
-        transfer.call_soon_threadsafe(transfer.stop)
-        server.join(5)
+        _stop_transfer_loop(transfer, server)
     assert served_on and threading.get_ident() not in served_on
     assert writes > 0
     moved = _moved(rows, NUM_KEY_GROUPS // 2)
@@ -668,17 +660,23 @@ def test_a_fetch_that_comes_while_the_next_step_is_being_prepared_is_served(
     try:
         asyncio.run(go())
     finally:
-
-        async def stop() -> None:
-            for t in asyncio.all_tasks():
-                if t is not asyncio.current_task():
-                    t.cancel()
-
-        asyncio.run_coroutine_threadsafe(stop(), transfer).result(5)
-        transfer.call_soon_threadsafe(transfer.stop)
-        server.join(5)
+        _stop_transfer_loop(transfer, server)
     assert published.is_set() and submitted.is_set()
     moved = _moved(rows, NUM_KEY_GROUPS // 2)
     assert _dump(pair.new_db) == moved
     assert _dump(pair.old_db) == {k: v for k, v in rows.items() if k not in moved}
     pair.close()
+
+
+def _stop_transfer_loop(transfer: asyncio.AbstractEventLoop, server: Any) -> None:
+    """Cancel what still runs on the transfer loop (the idle server of a finished epoch), stop
+    the loop and join its thread."""
+
+    async def stop() -> None:
+        for t in asyncio.all_tasks():
+            if t is not asyncio.current_task():
+                t.cancel()
+
+    asyncio.run_coroutine_threadsafe(stop(), transfer).result(5)
+    transfer.call_soon_threadsafe(transfer.stop)
+    server.join(5)
