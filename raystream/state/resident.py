@@ -7,8 +7,8 @@ arrived (restore, migration, or one a new migration task brings in again) is rea
 with one range scan of its state id; one that left is forgotten. It writes to RocksDB only when
 the backend asks its pending writers (:meth:`RocksStateBackend.add_pending_writer`): before the
 whole DB is read or copied (cache flush, range scans, snapshots, close, a move's hand-over) and
-before sub-groups are evicted for an export. It then writes the sub-groups changed since the last
-write as one ``bytes`` value per key, through the write-back cache (so every reader of the cache
+before sub-groups are evicted for an export (which it then forgets). It writes the sub-groups
+changed since the last write as one ``bytes`` value per key, through the write-back cache (so every reader of the cache
 sees them and a snapshot holds them), and deletes the keys it wrote before that have no rows
 left. Nothing is written between those moments: a batch or a firing touches memory only.
 
@@ -122,11 +122,7 @@ class ResidentStore:
             incoming = np.fromiter(getattr(task, "incoming", ()), np.int64)
             stale[incoming[self._indexed[incoming]]] = True
         if stale.any():
-            self._drop(stale)
-            for g in np.flatnonzero(stale).tolist():
-                self._written.pop(g, None)
-            self._dirty &= ~stale
-            self._indexed &= ~stale
+            self._forget(stale)
         arrived = np.flatnonzero(held & ~self._indexed)
         if len(arrived):
             self._indexed |= held  # before the scans: a flush they cause writes nothing of them
@@ -155,16 +151,32 @@ class ResidentStore:
 
     # ---- writing ---------------------------------------------------------------------------
     def write(self, backend: Any, prefixes: set[bytes] | None) -> None:
-        """Write the changed sub-groups (of these 3-byte prefixes; None: all) to RocksDB."""
+        """Write the changed sub-groups (of these 3-byte prefixes; None: all) to RocksDB.
+        Sub-groups named by their prefixes are being evicted for an export: once written they
+        are forgotten here, and loaded again from RocksDB if they are used here again (they may
+        come back with another owner's rows before this instance looks at what it holds)."""
         if self._detached or backend is not self.backend:
             return
-        groups = self._dirty.copy()
-        if prefixes is not None:
-            s = self.key_space.sub_groups
-            mask = np.zeros_like(groups)
-            ids = [int.from_bytes(p[:2], "big") * s + p[2] for p in prefixes]
-            mask[np.asarray(ids, np.int64)] = True
-            groups &= mask
+        if prefixes is None:
+            self._write(backend, self._dirty.copy())
+            return
+        s = self.key_space.sub_groups
+        mask = np.zeros_like(self._dirty)
+        ids = [int.from_bytes(p[:2], "big") * s + p[2] for p in prefixes]
+        mask[np.asarray(ids, np.int64)] = True
+        self._write(backend, self._dirty & mask)
+        gone = mask & self._indexed
+        if gone.any():
+            self._forget(gone)
+
+    def _forget(self, gone: np.ndarray) -> None:
+        self._drop(gone)
+        for g in np.flatnonzero(gone).tolist():
+            self._written.pop(g, None)
+        self._dirty &= ~gone
+        self._indexed &= ~gone
+
+    def _write(self, backend: Any, groups: np.ndarray) -> None:
         if not groups.any():
             return
         g, keys, values = self._values(groups)
