@@ -7,7 +7,9 @@ Rows are kept in chunks of parallel arrays (``g``: global sub-group, and a
 the distinct keys seen for string and binary keys). A (key, window) may have several rows (the
 partials of several batches) until it fires, or until the chunks are compacted, which merges
 them once the rows appended since the last compaction outnumber the rows after it (and at
-least :data:`COMPACT_ROWS`): amortised, a row is merged a few times.
+least :data:`COMPACT_ROWS`): amortised, a row is merged a few times. Every chunk is sorted by
+window end, so the rows a watermark reaches are a prefix of each chunk (a binary search; the
+rest stays as it is, not copied).
 
 RocksDB keeps the windows as before, one packed value per key (:meth:`WindowTable.to_state`):
 they are written when the runtime asks (checkpoints, flushes, moves; see
@@ -53,8 +55,15 @@ class _Chunk:
             self._next = nxt
         return self._next
 
-    def take(self, idx: np.ndarray) -> _Chunk:
-        return _Chunk(self.g[idx], self.w.take(idx))
+    def take(self, idx: np.ndarray | slice) -> _Chunk:
+        return _Chunk(self.g[idx], self.w.take(idx))  # type: ignore[arg-type]
+
+    def by_end(self) -> _Chunk:
+        """This chunk sorted by window end (stable: arrival order among equal ends)."""
+        end = self.w.end
+        if len(end) < 2 or not (end[1:] < end[:-1]).any():
+            return self
+        return self.take(np.argsort(end, kind="stable"))
 
 
 def _concat(chunks: list[_Chunk]) -> _Chunk:
@@ -131,7 +140,7 @@ class WindowColumns(rs.ResidentStore):
                 emitted = self._update(chunk.take(np.flatnonzero(due)))
                 chunk = chunk.take(np.flatnonzero(~due))
         if len(chunk):
-            self.chunks.append(chunk)
+            self.chunks.append(chunk.by_end())
             self._fresh += len(chunk)
             if self._fresh >= max(COMPACT_ROWS, self._merged):
                 self.compact()
@@ -160,7 +169,7 @@ class WindowColumns(rs.ResidentStore):
                 keep = np.ones(len(c), bool)
                 keep[cand[hit]] = False
                 self.chunks[i] = c.take(np.flatnonzero(keep))
-        merged = self._merge(_concat([*stored, late]))
+        merged = self._merge(_concat([*stored, late])).by_end()
         merged.w.fired[:] = True
         merged._next = None
         self.chunks.insert(0, merged)
@@ -181,7 +190,7 @@ class WindowColumns(rs.ResidentStore):
 
     def compact(self) -> None:
         """Merge every chunk into one (a row per window)."""
-        merged = self._merge(_concat(self.chunks))
+        merged = self._merge(_concat(self.chunks)).by_end()
         self.chunks = [merged] if len(merged) else []
         self._fresh = 0
         self._merged = len(merged)
@@ -239,20 +248,27 @@ class WindowColumns(rs.ResidentStore):
             if c.next_ms(lateness) > watermark:
                 kept.append(c)
                 continue
-            end = c.w.end - 1
-            here = firing[c.g]
-            due = here & ~c.w.fired & (end <= watermark)
+            # sorted by end: the rows with end - 1 <= watermark are a prefix
+            n = int(np.searchsorted(c.w.end, watermark + 1, side="right"))
+            head = c.take(slice(0, n))
+            here = firing[head.g]
+            end = head.w.end - 1
+            due = here & ~head.w.fired & (end <= watermark)
             closed = here & (end + lateness <= watermark)
             gone = due | closed
             if not gone.any():
                 kept.append(c)
                 continue
             changed = True
-            self.touch(c.g[gone])
+            self.touch(head.g[gone])
             if due.any():
-                due_parts.append(c.take(np.flatnonzero(due)))
+                due_parts.append(head.take(np.flatnonzero(due)))
+            stay = [c.take(slice(n, None))]
             if not gone.all():
-                kept.append(c.take(np.flatnonzero(~gone)))
+                stay.insert(0, head.take(np.flatnonzero(~gone)))
+            rest = _concat(stay)
+            if len(rest):
+                kept.append(rest)
         if not changed:
             return None
         self.chunks = kept
@@ -270,7 +286,7 @@ class WindowColumns(rs.ResidentStore):
                     rest.append(c.take(np.flatnonzero(~sel)))
             else:
                 rest.append(c)
-        merged = self._merge(_concat(mine))
+        merged = self._merge(_concat(mine)).by_end()
         # the merged rows go first: every row of their windows is in them (arrival order kept)
         self.chunks = [merged, *rest] if len(merged) else rest
         if not len(merged):
@@ -290,7 +306,7 @@ class WindowColumns(rs.ResidentStore):
         table = WindowTable.from_state(values)
         kids = self._kids(pa.array(keys, self.key_type))
         w = WindowTable(kids[table.key], table.start, table.end, table.fired, table.parts)
-        chunk = _Chunk(np.full(len(w), group, np.int64), w)
+        chunk = _Chunk(np.full(len(w), group, np.int64), w).by_end()
         if len(chunk):
             self.chunks.insert(0, chunk)  # older than anything appended since
             self._fresh += len(chunk)
