@@ -10,8 +10,8 @@ from pathlib import Path
 
 import duckdb
 import pytest
-import raystream.operators as ops
 import ray
+import raystream.operators as ops
 from raystream.operators import windows
 
 import raystream as rs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 import numpy as np
 import pytest
+
 from bench.nexmark.pool import pool
 
 

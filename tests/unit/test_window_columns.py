@@ -366,10 +366,10 @@ def test_outgoing_sub_groups_do_not_fire(tmp_path: Path) -> None:
     out_g = int(g[0])
     proc.engine.task = SimpleNamespace(incoming=set(), outgoing={out_g}, active=True)
     rows = _rows(proc.on_watermark(SIZE))
-    assert sorted(r[0] for r in rows) == sorted(k for k, x in zip(keys, g) if x != out_g)
+    assert sorted(r[0] for r in rows) == sorted(k for k, x in zip(keys, g, strict=True) if x != out_g)
     proc.engine.task = None
     rows = _rows(proc.on_watermark(SIZE + 1))
-    assert sorted(r[0] for r in rows) == sorted(k for k, x in zip(keys, g) if x == out_g)
+    assert sorted(r[0] for r in rows) == sorted(k for k, x in zip(keys, g, strict=True) if x == out_g)
     proc.close()
 
 
