@@ -10,7 +10,8 @@ whole DB is read or copied (cache flush, range scans, snapshots, close, a move's
 before sub-groups are evicted for an export (which it then forgets). It writes the sub-groups
 changed since the last write as one ``bytes`` value per key, through the write-back cache (so
 every reader of the cache sees them and a snapshot holds them), and deletes the keys it wrote
-before that have no rows left. Nothing is written between those moments: a batch or a firing touches memory only.
+before that have no rows left. Nothing is written between those moments: a batch or a firing
+touches memory only.
 
 A subclass says how its rows look: :meth:`ResidentStore._load` (a sub-group's stored values
 arrived), :meth:`ResidentStore._values` (the values to store for some sub-groups) and

@@ -364,12 +364,13 @@ def test_outgoing_sub_groups_do_not_fire(tmp_path: Path) -> None:
     proc.process(_table(keys, [10] * 40, [1] * 40))
     g = _group_of(proc, keys)
     out_g = int(g[0])
+    pairs = list(zip(keys, g.tolist(), strict=True))
     proc.engine.task = SimpleNamespace(incoming=set(), outgoing={out_g}, active=True)
     rows = _rows(proc.on_watermark(SIZE))
-    assert sorted(r[0] for r in rows) == sorted(k for k, x in zip(keys, g, strict=True) if x != out_g)
+    assert sorted(r[0] for r in rows) == sorted(k for k, x in pairs if x != out_g)
     proc.engine.task = None
     rows = _rows(proc.on_watermark(SIZE + 1))
-    assert sorted(r[0] for r in rows) == sorted(k for k, x in zip(keys, g, strict=True) if x == out_g)
+    assert sorted(r[0] for r in rows) == sorted(k for k, x in pairs if x == out_g)
     proc.close()
 
 
