@@ -5,13 +5,14 @@ Run it from the repository root::
     python -m bench.window_firing --events 1000000 --rate 50000 --runs 3 \\
         --report bench/results/window_firing_q5.json
 
-One ``KeyedProcessor`` (real RocksDB state and timers, no Ray, no other process) runs q5's
+One ``KeyedProcessor`` (real RocksDB state, no Ray, no other process) runs q5's
 ``windows.sliding(10 s, 2 s, count)`` keyed by auction over the generated bids of the key groups
 that instance 0 of ``--parallelism`` instances owns. Bids go in as batches of ``--batch-rows``;
 after each batch the watermark moves to the batch's last event time - 1 (the input is in event
 time order). A *firing* is an ``on_watermark`` call that emits rows: its wall time is what a
-window's close costs the instance (due timers, reading, updating and writing the keys'
-windows, building the output). ``--phases`` also times the parts of a firing (the functions
+window's close costs the instance (finding the due windows in the in-memory columns, merging
+their partials, building the output). ``--checkpoint-every`` also writes the state to RocksDB
+(what a checkpoint asks of the window store) every that many batches, timed apart. ``--phases`` also times the parts of a firing (the functions
 in :data:`PHASES`, wrapped; the wrapping adds a little). The report gives per run the median, p90 and max over its
 firings and the rows they emitted, and the median and min-max of the runs' medians.
 """
@@ -36,13 +37,9 @@ from raystream.runtime.processors import KeyedProcessor
 # (label, module, holder attribute or None, function name): the parts of a firing ``--phases``
 # times. The window step calls ``store`` and the WindowTable methods through these names.
 PHASES = (
-    ("due timers (take_due)", "raystream.runtime.timers", "TimerService", "take_due"),
-    ("split into rounds", "raystream.runtime.processors", None, "rounds"),
-    ("read values (state.get)", "raystream.state.handles", "VectorValueState", "get"),
-    ("unpack (from_state)", "raystream.operators.window_logic", "WindowTable", "from_state"),
-    ("fire and drop (_advance)", "raystream.operators.window_logic", None, "_advance"),
-    ("pack (to_state)", "raystream.operators.window_logic", "WindowTable", "to_state"),
-    ("write (store)", "raystream.operators.windows", None, "store"),
+    ("sub-groups here (sync)", "raystream.state.resident", "ResidentStore", "sync"),
+    ("take due rows", "raystream.operators.window_columns", "WindowColumns", "_take_due"),
+    ("merge partials", "raystream.operators.window_columns", "WindowColumns", "_merge"),
     ("output rows (_rows)", "raystream.operators.windows", None, "_rows"),
 )
 
@@ -113,20 +110,32 @@ def _owned(num_key_groups: int, parallelism: int) -> np.ndarray:
 
 
 def run_once(
-    flow: Any, bids: pa.Table, owned: np.ndarray, batch_rows: int, phases: PhaseTimer | None = None
+    flow: Any,
+    bids: pa.Table,
+    owned: np.ndarray,
+    batch_rows: int,
+    phases: PhaseTimer | None = None,
+    checkpoint_every: int = 0,
 ) -> dict[str, Any]:
     """Feed ``bids`` to a fresh instance; the wall time and rows of every firing (and, with
-    ``phases`` active, the median time per firing of each phase)."""
+    ``phases`` active, the median time per firing of each phase). ``checkpoint_every`` > 0:
+    every that many batches the instance writes what it holds in memory to RocksDB, as a
+    checkpoint asks it to before the copy (timed apart, not in the firings)."""
     with tempfile.TemporaryDirectory() as tmp:
         proc = KeyedProcessor(flow.steps["q5"], flow.key_space, Path(tmp) / "q5", owned.tolist())
         times = bids.column("event_time").to_numpy()
         firings: list[tuple[float, int]] = []
         per_phase: list[dict[str, float]] = []
+        writes: list[float] = []
         rows_out = 0
         t_all = time.perf_counter()
-        for start in range(0, bids.num_rows, batch_rows):
+        for i, start in enumerate(range(0, bids.num_rows, batch_rows), 1):
             for b in bids.slice(start, batch_rows).to_batches():
                 rows_out += sum(o.num_rows for o in proc.process(b))
+            if checkpoint_every and i % checkpoint_every == 0:
+                t0 = time.perf_counter()
+                proc.backend._write_pending(None)  # noqa: SLF001 - what a checkpoint does first
+                writes.append((time.perf_counter() - t0) * 1000)
             wm = int(times[min(start + batch_rows, bids.num_rows) - 1]) - 1
             if wm > proc.watermark:
                 before = phases.snapshot() if phases is not None else {}
@@ -156,6 +165,17 @@ def run_once(
             "max": round(float(ms.max()), 2),
         },
         "rows_per_firing_median": int(np.median(rows)),
+        **(
+            {
+                "state_write_ms": {
+                    "writes": len(writes),
+                    "median": round(float(np.median(writes)), 2),
+                    "max": round(float(max(writes)), 2),
+                }
+            }
+            if writes
+            else {}
+        ),
         "rows_out": rows_out,
         "bids": bids.num_rows,
         "wall_s": round(wall, 3),
@@ -170,6 +190,12 @@ def run_once(
 @click.option("--batch-rows", default=460, show_default=True, help="bids per batch (20 ms)")
 @click.option("--runs", default=3, show_default=True)
 @click.option("--phases", is_flag=True, help="also time the parts of a firing (wrapped calls)")
+@click.option(
+    "--checkpoint-every",
+    default=0,
+    show_default=True,
+    help="batches between writes of the in-memory state to RocksDB (0: none)",
+)
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
     events: int,
@@ -178,6 +204,7 @@ def main(
     batch_rows: int,
     runs: int,
     phases: bool,
+    checkpoint_every: int,
     report: Path | None,
 ) -> None:
     flow, bids, owned = instance_bids(events, rate, parallelism)
@@ -185,9 +212,9 @@ def main(
     for _ in range(runs):
         if phases:
             with PhaseTimer() as timer:
-                results.append(run_once(flow, bids, owned, batch_rows, timer))
+                results.append(run_once(flow, bids, owned, batch_rows, timer, checkpoint_every))
         else:
-            results.append(run_once(flow, bids, owned, batch_rows))
+            results.append(run_once(flow, bids, owned, batch_rows, None, checkpoint_every))
     medians = [r["firing_ms"]["median"] for r in results]
     out = {
         "benchmark": "window_firing",
@@ -202,6 +229,7 @@ def main(
             "batch_rows": batch_rows,
             "runs": runs,
             "phases": phases,
+            "checkpoint_every": checkpoint_every,
         },
         "runs": results,
         "firing_ms_median_of_runs": round(statistics.median(medians), 2),
@@ -214,6 +242,9 @@ def main(
             f"median {f['median']} ms, p90 {f['p90']} ms, max {f['max']} ms; "
             f"{r['bids_per_s']:,} bids/s"
         )
+        if "state_write_ms" in r:
+            w = r["state_write_ms"]
+            click.echo(f"    {w['writes']} state writes: median {w['median']} ms, max {w['max']} ms")
         for label, v in r.get("phase_ms_median", {}).items():
             click.echo(f"    {label}: {v} ms")
     click.echo(

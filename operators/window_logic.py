@@ -396,9 +396,24 @@ class FixedWindows(_Windows):
         ``times[i]`` its event time, ``rows`` the records; ``state`` the stored windows."""
         wm = NO_WATERMARK if watermark is None else int(watermark)
         stored, emitted = _advance(WindowTable.from_state(state), wm, self.lateness)
+        new, lrec, lstart, lend = self.partials(key_index, times, rows, wm)
+        changed, opened = self._merge(stored, new)
+        changed = _fire_changed(changed, wm)
+        # a stored window's timers were registered when it opened (they move with its key)
+        tk, tt = _timers(changed if opened is None else changed.take(opened), self.lateness)
+        table = WindowTable.concat([self._untouched(stored, changed), changed])
+        emit = WindowTable.concat([emitted, changed.take(np.flatnonzero(changed.fired))])
+        return BatchResult(table.to_state(len(state)), emit, lrec, lstart, lend, tk, tt)
+
+    def partials(
+        self, key_index: np.ndarray, times: np.ndarray, rows: Rows, watermark: int
+    ) -> tuple[WindowTable, np.ndarray, np.ndarray, np.ndarray]:
+        """A batch's windows, one row per (key, window start) with the partials of its records,
+        and its late records (record index, window start, window end: once per window they
+        missed). ``watermark``: int (:data:`NO_WATERMARK` before the first)."""
         rec, start = self.assign(times)
         end = start + self.size
-        late = end - 1 + self.lateness <= wm
+        late = end - 1 + self.lateness <= watermark
         if late.any():
             lrec, lstart, lend = rec[late], start[late], end[late]
             rec, start, end = rec[~late], start[~late], end[~late]
@@ -409,13 +424,7 @@ class FixedWindows(_Windows):
         first = groups.first()
         parts = self.agg.partial(Rows(rows.batch, rec), groups)
         new = WindowTable(keys[first], start[first], end[first], np.zeros(groups.n, bool), parts)
-        changed, opened = self._merge(stored, new)
-        changed = _fire_changed(changed, wm)
-        # a stored window's timers were registered when it opened (they move with its key)
-        tk, tt = _timers(changed if opened is None else changed.take(opened), self.lateness)
-        table = WindowTable.concat([self._untouched(stored, changed), changed])
-        emit = WindowTable.concat([emitted, changed.take(np.flatnonzero(changed.fired))])
-        return BatchResult(table.to_state(len(state)), emit, lrec, lstart, lend, tk, tt)
+        return new, lrec, lstart, lend
 
     def _merge(
         self, stored: WindowTable, new: WindowTable

@@ -15,8 +15,11 @@ With ``allowed_lateness_ms > 0`` a window keeps its state that much longer after
 record that comes in that time *updates* it: the window is emitted again with the new result.
 The sink then receives updates: the last row of a (key, window_start) is the final result.
 
-Window state lives in keyed state (one value per key: the key's open windows as numpy arrays),
-timers in the runtime's timer state; both move with their sub-group on a rescale.
+Tumbling and sliding windows are kept in memory as columns for the sub-groups an instance holds
+(:class:`raystream.operators.window_columns.WindowColumns`) and fire straight from them when the
+watermark passes; RocksDB holds them (one value per key: the key's open windows) whenever the
+state is checkpointed, moved or read, so they move with their sub-group on a rescale. Session
+windows live in keyed state and fire by the runtime's timers.
 
 Example::
 
@@ -34,6 +37,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,7 +54,9 @@ from raystream.operators._support import (
     times_ms,
 )
 from raystream.operators.aggregations import Rows, as_aggregation
+from raystream.operators.window_columns import WindowColumns
 from raystream.operators.window_logic import (
+    NO_WATERMARK,
     FixedWindows,
     SessionWindows,
     WindowTable,
@@ -92,7 +99,7 @@ def tumbling(
         size,
         _offset(offset_ms, size, where),
     )
-    return _operator(logic, time_column, check_name(name, where) or "tumbling_window")
+    return _column_operator(logic, time_column, check_name(name, where) or "tumbling_window")
 
 
 def sliding(
@@ -130,7 +137,7 @@ def sliding(
         slide,
         _offset(offset_ms, slide, where),
     )
-    return _operator(logic, time_column, check_name(name, where) or "sliding_window")
+    return _column_operator(logic, time_column, check_name(name, where) or "sliding_window")
 
 
 def session(
@@ -210,3 +217,32 @@ def _operator(logic: Any, time_column: str, name: str) -> rs.Operator:
         return outputs(main, **{LATE: _late(batch.records, res)})
 
     return window
+
+
+def _column_store(logic: FixedWindows) -> WindowColumns:
+    return WindowColumns(logic, _rows)
+
+
+def _column_operator(logic: FixedWindows, time_column: str, name: str) -> rs.Operator:
+    """Tumbling and sliding windows over :class:`WindowColumns`: no timers, no RocksDB per
+    batch; the store fires them on the watermark."""
+    where = f"window step {name!r}"
+
+    @rs.keyed_batches(name=name, state=rs.ResidentState(functools.partial(_column_store, logic)))
+    def window(batch: rs.KeyedBatch, store: WindowColumns) -> Any:
+        times = times_ms(batch.records, time_column, where)
+        wm = NO_WATERMARK if batch.watermark is None else int(batch.watermark)
+        new, lrec, lstart, lend = logic.partials(batch.key_index(), times, Rows(batch.records), wm)
+        emit = store.add(batch.keys, new, wm)
+        main = _rows(emit, logic, batch.keys.keys, batch.key_column)
+        late = _Late(lrec, lstart, lend)
+        return outputs(main, **{LATE: _late(batch.records, late)})
+
+    return window
+
+
+@dataclass
+class _Late:
+    late_record: np.ndarray
+    late_start: np.ndarray
+    late_end: np.ndarray

@@ -94,7 +94,8 @@ from raystream.runtime.outputs import Outputs  # noqa: E402
 from raystream.runtime.processors import KeyedBatch  # noqa: E402
 from raystream.runtime.timers import FiredTimers  # noqa: E402
 from raystream.state.handles import KeySet  # noqa: E402
-from raystream.state.spec import ListState, MapState, ValueState  # noqa: E402
+from raystream.state.resident import ResidentStore  # noqa: E402
+from raystream.state.spec import ListState, MapState, ResidentState, ValueState  # noqa: E402
 from raystream.upsert import read_upsert  # noqa: E402
 
 __all__ += [
@@ -109,6 +110,8 @@ __all__ += [
     "MapState",
     "Operator",
     "Outputs",
+    "ResidentState",
+    "ResidentStore",
     "RuntimeConfig",
     "Stream",
     "ValueState",

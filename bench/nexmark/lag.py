@@ -124,6 +124,7 @@ def watermark_lag(result: Any, sources: tuple[str, ...]) -> dict[str, Any] | Non
         "p99": round(float(np.percentile(lag_ms, 99)), 3),
         "max": round(float(lag_ms.max()), 3),
         "min": round(float(lag_ms.min()), 3),
+        "values": [round(float(v), 3) for v in np.sort(lag_ms)],  # pooled by bench.nexmark.pool
         "definition": (
             "per window result row: wall-clock arrival at the sink minus the wall-clock time at "
             "which the last source sent a watermark >= window_end - 1 (the window closed)"

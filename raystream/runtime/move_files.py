@@ -111,6 +111,9 @@ def take_changes(inst: Any) -> pa.RecordBatch:
     """Old instance, before the move barrier (records still run here): the rows written or
     deleted since :func:`copy_files` or the last call; tracking starts over from now."""
     backend = inst.processor.backend
+    # rows held in memory (timers, resident states) are written (and tracked) first, so they go
+    # in this catch-up round rather than all in the final, blocking hand-over
+    backend._write_pending(None)  # noqa: SLF001
     keys = backend.take_tracked()
     backend.track_writes()  # at once: no write between the two
     return _changes_chunk(backend, keys)

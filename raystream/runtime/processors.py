@@ -36,6 +36,7 @@ from raystream.runtime.timers import (
 )
 from raystream.runtime.watermarks import WATERMARK_MIN
 from raystream.state.handles import KeyedStates, KeySet
+from raystream.state.resident import Residency
 from raystream.state.rocks import RocksStateBackend
 
 __all__ = [
@@ -323,7 +324,6 @@ class KeyedProcessor:
         self.backend = RocksStateBackend(
             state_path, cache_entries=cache_entries, cache_bytes=cache_bytes
         )
-        self.states = KeyedStates(self.backend, step.state, key_space)
         self.engine = MigrationEngine(
             self.backend,
             key_space.num_key_groups,
@@ -334,6 +334,14 @@ class KeyedProcessor:
         )
         self.key_kind: str | None = None
         self.watermark = WATERMARK_MIN  # set by the instance as its watermark advances
+        self.residency = Residency(
+            lambda: self.engine.held,
+            self._firing_sub_groups,
+            lambda: self.engine.task,
+            lambda: self.key_kind,
+            self.key_column,
+        )
+        self.states = KeyedStates(self.backend, step.state, key_space, self.residency)
         self.timers = TimerService(
             self.backend,
             key_space,
@@ -422,9 +430,10 @@ class KeyedProcessor:
         (old value -> new value); returns the rows rewritten."""
         from raystream.reconfigure import migrate_state_rows
 
+        self.states.release()  # resident states: in RocksDB before it is read; loaded again
         rows = migrate_state_rows(self.backend, self.step.state, step.state, migrations)
         self.step = step
-        self.states = KeyedStates(self.backend, step.state, self.key_space)
+        self.states = KeyedStates(self.backend, step.state, self.key_space, self.residency)
         return rows
 
     def final_state(self) -> list[pa.RecordBatch]:
@@ -456,8 +465,9 @@ class KeyedProcessor:
         """Stop-and-restart: ``fresh`` (holding exactly ``key_groups``) replaces this instance's
         RocksDB, which is deleted."""
         old = self.backend
+        self.states.release(write=False)  # the old DB goes: the restore is the truth
         self.backend = fresh
-        self.states = KeyedStates(fresh, self.step.state, self.key_space)
+        self.states = KeyedStates(fresh, self.step.state, self.key_space, self.residency)
         self.engine.backend = fresh
         held = np.zeros_like(self.engine.held)
         s = self.key_space.sub_groups
@@ -483,7 +493,11 @@ class KeyedProcessor:
     def on_watermark(self, watermark: int) -> list[pa.RecordBatch]:
         """The instance's watermark advanced: fire every event-time timer at or before it."""
         self.watermark = watermark
-        return self._fire(EVENT_TIMERS, watermark)
+        outs: list[pa.RecordBatch] = []
+        if self.states.resident:
+            for out in self.states.on_watermark(watermark):
+                outs.extend(_to_batches(out, self.step.name))
+        return outs + self._fire(EVENT_TIMERS, watermark)
 
     def fire_processing(self, now_ms: int) -> list[pa.RecordBatch]:
         """Fire processing-time timers at or before ``now_ms`` (wall clock)."""

@@ -21,7 +21,8 @@ from raystream.errors import StateError
 from raystream.keys import KeySpace
 from raystream.state.layout import decode_user_key, encode_keys, encode_one
 from raystream.state.rocks import RocksStateBackend
-from raystream.state.spec import Codec, ListState, MapState, StateSpec, ValueState
+from raystream.state.resident import Residency
+from raystream.state.spec import Codec, ListState, MapState, ResidentState, StateSpec, ValueState
 
 __all__ = ["KeySet", "ListHandle", "MapHandle", "StateNamespace", "ValueHandle", "VectorValueState"]
 
@@ -233,7 +234,11 @@ class KeyedStates:
     """All declared states of one keyed operator instance over its RocksDB backend."""
 
     def __init__(
-        self, backend: RocksStateBackend, specs: dict[str, StateSpec], key_space: KeySpace
+        self,
+        backend: RocksStateBackend,
+        specs: dict[str, StateSpec],
+        key_space: KeySpace,
+        residency: Residency | None = None,
     ) -> None:
         self.backend = backend
         self.key_space = key_space
@@ -241,6 +246,34 @@ class KeyedStates:
         # state id 0 is reserved; declared states get 1, 2, ... (at most 250) in declaration
         # order; timers use 253 and 254 (raystream.runtime.timers)
         self.ids = {name: i + 1 for i, name in enumerate(specs)}
+        # states kept in memory by the operator (ResidentState): one store per instance
+        self.resident: dict[str, Any] = {}
+        for name, spec in specs.items():
+            if isinstance(spec, ResidentState):
+                store = spec.factory()
+                store.bind(
+                    backend, self.ids[name], key_space, residency or Residency.everything(key_space)
+                )
+                self.resident[name] = store
+
+    def on_watermark(self, watermark: int) -> list[Any]:
+        """The instance's watermark advanced: what each resident state emits (its
+        ``on_watermark(watermark)``; the batches it returns, in state order)."""
+        outs: list[Any] = []
+        for store in self.resident.values():
+            out = store.on_watermark(watermark)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def release(self, *, write: bool = True) -> None:
+        """Write every resident state to RocksDB (unless ``write=False``: the backend is
+        dropped) and stop them: their step's function or the backend is replaced, and a new
+        KeyedStates loads them again from RocksDB."""
+        for store in self.resident.values():
+            if write:
+                store.write(self.backend, None)
+            store.detach()
 
     def vectorised(self) -> Any:
         """Handles for the vectorised form: value/list states as VectorValueState, maps per key."""
@@ -249,6 +282,8 @@ class KeyedStates:
             sid = self.ids[name]
             if isinstance(spec, MapState):
                 handles[name] = _VectorMapAccess(self.backend, sid, spec)
+            elif isinstance(spec, ResidentState):
+                handles[name] = self.resident[name]
             else:
                 handles[name] = VectorValueState(self.backend, sid, spec, self.key_space)
         return _single_or_namespace(handles)
@@ -258,6 +293,13 @@ class KeyedStates:
         out: dict[str, Any] = {}
         for name, spec in self.specs.items():
             sid = self.ids[name]
+            if isinstance(spec, ResidentState):
+                msg = (
+                    f"state {name!r} is a ResidentState, which the vectorised form "
+                    "(@rs.keyed_batches) uses; the per-key form (@rs.keyed) needs ValueState, "
+                    "ListState or MapState"
+                )
+                raise StateError(msg)
             if isinstance(spec, ValueState):
                 vals = VectorValueState(self.backend, sid, spec, self.key_space).get(keys)
                 if isinstance(vals, np.ndarray):
@@ -281,7 +323,7 @@ class KeyedStates:
         put_v: list[bytes] = []
         dels: list[bytes] = []
         for name, spec in self.specs.items():
-            if isinstance(spec, MapState):
+            if isinstance(spec, (MapState, ResidentState)):
                 continue
             enc = keys.encoded(self.ids[name])
             codec = spec.codec

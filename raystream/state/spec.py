@@ -18,7 +18,15 @@ import numpy as np
 
 from raystream.errors import DataflowDefinitionError, StateError
 
-__all__ = ["Codec", "ListState", "MapState", "StateSpec", "ValueState", "codec_for"]
+__all__ = [
+    "Codec",
+    "ListState",
+    "MapState",
+    "ResidentState",
+    "StateSpec",
+    "ValueState",
+    "codec_for",
+]
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,27 @@ class ListState:
         return _PICKLE
 
 
-StateSpec = ValueState | MapState | ListState
+@dataclass(frozen=True)
+class ResidentState:
+    """State an operator keeps in memory in its own form (e.g. columns) for the sub-groups its
+    instance holds; RocksDB holds it as one ``bytes`` value per key whenever anything reads or
+    copies the state (checkpoints, moves, rescales, a replaced function). ``factory()`` makes
+    the per-instance store, a :class:`raystream.state.resident.ResidentStore`; the function gets
+    that store as its state handle."""
+
+    factory: Any
+
+    @property
+    def codec(self) -> Codec:
+        return _BYTES
+
+    @property
+    def default(self) -> Any:
+        return None
+
+
+StateSpec = ValueState | MapState | ListState | ResidentState
+_SPECS = (ValueState, MapState, ListState, ResidentState)
 
 
 def check_state_specs(state: Any, step: str) -> dict[str, StateSpec]:
@@ -140,11 +168,11 @@ def check_state_specs(state: Any, step: str) -> dict[str, StateSpec]:
     """
     if state is None:
         return {}
-    if isinstance(state, (ValueState, MapState, ListState)):
+    if isinstance(state, _SPECS):
         return {"": state}
     if isinstance(state, dict) and state:
         bad = {
-            k: v for k, v in state.items() if not isinstance(v, (ValueState, MapState, ListState))
+            k: v for k, v in state.items() if not isinstance(v, _SPECS)
         }
         if bad or not all(isinstance(k, str) and k.isidentifier() for k in state):
             msg = (

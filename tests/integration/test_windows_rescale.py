@@ -1,6 +1,9 @@
-"""A tumbling window and a session window rescaled live (meces) while the stream runs: window
-state and timers move with their sub-groups, every (key, window) is emitted exactly once with
-the result DuckDB computes over the exact prefix of the input that was sent."""
+"""Windows rescaled live while the stream runs: a tumbling and a session window with meces, a
+sliding window with every other built-in strategy, moved to another actor (``job.move``) and
+given a new function (``job.replace``). Window state (in memory for tumbling and sliding
+windows, in RocksDB for sessions) and timers move with their sub-groups; every (key, window) is
+emitted exactly once with the result DuckDB computes over the exact prefix of the input that was
+sent."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import tempfile
 import time
 
 import pytest
+import ray
 import raystream.operators as ops
 from raystream.operators import windows
 
@@ -20,6 +24,7 @@ from tests.integration._window_helpers import (
     OUT_OF_ORDERNESS_MS,
     events,
     session_oracle,
+    sliding_oracle,
     tumbling_oracle,
     window_rows,
 )
@@ -39,16 +44,32 @@ def _wait_records(job: rs.Job, step: str, n: int, timeout_s: float = 60.0) -> No
         time.sleep(0.05)
 
 
+CASES = [
+    ("tumbling", [3, 1], "meces"),
+    ("session", [3], "meces"),
+    *[
+        ("sliding", [3, 1], s)
+        for s in ("all_at_once", "fluid", "batched", "lazy", "stop_restart", "move", "replace")
+    ],
+]
+
+
 @pytest.mark.parametrize(
-    ("kind", "targets"), [("tumbling", [3, 1]), ("session", [3])], ids=["tumbling", "session"]
+    ("kind", "targets", "how"), CASES, ids=[f"{k}-{h}" for k, _, h in CASES]
 )
-def test_window_state_and_timers_move_with_a_live_rescale(kind: str, targets: list[int]) -> None:
+def test_window_state_and_timers_move_with_a_live_rescale(
+    kind: str, targets: list[int], how: str
+) -> None:
     table = events(RATE_EPS * 60, keys=300, seed=21)  # a minute of input: ended by the gate
     gate_dir = tempfile.mkdtemp(prefix="rs-gate-")
     gate = os.path.join(gate_dir, "enough")
     src = UntilGate(rs.sources.from_table(table, rate_eps=RATE_EPS), gate, after_rows=RATE_EPS)
     agg = [ops.count(), ops.sum("x"), ops.max("x")]
-    op = windows.tumbling(500, agg) if kind == "tumbling" else windows.session(1_500, agg)
+    op = {
+        "tumbling": lambda: windows.tumbling(500, agg),
+        "sliding": lambda: windows.sliding(1_000, 250, agg),
+        "session": lambda: windows.session(1_500, agg),
+    }[kind]()
     flow = rs.Dataflow(f"window-rescale-{kind}", num_key_groups=32, sub_groups=4)
     out_stream = (
         flow.source(src, event_time="ts", max_out_of_orderness_ms=OUT_OF_ORDERNESS_MS)
@@ -64,7 +85,13 @@ def test_window_state_and_timers_move_with_a_live_rescale(kind: str, targets: li
         for p in targets:
             _wait_records(job, "window", seen)
             fired_before = job.metrics()
-            stats.append(job.rescale("window", p, "meces"))
+            if how == "move":  # instance 0 to a new actor (files, then the rows since)
+                node = ray.get_runtime_context().get_node_id()
+                stats.append(job.move("window", 0, node))
+            elif how == "replace":  # the same windows, a new function: the state is kept
+                stats.append(job.replace("window", op))
+            else:
+                stats.append(job.rescale("window", p, how))
             seen = _records_in(job, "window") + RATE_EPS // 2
         with open(gate, "w"):
             pass
@@ -85,6 +112,9 @@ def test_window_state_and_timers_move_with_a_live_rescale(kind: str, targets: li
     if kind == "tumbling":
         got = window_rows(out, "k", "window_start", "count", "x_sum", "x_max")
         expected = tumbling_oracle(prefix, 500)
+    elif kind == "sliding":
+        got = window_rows(out, "k", "window_start", "count", "x_sum", "x_max")
+        expected = sliding_oracle(prefix, 1_000, 250)
     else:
         got = window_rows(out, "k", "window_start", "window_end", "count", "x_sum", "x_max")
         expected = session_oracle(prefix, 1_500)

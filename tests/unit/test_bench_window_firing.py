@@ -33,14 +33,14 @@ def test_window_firing_emits_every_closed_window_once() -> None:
 
 
 def test_phase_timer_times_the_firing_and_puts_the_functions_back() -> None:
-    import raystream.operators.window_logic as wl
+    import raystream.operators.window_columns as wc
     from bench.window_firing import PhaseTimer
 
-    before = wl.WindowTable.__dict__["from_state"]
+    before = wc.WindowColumns.__dict__["_take_due"]
     flow, bids, owned = instance_bids(30_000, 10_000.0, 2)
     with PhaseTimer() as timer:
         result = run_once(flow, bids, owned, batch_rows=200, phases=timer)
-    assert wl.WindowTable.__dict__["from_state"] is before
+    assert wc.WindowColumns.__dict__["_take_due"] is before
     phases = result["phase_ms_median"]
-    assert phases["due timers (take_due)"] > 0 and phases["unpack (from_state)"] > 0
+    assert phases["take due rows"] > 0 and phases["merge partials"] > 0
     assert sum(phases.values()) <= result["firing_ms"]["max"] * 1.5
