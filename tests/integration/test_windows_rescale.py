@@ -1,9 +1,9 @@
 """Windows rescaled live while the stream runs: a tumbling and a session window with meces, a
 sliding window with every other built-in strategy, moved to another actor (``job.move``) and
-given a new function (``job.replace``). Window state (in memory for tumbling and sliding
-windows, in RocksDB for sessions) and timers move with their sub-groups; every (key, window) is
-emitted exactly once with the result DuckDB computes over the exact prefix of the input that was
-sent."""
+given a new function (``job.replace``), several changes one after the other in one job. Window
+state (in memory for tumbling and sliding windows, in RocksDB for sessions) and timers move with
+their sub-groups; every (key, window) is emitted exactly once with the result DuckDB computes
+over the exact prefix of the input that was sent."""
 
 from __future__ import annotations
 
@@ -44,21 +44,26 @@ def _wait_records(job: rs.Job, step: str, n: int, timeout_s: float = 60.0) -> No
         time.sleep(0.05)
 
 
+# each case is one job and its changes, one after the other (a change waits for half a second
+# more of input): (parallelism, strategy), or ("move", 0) / ("replace", None)
 CASES = [
-    ("tumbling", [3, 1], "meces"),
-    ("session", [3], "meces"),
-    *[
-        ("sliding", [3, 1], s)
-        for s in ("all_at_once", "fluid", "batched", "lazy", "stop_restart", "move", "replace")
-    ],
+    ("tumbling", [(3, "meces"), (1, "meces")]),
+    ("session", [(3, "meces")]),
+    ("sliding", [(3, "all_at_once"), (1, "fluid"), (3, "batched")]),
+    ("sliding", [(3, "lazy"), (1, "stop_restart"), ("move", 0), ("replace", None)]),
 ]
 
 
-@pytest.mark.parametrize(
-    ("kind", "targets", "how"), CASES, ids=[f"{k}-{h}" for k, _, h in CASES]
-)
+def _case_id(case: tuple[str, list[tuple[object, object]]]) -> str:
+    kind, changes = case
+    return "-".join(
+        [kind, *(str(what if what in ("move", "replace") else how) for what, how in changes)]
+    )
+
+
+@pytest.mark.parametrize(("kind", "changes"), CASES, ids=[_case_id(c) for c in CASES])
 def test_window_state_and_timers_move_with_a_live_rescale(
-    kind: str, targets: list[int], how: str
+    kind: str, changes: list[tuple[object, object]]
 ) -> None:
     table = events(RATE_EPS * 60, keys=300, seed=21)  # a minute of input: ended by the gate
     gate_dir = tempfile.mkdtemp(prefix="rs-gate-")
@@ -82,16 +87,16 @@ def test_window_state_and_timers_move_with_a_live_rescale(
     try:
         seen = RATE_EPS
         stats = []
-        for p in targets:
+        for what, how in changes:
             _wait_records(job, "window", seen)
             fired_before = job.metrics()
-            if how == "move":  # instance 0 to a new actor (files, then the rows since)
+            if what == "move":  # an instance to a new actor (files, then the rows since)
                 node = ray.get_runtime_context().get_node_id()
-                stats.append(job.move("window", 0, node))
-            elif how == "replace":  # the same windows, a new function: the state is kept
+                stats.append(job.move("window", int(how), node))
+            elif what == "replace":  # the same windows, a new function: the state is kept
                 stats.append(job.replace("window", op))
             else:
-                stats.append(job.rescale("window", p, how))
+                stats.append(job.rescale("window", int(what), str(how)))
             seen = _records_in(job, "window") + RATE_EPS // 2
         with open(gate, "w"):
             pass
@@ -126,4 +131,4 @@ def test_window_state_and_timers_move_with_a_live_rescale(
     )
     assert len(got) == len(set(got)), "a window was emitted twice"
     assert got == expected
-    assert sent > RATE_EPS * (len(targets) + 1) // 2, f"only {sent} records were sent"
+    assert sent > RATE_EPS * (len(changes) + 1) // 2, f"only {sent} records were sent"
