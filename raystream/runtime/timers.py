@@ -40,6 +40,7 @@ from raystream.errors import SchemaError, StateError
 from raystream.keys import KeySpace
 from raystream.state.handles import KeySet
 from raystream.state.layout import PREFIX_LEN, encode_keys
+from raystream.state.resident import stale_sub_groups
 
 __all__ = [
     "EVENT_TIMERS",
@@ -396,11 +397,9 @@ class TimerService:
         task = self._task()
         if task is self._last_task and np.array_equal(held, self._indexed):
             return  # nothing arrived or left (the common case: checked on every use)
-        stale = self._indexed & ~held
-        if task is not None and task is not self._last_task:
+        stale = stale_sub_groups(self._indexed, held, task, self._last_task)
+        if task is not None:
             self._last_task = task
-            incoming = np.fromiter(getattr(task, "incoming", ()), np.int64)
-            stale[incoming[self._indexed[incoming]]] = True
         if stale.any():
             s = self.key_space.sub_groups
             prefixes = {_prefix(*divmod(g, s), 0)[:3] for g in np.flatnonzero(stale).tolist()}

@@ -42,6 +42,20 @@ def _all_held(n: int) -> Callable[[], np.ndarray]:
     return lambda: mask
 
 
+def stale_sub_groups(
+    indexed: np.ndarray, held: np.ndarray, task: Any, last_task: Any
+) -> np.ndarray:
+    """The sub-groups (a bool mask) whose in-memory copy must be dropped: those indexed here that
+    this instance no longer holds, and, when a new migration ``task`` came (not ``last_task``),
+    those it brings in although they are indexed (they left and came back with the rows of
+    their other owner meanwhile)."""
+    stale = indexed & ~held
+    if task is not None and task is not last_task:
+        incoming = np.fromiter(getattr(task, "incoming", ()), np.int64)
+        stale[incoming[indexed[incoming]]] = True
+    return stale
+
+
 @dataclass
 class Residency:
     """What a resident store needs from its instance: the sub-groups held here (bool mask over
@@ -117,11 +131,9 @@ class ResidentStore:
         task = self.residency.task()
         if task is self._last_task and np.array_equal(held, self._indexed):
             return
-        stale = self._indexed & ~held
-        if task is not None and task is not self._last_task:
+        stale = stale_sub_groups(self._indexed, held, task, self._last_task)
+        if task is not None:
             self._last_task = task
-            incoming = np.fromiter(getattr(task, "incoming", ()), np.int64)
-            stale[incoming[self._indexed[incoming]]] = True
         if stale.any():
             self._forget(stale)
         arrived = np.flatnonzero(held & ~self._indexed)
