@@ -252,10 +252,10 @@ def main(
         f"(range {min(medians)}-{max(medians)})"
     )
     if report is not None:
-        import json
+        from bench._report import write_json
 
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(json.dumps(out, indent=2) + "\n")
+        write_json(report, out)
 
 
 if __name__ == "__main__":

@@ -86,8 +86,10 @@ def main(files: tuple[Path, ...], report: Path | None) -> None:
             f"{r['throughput_eps']} events/s, oracle equal: {r['oracle_equal']}"
         )
     if report is not None:
+        from bench._report import write_json
+
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(json.dumps(out, indent=2) + "\n")
+        write_json(report, out)
 
 
 if __name__ == "__main__":
