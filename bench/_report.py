@@ -187,6 +187,7 @@ def write_atomically(path: Path, write: Any) -> None:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1) + "\n"))
 
 

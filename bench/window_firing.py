@@ -254,7 +254,6 @@ def main(
     if report is not None:
         from bench._report import write_json
 
-        report.parent.mkdir(parents=True, exist_ok=True)
         write_json(report, out)
 
 

@@ -88,7 +88,6 @@ def main(files: tuple[Path, ...], report: Path | None) -> None:
     if report is not None:
         from bench._report import write_json
 
-        report.parent.mkdir(parents=True, exist_ok=True)
         write_json(report, out)
 
 

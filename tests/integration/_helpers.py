@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -164,3 +165,11 @@ class Batches:
 
     def describe(self) -> str:
         return "batches()"
+
+
+def wait_checkpoints(job: rs.Job, n: int, timeout_s: float = 60) -> None:
+    """Wait until the job completed ``n`` checkpoints (fails after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while job.status()["checkpoints"]["completed"] < n:
+        assert time.monotonic() < deadline, f"no {n} checkpoints: {job.status()['checkpoints']}"
+        time.sleep(0.05)

@@ -25,7 +25,7 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
-from tests.integration._helpers import running_count_carrying
+from tests.integration._helpers import running_count_carrying, wait_checkpoints
 
 KEYS = 3_000
 
@@ -56,13 +56,6 @@ def _start(flow: rs.Dataflow, tmp: Path, **kw: Any) -> rs.Job:
     }
     opts.update(kw)
     return rs.start(flow, **opts)
-
-
-def _wait_checkpoints(job: rs.Job, n: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while job.status()["checkpoints"]["completed"] < n:
-        assert time.monotonic() < deadline, f"no {n} checkpoints: {job.status()['checkpoints']}"
-        time.sleep(0.05)
 
 
 def _kill(job: rs.Job, step: str, index: int) -> None:
@@ -128,7 +121,7 @@ def test_kill_a_keyed_instance_in_steady_state(tmp_path: Path) -> None:
     out = tmp_path / "out"
     job = _start(_flow("rec-steady", out, SHORT, RATE), tmp_path)
     try:
-        _wait_checkpoints(job, 2)
+        wait_checkpoints(job, 2)
         _kill(job, "count", 0)
         result = job.wait(120)
     finally:
@@ -147,7 +140,7 @@ def test_kill_during_a_checkpoint(tmp_path: Path) -> None:
         _flow("rec-during-chk", out, SHORT, RATE), tmp_path, checkpoint_interval_s=30.0
     )
     try:
-        _wait_checkpoints(job, 0)
+        wait_checkpoints(job, 0)
         time.sleep(1.0)
         job.checkpoint()  # one complete checkpoint to go back to
         errors: list[BaseException] = []
@@ -177,7 +170,7 @@ def test_kill_during_a_meces_rescale(tmp_path: Path, delay_s: float) -> None:
     out = tmp_path / "out"
     job = _start(_flow(f"rec-rescale-{int(delay_s * 100)}", out, SHORT, RATE), tmp_path)
     try:
-        _wait_checkpoints(job, 2)
+        wait_checkpoints(job, 2)
         ref = job.controller.rescale.remote("count", 3, "meces")
         time.sleep(delay_s)
         _kill(job, "count", 0)
@@ -196,14 +189,14 @@ def test_kill_a_source_then_a_sink(tmp_path: Path) -> None:
     out = tmp_path / "out"
     job = _start(_flow("rec-src-sink", out, EVENTS, RATE), tmp_path)
     try:
-        _wait_checkpoints(job, 2)
+        wait_checkpoints(job, 2)
         _kill(job, "source", 0)
         deadline = time.monotonic() + 60
         while not job.status()["recoveries"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         n = job.status()["checkpoints"]["completed"]
-        _wait_checkpoints(job, n + 2)
+        wait_checkpoints(job, n + 2)
         _kill(job, "out", 0)
         result = job.wait(120)
     finally:
@@ -217,7 +210,7 @@ def test_two_instances_killed_one_after_the_other(tmp_path: Path) -> None:
     out = tmp_path / "out"
     job = _start(_flow("rec-twice", out, SHORT, RATE), tmp_path)
     try:
-        _wait_checkpoints(job, 2)
+        wait_checkpoints(job, 2)
         _kill(job, "count", 0)
         time.sleep(0.3)  # the second dies while the first recovery runs or just after
         try:
@@ -235,7 +228,7 @@ def test_restart_strategy_gives_up_with_the_cause(tmp_path: Path) -> None:
     out = tmp_path / "out"
     job = _start(_flow("rec-giveup", out, EVENTS, RATE), tmp_path, restart_attempts=0)
     try:
-        _wait_checkpoints(job, 1)
+        wait_checkpoints(job, 1)
         _kill(job, "count", 1)
         with pytest.raises(rs.JobFailedError, match=r"(?s)count.*not recovered: 0 of 0"):
             job.wait(120)

@@ -5,7 +5,6 @@ none twice)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import duckdb
@@ -16,6 +15,7 @@ from raystream.operators import windows
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
+from tests.integration._helpers import wait_checkpoints
 from tests.integration._window_helpers import (
     OUT_OF_ORDERNESS_MS,
     events,
@@ -26,13 +26,6 @@ from tests.integration._window_helpers import (
 N = 120_000
 RATE_EPS = 30_000  # ~4 s of stream
 AGG = [ops.count(), ops.sum("x"), ops.max("x")]
-
-
-def _wait_checkpoints(job: rs.Job, n: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while job.status()["checkpoints"]["completed"] < n:
-        assert time.monotonic() < deadline, f"no {n} checkpoints: {job.status()['checkpoints']}"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("kind", ["sliding", "tumbling"])
@@ -60,7 +53,7 @@ def test_windows_recover_from_a_killed_instance_exactly(tmp_path: Path, kind: st
         linger_ms=10.0,
     )
     try:
-        _wait_checkpoints(job, 2)
+        wait_checkpoints(job, 2)
         ray.kill(ray.get_actor(instance_actor_name(job.name, "window", 0), namespace=NAMESPACE))
         result = job.wait(180)
     finally:
