@@ -329,11 +329,7 @@ class Inbox:
                     return None
 
 
-ADAPTIVE_SMALL_FRACTION = 8  # adaptive channels send batches under batch_rows / 8 at once ...
-# ... while fewer than this many pushes await their acknowledgement. 1 (nothing in flight) held
-# back ~40 % of a 100k events/s source's 5 ms chunks for a whole linger: an acknowledgement's
-# round trip on a loaded 2-core machine is often longer than the 5 ms between two chunks
-ADAPTIVE_INFLIGHT = 2
+ADAPTIVE_SMALL_FRACTION = 8  # adaptive channels send batches under batch_rows / 8 at once
 
 
 class OutputChannel:
@@ -343,12 +339,11 @@ class OutputChannel:
     unacknowledged at once.
 
     ``adaptive``: a small batch (under ``batch_rows / 8`` rows buffered) also goes at once while
-    fewer than ``ADAPTIVE_INFLIGHT`` pushes are in flight (unacknowledged). A producer at a low
-    rate makes small batches (a source emits ``rate x linger_ms`` rows at a time), so they leave
-    as soon as they are made: low latency without tuning ``linger_ms``; one push may still be on
-    its way back, as its round trip can be longer than the time between two small batches. Under
-    load batches are large or pushes pile up, and rows gather up to ``batch_rows`` for at most
-    ``linger_ms`` (fewer, larger calls); the receiver also takes batches that queued up as one
+    no push is in flight (every earlier one was acknowledged). A producer at a low rate makes
+    small batches (a source emits ``rate x linger_ms`` rows at a time), so they leave as soon
+    as they are made: low latency without tuning ``linger_ms``. Under load batches are large or
+    pushes are in flight, and rows gather up to ``batch_rows`` for at most ``linger_ms`` (fewer,
+    larger calls); the receiver also takes batches that queued up as one
     (:meth:`Inbox.take_batches`).
     """
 
@@ -394,20 +389,13 @@ class OutputChannel:
         self._pending.append(batch)
         self._pending_rows += batch.num_rows
         rows = self._pending_rows
-        if rows >= self.batch_rows or (
-            self.adaptive and rows < self._small_rows and self.unacknowledged < ADAPTIVE_INFLIGHT
-        ):
+        if rows >= self.batch_rows or (self.adaptive and rows < self._small_rows and self.idle):
             await self.flush()
 
     @property
     def idle(self) -> bool:
         """No push is in flight: every one sent was acknowledged."""
-        return self.unacknowledged == 0
-
-    @property
-    def unacknowledged(self) -> int:
-        """Pushes sent whose acknowledgement has not arrived."""
-        return sum(1 for ack in self._inflight if not _done(ack))
+        return all(_done(ack) for ack in self._inflight)
 
     async def flush(self) -> None:
         if not self._pending:

@@ -75,7 +75,7 @@ class RuntimeConfig:
 
     batch_rows: int = 100_000  # a sender ships a batch once it holds this many rows ...
     linger_ms: float = 5.0  # ... or once its oldest row waited this long
-    adaptive_batching: bool = True  # ... or at once while at most one push to it is in flight
+    adaptive_batching: bool = True  # ... or at once while no push to that receiver is in flight
     max_inflight: int = 4  # unacknowledged pushes per channel (credits)
     inbox_capacity: int = 4  # queued batches per input channel
     source_batch_rows: int = 100_000  # rows a source reads at once when unthrottled
