@@ -106,6 +106,57 @@ def test_generator_key_frequencies_follow_bounded_zipf(zipf: float) -> None:
     assert np.all(np.abs(freq - probs) <= 5 * np.sqrt(probs * (1 - probs) / events) + 1e-3)
 
 
+def _zipf_cdf(keys: int, s: float) -> np.ndarray:
+    cdf = np.cumsum(np.arange(1, keys + 1, dtype=np.float64) ** -s)
+    cdf /= cdf[-1]
+    cdf[-1] = 1.0
+    return cdf
+
+
+@pytest.mark.parametrize(
+    ("keys", "zipf", "bits"),
+    [(1_000_000, 1.1, 20), (100_000, 0.0, 20), (50_000, 2.0, 20), (1, 1.1, 20), (7, 2.0, 4), (5_000, 1.1, 3)],
+)
+def test_inverse_cdf_gives_searchsorted_ranks(keys: int, zipf: float, bits: int) -> None:
+    """The guide-table draw gives exactly numpy's searchsorted rank, for random draws and for
+    draws on every edge: bucket starts, the CDF's own values and their float neighbours."""
+    cdf = _zipf_cdf(keys, zipf)
+    guide = sources.guide_table(cdf, bits)
+    m = len(guide) - 1
+    assert m == 1 << bits and guide[0] == 0 and guide[-1] == keys
+    edges = np.concatenate(
+        [
+            np.arange(0, m, max(1, m // 5000)) / m,
+            cdf[:-1],
+            np.nextafter(cdf[:-1], 0.0),
+            np.nextafter(cdf[:-1], 2.0),
+            [0.0, np.nextafter(1.0, 0.0)],
+        ]
+    )
+    edges = edges[(edges >= 0.0) & (edges < 1.0)]
+    for u in (np.random.default_rng(keys).random(300_000), edges):
+        want = np.searchsorted(cdf, u, side="right")
+        got = sources.inverse_cdf(cdf, guide, u, min_draws=0)  # the guide path, at any size
+        assert np.array_equal(got, want), f"{np.flatnonzero(got != want)[:5]} differ"
+        assert got.min() >= 0 and got.max() < keys
+        # the default: small draws take searchsorted itself, large ones the guide
+        assert np.array_equal(sources.inverse_cdf(cdf, guide, u[:10]), want[:10])
+        assert np.array_equal(sources.inverse_cdf(cdf, guide, u), want)
+
+
+def test_generator_stream_is_drawn_with_searchsorted_ranks() -> None:
+    """The generator's keys are those of a plain searchsorted draw of each chunk's uniforms."""
+    gen = sources.generator(events=150_000, keys=20_000, zipf=1.1, seed=5, chunk_rows=65_536)
+    cdf = _zipf_cdf(20_000, 1.1)
+    key_of_rank = np.random.default_rng([5, 0x5EED, 0xC0FFEE]).permutation(20_000)
+    want = []
+    for c in range(gen.num_chunks):
+        n = min(65_536, 150_000 - c * 65_536)
+        u = np.random.default_rng([5, c]).random(n)
+        want.append(key_of_rank[np.searchsorted(cdf, u, side="right")])
+    assert np.array_equal(gen.generate_all()["key"].to_numpy(), np.concatenate(want))
+
+
 def test_generator_spreads_hot_keys_over_the_key_space() -> None:
     gen = sources.generator(events=100_000, keys=1000, zipf=1.1, seed=0)
     top10 = np.argsort(gen.key_probabilities())[::-1][:10]
