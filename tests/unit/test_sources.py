@@ -144,17 +144,31 @@ def test_inverse_cdf_gives_searchsorted_ranks(keys: int, zipf: float, bits: int)
         assert np.array_equal(sources.inverse_cdf(cdf, guide, u), want)
 
 
-def test_generator_stream_is_drawn_with_searchsorted_ranks() -> None:
-    """The generator's keys are those of a plain searchsorted draw of each chunk's uniforms."""
-    gen = sources.generator(events=150_000, keys=20_000, zipf=1.1, seed=5, chunk_rows=65_536)
-    cdf = _zipf_cdf(20_000, 1.1)
-    key_of_rank = np.random.default_rng([5, 0x5EED, 0xC0FFEE]).permutation(20_000)
+@pytest.mark.parametrize("hot", [0.0, 0.3])
+def test_generator_stream_is_drawn_with_searchsorted_ranks(hot: float) -> None:
+    """The generator's keys are those of a plain searchsorted draw of each chunk's uniforms (the
+    hot key's events drawn after them), whatever the size of each read."""
+    events, keys, rows = 150_000, 20_000, 65_536
+    gen = sources.generator(
+        events=events, keys=keys, zipf=1.1, seed=5, chunk_rows=rows, hot_key_fraction=hot
+    )
+    cdf = _zipf_cdf(keys, 1.1)
+    key_of_rank = np.random.default_rng([5, 0x5EED, 0xC0FFEE]).permutation(keys)
     want = []
     for c in range(gen.num_chunks):
-        n = min(65_536, 150_000 - c * 65_536)
-        u = np.random.default_rng([5, c]).random(n)
-        want.append(key_of_rank[np.searchsorted(cdf, u, side="right")])
-    assert np.array_equal(gen.generate_all()["key"].to_numpy(), np.concatenate(want))
+        n = min(rows, events - c * rows)
+        rng = np.random.default_rng([5, c])
+        ranks = np.searchsorted(cdf, rng.random(n), side="right")
+        if hot:
+            ranks[rng.random(n) < hot] = 0
+        want.append(key_of_rank[ranks])
+    want_ids = np.concatenate(want)
+    whole = gen.generate_all()
+    assert np.array_equal(whole["key"].to_numpy(), want_ids)
+    # small reads (a paced source's) and reads across chunk ends: the same stream, same seq
+    for max_rows in (500, 40_000):
+        table = instance_table(gen, 0, 1, max_rows)
+        assert table.equals(whole), f"reads of {max_rows} rows differ"
 
 
 def test_generator_spreads_hot_keys_over_the_key_space() -> None:
