@@ -450,7 +450,9 @@ class _KeyDraw:
             ids = pa.array(np.arange(spec.keys, dtype=np.int64)).cast(pa.string())
             self.names = pc.binary_join_element_wise("k", ids, "")
 
-    def chunk_draws(self, spec: KeyCountGenerator, chunk: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def chunk_draws(
+        self, spec: KeyCountGenerator, chunk: int
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """The uniform draws of a chunk and which of its events go to the hot key (None: no hot
         key); :meth:`key_ids` turns any slice of them into key ids."""
         start = chunk * spec.chunk_rows

@@ -115,7 +115,14 @@ def _zipf_cdf(keys: int, s: float) -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("keys", "zipf", "bits"),
-    [(1_000_000, 1.1, 20), (100_000, 0.0, 20), (50_000, 2.0, 20), (1, 1.1, 20), (7, 2.0, 4), (5_000, 1.1, 3)],
+    [
+        (1_000_000, 1.1, 20),
+        (100_000, 0.0, 20),
+        (50_000, 2.0, 20),
+        (1, 1.1, 20),
+        (7, 2.0, 4),
+        (5_000, 1.1, 3),
+    ],
 )
 def test_inverse_cdf_gives_searchsorted_ranks(keys: int, zipf: float, bits: int) -> None:
     """The guide-table draw gives exactly numpy's searchsorted rank, for random draws and for
