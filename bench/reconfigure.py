@@ -97,7 +97,7 @@ def change_spans(
     """Sink latency before, during and after one change (``record``: the controller's), over
     whole latency windows that do not overlap: ``before`` ends with the window before the one
     the change starts in, ``during`` runs to the window holding ``end + 2 s``, ``after`` follows
-    it for ``window_s``."""
+    it for ``window_s``; ``timeline``: [seconds from the start, p99, max, events] per window."""
     w = lat.window_ms / 1000
 
     def index(t: float) -> int:
@@ -113,10 +113,18 @@ def change_spans(
     # when the peak came: the start of the window holding it, seconds after the change's start
     maxima = [(lat.summary_of_windows(w_, w_)["max_ms"], w_) for w_ in range(first, settled + 1)]
     top = max(((m, w_) for m, w_ in maxima if m is not None), default=None)
+    # the sink latency window by window from 1 s before the change to 2 s after its end: which
+    # phase of the change (its record's ``phases_s``) the peak follows
+    timeline = []
+    for w_ in range(index(start - 1.0), settled + 1):
+        s = lat.summary_of_windows(w_, w_)
+        if s["count"]:
+            timeline.append([round(w_ * w - start, 3), s["p99_ms"], s["max_ms"], s["count"]])
     return {
         "before": before,
         "during": during,
         "after": after,
+        "timeline": timeline,
         "peak_over_steady_p99": (round(peak / steady, 2) if peak is not None and steady else None),
         "peak_window_at_s": round(top[1] * w - start, 3) if top else None,
     }
