@@ -61,8 +61,13 @@ class ChangeSpares:
             return
         self._spare_filling = True
         try:
-            t0 = time.time()
-            starts = []
+            if len(self._spares) >= self.config.change_spares:
+                return
+            origin = self.origin_ns / 1e9
+            starts: list[float] = []  # seconds each process took to be up, in order
+            self.spare_refills.append(
+                {"why": why, "start_s": round(time.time() - origin, 3), "process_starts_s": starts}
+            )
             while self.state == "running" and len(self._spares) < self.config.change_spares:
                 self._spare_serial += 1
                 name = spare_actor_name(self.flow.name, self._spare_serial)
@@ -79,11 +84,6 @@ class ChangeSpares:
                     return
                 self._spares.append((h, name, node))
                 starts.append(round(time.monotonic() - began, 3))
-            if starts:
-                origin = self.origin_ns / 1e9
-                self.spare_refills.append(
-                    {"why": why, "start_s": round(t0 - origin, 3), "process_starts_s": starts}
-                )
         finally:
             self._spare_filling = False
 
