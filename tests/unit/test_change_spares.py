@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from raystream.change_spares import pick_spares, spare_actor_name
@@ -41,3 +43,32 @@ def test_config_knobs() -> None:
         RuntimeConfig(change_spares=-1)
     with pytest.raises(ConfigError, match="change_spare_refill_delay_s must be a number >= 0"):
         RuntimeConfig(change_spare_refill_delay_s=-0.5)
+
+
+def test_cli_status_names_the_actors_of_inserted_and_moved_instances(monkeypatch: Any) -> None:
+    from click.testing import CliRunner
+
+    import raystream as rs
+    from raystream import cli
+
+    status = {
+        "job": "kc",
+        "state": "running",
+        "parallelism": {"source": 1, "tally": 2, "out": 1},
+        "instances": [],
+        "graph_version": 2,
+        "graph": [],
+        "actor_names": {"tally/1": "raystream:kc:spare:2", "tally/0": "raystream:kc:spare:1"},
+        "reconfigurations": [],
+    }
+
+    class _Job:
+        def status(self) -> dict[str, Any]:
+            return status
+
+    monkeypatch.setattr(cli, "_connect", lambda address=None: None)
+    monkeypatch.setattr(rs, "attach", lambda name: _Job())
+    result = CliRunner().invoke(cli.main, ["status", "kc"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "actors: tally/0 in raystream:kc:spare:1, tally/1 in raystream:kc:spare:2" in out
