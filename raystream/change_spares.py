@@ -9,9 +9,10 @@ known only when the insert is asked for. So a job started with
 neutral names, ``raystream:<job>:spare:<n>``; an insert or a move configures them as its new
 instances (a move takes one on its target node), and the controller keeps the directory of
 which instance runs in which actor (``actor_names`` in ``raystream status --json``, ``actors``
-in the change's record). Used spares are refilled ``change_spare_refill_delay_s`` after the
-change ended, one process at a time (``spare_refills`` in the job's result: when and how long
-each start took), so their start-ups never overlap each other.
+in the change's record). Used spares are refilled ``change_spare_refill_delay_s`` (5 s) after
+the change ended, one process at a time (``spare_refills`` in the job's result: when and how
+long each start took): a process start still takes CPU from the running job, so it comes
+after the change has settled rather than in it, and never two at once.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class RuntimeConfig:
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
     standby_delay_s: float = 0.0  # ... started this long after the job starts (0: at once)
     change_spares: int = 0  # warm actors under neutral names an insert or a move configures
-    change_spare_refill_delay_s: float = 2.0  # ... refilled one by one this long after a change
+    change_spare_refill_delay_s: float = 5.0  # ... refilled one by one this long after a change
     state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
     state_cache_bytes: int = 64 << 20  # ... and its bound in bytes of keys and values
     migration_buffer_bytes: int = 64 << 20  # records waiting for moving state, per instance
