@@ -31,12 +31,6 @@ if _ilu.find_spec("raystream.operators") is None:  # pragma: no cover - depends 
     )
     raise ImportError(_msg)
 
-# a warm spare process (started for changes: raystream.change_spares) does its heavy imports in a
-# thread at the lowest CPU priority first, so they take little CPU the running job needs
-from raystream.runtime.warm_spare import warm_up_if_spare as _warm_up_if_spare  # noqa: E402
-
-_warm_up_if_spare()
-
 from raystream.errors import (  # noqa: E402
     CheckpointError,
     ConfigError,

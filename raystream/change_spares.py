@@ -55,7 +55,6 @@ class ChangeSpares:
         """Start the missing spares, one at a time (each waits for the previous one to be up,
         so a small machine's cores keep running the job), after ``delay_s``."""
         from raystream.runtime.actors import NAMESPACE, InstanceActor
-        from raystream.runtime.warm_spare import spare_env
 
         if delay_s > 0:
             await asyncio.sleep(delay_s)
@@ -67,14 +66,8 @@ class ChangeSpares:
                 return
             origin = self.origin_ns / 1e9
             starts: list[float] = []  # seconds each process took to be up, in order
-            warm_ups: list[dict[str, Any] | None] = []
             self.spare_refills.append(
-                {
-                    "why": why,
-                    "start_s": round(time.time() - origin, 3),
-                    "process_starts_s": starts,
-                    "warm_ups": warm_ups,
-                }
+                {"why": why, "start_s": round(time.time() - origin, 3), "process_starts_s": starts}
             )
             while self.state == "running" and len(self._spares) < self.config.change_spares:
                 self._spare_serial += 1
@@ -85,8 +78,6 @@ class ChangeSpares:
                     namespace=NAMESPACE,
                     max_concurrency=10_000,
                     scheduling_strategy="SPREAD",
-                    # its imports run at the lowest CPU priority (raystream.runtime.warm_spare)
-                    runtime_env={"env_vars": spare_env()},
                 ).remote(None)
                 node = await h.ping.remote()
                 if self.state != "running":  # the job ended meanwhile: do not leak it
@@ -94,8 +85,6 @@ class ChangeSpares:
                     return
                 self._spares.append((h, name, node))
                 starts.append(round(time.monotonic() - began, 3))
-                warm = await h.warm_up.remote()  # its imports' priority and CPU seconds
-                warm_ups.append({k: warm.get(k) for k in ("priority", "cpu_s")} if warm else None)
         finally:
             self._spare_filling = False
 

@@ -368,13 +368,6 @@ class InstanceEndpoint:
             with contextlib.suppress(Exception):
                 self._export_metrics(exporter, up=False)
 
-    async def warm_up(self) -> dict[str, Any] | None:
-        """What a warm spare's low-priority imports did (raystream.runtime.warm_spare), or None
-        in a process that was not started as one."""
-        from raystream.runtime.warm_spare import last_warm_up
-
-        return last_warm_up
-
     async def ping(self) -> str:
         """Alive and imports done; returns the id of the node this actor runs on."""
         await asyncio.sleep(0)
