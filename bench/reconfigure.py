@@ -50,7 +50,7 @@ from bench._report import LATENCY_WEIGHTING, write_json
 from bench.compare_strategies import count_mismatch, independent_counts
 from bench.keycount import SINK, STEP, _connect_ray, _pickle_by_value, keycount_flow
 
-__all__ = ["CHANGES", "change_spans", "passthrough"]
+__all__ = ["CHANGES", "change_spans", "passthrough", "refill_span"]
 
 CHANGES = ("replace", "insert", "remove", "move")
 AFTER_S = 2.0  # the "during" span ends this long after a change (as the controller's records)
@@ -97,7 +97,7 @@ def change_spans(
     """Sink latency before, during and after one change (``record``: the controller's), over
     whole latency windows that do not overlap: ``before`` ends with the window before the one
     the change starts in, ``during`` runs to the window holding ``end + 2 s``, ``after`` follows
-    it for ``window_s``."""
+    it for ``window_s``; ``timeline``: [seconds from the start, p99, max, events] per window."""
     w = lat.window_ms / 1000
 
     def index(t: float) -> int:
@@ -113,13 +113,30 @@ def change_spans(
     # when the peak came: the start of the window holding it, seconds after the change's start
     maxima = [(lat.summary_of_windows(w_, w_)["max_ms"], w_) for w_ in range(first, settled + 1)]
     top = max(((m, w_) for m, w_ in maxima if m is not None), default=None)
+    # the sink latency window by window from 1 s before the change to 2 s after its end: which
+    # phase of the change (its record's ``phases_s``) the peak follows
+    timeline = []
+    for w_ in range(index(start - 1.0), settled + 1):
+        s = lat.summary_of_windows(w_, w_)
+        if s["count"]:
+            timeline.append([round(w_ * w - start, 3), s["p99_ms"], s["max_ms"], s["count"]])
     return {
         "before": before,
         "during": during,
         "after": after,
+        "timeline": timeline,
         "peak_over_steady_p99": (round(peak / steady, 2) if peak is not None and steady else None),
         "peak_window_at_s": round(top[1] * w - start, 3) if top else None,
     }
+
+
+def refill_span(lat: rs.metrics.LatencyRecorder, refill: dict[str, Any]) -> dict[str, Any]:
+    """One refill of warm spares (the controller's entry) with the sink latency (p99, max) from
+    its start until 1 s after its processes were up (they start one after another)."""
+    start = float(refill["start_s"])
+    end = start + float(sum(refill["process_starts_s"])) + 1.0
+    s = lat.summary_between(start, end)
+    return {**refill, "to_s": round(end, 3), "p99_ms": s["p99_ms"], "max_ms": s["max_ms"]}
 
 
 def _drive(
@@ -242,6 +259,14 @@ def _fetch_options(values: tuple[str, ...]) -> dict[str, Any]:
     show_default=True,
     help="the step inserted and removed: a stateless pass-through or a keyed one",
 )
+@click.option(
+    "--change-spares",
+    type=int,
+    default=0,
+    show_default=True,
+    help="RuntimeConfig.change_spares: warm actors an insert or a move configures instead of "
+    "starting processes (refilled one at a time after the change)",
+)
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
     rate: float,
@@ -256,6 +281,7 @@ def main(
     change_list: str,
     prefill: bool,
     inserted: str,
+    change_spares: int,
     report: Path | None,
 ) -> None:
     if rate <= 0 or keys < 1 or every_s <= window_s or parallelism < 1:
@@ -295,6 +321,7 @@ def main(
             flow,
             parallelism={STEP: parallelism},
             linger_ms=10.0,
+            change_spares=change_spares,
             **({"state_dir": state_dir} if state_dir else {}),
         )
         log: list[Any] = []
@@ -359,12 +386,15 @@ def main(
                 "changes": list(changes),
                 "prefilled": prefilled,
                 "inserted": inserted,
+                "change_spares": change_spares,
                 "nodes": len({m.get("node_id") for m in result.metrics if m.get("node_id")}),
             },
             "exact": True,
             "elapsed_s": round(float(result.elapsed_s), 3),
             "latency_ms": {k: total[f"{k}_ms"] for k in ("p50", "p99", "max")},
             "changes": changes,
+            # the warm spares' refills after changes: the sink latency while they started
+            "spare_refills": [refill_span(lat, r) for r in result.spare_refills],
         }
         if report is not None:
             write_json(report, data)

@@ -499,6 +499,9 @@ def status_view(
             if g["kind"] not in ("source", "sink")
         )
         notes.append(f"graph version {st['graph_version']}: {graph}")
+    if st.get("actor_names"):  # inserted and moved instances (in warm spares, or versioned)
+        names = ", ".join(f"{i} in {n}" for i, n in sorted(st["actor_names"].items()))
+        notes.append(f"actors: {names}")
     for c in st.get("reconfigurations") or []:
         peak = c.get("peak_latency_ms")
         moved = ", ".join(f"{k} {v:,}" for k, v in (c.get("moved") or {}).items())

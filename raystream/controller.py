@@ -20,6 +20,7 @@ import ray
 
 from raystream.assignment import check_rescale_parallelism, rebalance
 from raystream.chained_sinks import ChainedSinks
+from raystream.change_spares import ChangeSpares
 from raystream.chaining import sinks_following
 from raystream.checkpointing import RestartStrategy, default_checkpoint_dir
 from raystream.dataflow import Dataflow
@@ -48,7 +49,7 @@ EXPECT_RESCALE_S = 2.0
 STANDBY_STARTS_KEPT = 8  # standby waves whose start-up time the estimate keeps
 
 
-class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
+class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpares):
     """Owns one running job."""
 
     def __init__(
@@ -100,6 +101,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
         self.standby_refills: list[dict[str, Any]] = []  # after each scale-out: when and why
         self._standby_starts: list[tuple[int, float]] = []  # (processes, seconds) per wave
         self._cpus: float | None = None
+        self._init_spares()  # warm actors under neutral names for inserts and moves
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
         self._barrier_expected: dict[int, set[ChannelId]] = {}
@@ -166,6 +168,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             )
         if self.config.migration_support and any(s.is_keyed for s in self.plan.steps.values()):
             asyncio.get_running_loop().create_task(self._fill_standby(self.config.standby_delay_s))
+        if self.config.change_spares:
+            delay = self.config.standby_delay_s
+            asyncio.get_running_loop().create_task(self._fill_spares(delay))
         return self.describe()
 
     async def _deploy(self, start_at: float | None = None) -> None:
@@ -307,6 +312,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             "retired_results": self.retired_sink_results(),
             "rescales": list(self.rescales),
             "standby_refills": list(self.standby_refills),
+            "spare_refills": list(self.spare_refills),
             "recoveries": list(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
             "autoscaling": list(self.autoscaler.history) if self.autoscaler else [],
@@ -342,7 +348,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
 
     async def _release(self) -> None:
         standby, self._standby = self._standby, []
-        for h in [*self.handles.values(), *(h for h, *_ in standby)]:
+        spares = self._spare_handles()
+        for h in [*self.handles.values(), *(h for h, *_ in standby), *spares]:
             try:
                 ray.kill(actor_of(h), no_restart=True)
             except Exception:  # noqa: BLE001, S110 - already gone
@@ -1221,6 +1228,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks):
             "queued_rescales": self._queued,
             "graph_version": self.graph_version,
             "graph": self.graph(),
+            # instances whose actor is not named raystream:<job>:<step>:<index> (inserted, moved)
+            "actor_names": {f"{s}/{i}": n for (s, i), n in self.actor_names.items()},
+            "change_spares": [n for _, n, _ in self._spares],
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
             "checkpoints": self.checkpoint_summary(),
             "recoveries": list(self.recoveries),

@@ -59,6 +59,8 @@ class JobResult:
     failed_attempts: list[dict[str, Any]] = field(default_factory=list)
     # after each scale-out, when the warm standbys it used were refilled (raystream.standby_pacing)
     standby_refills: list[dict[str, Any]] = field(default_factory=list)
+    # after each change that used warm spares (RuntimeConfig.change_spares), their refill
+    spare_refills: list[dict[str, Any]] = field(default_factory=list)
 
     def table(self, sink: str | None = None) -> pa.Table:
         """The rows a collect sink received, as one table (all instances)."""
@@ -272,6 +274,7 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
             out.get("checkpoints", {}),
             out.get("failed_attempts", []),
             out.get("standby_refills", []),
+            out.get("spare_refills", []),
         )
     finally:
         if out["state"] in ("finished", "failed", "stopped"):

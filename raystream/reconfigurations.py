@@ -307,18 +307,26 @@ class Reconfigurations:
             restore=None,
         )
         options = self.plan.steps[step].actor
-        # a new process (warm standbys are named for the indexes a scale-out would make); named
-        # after the instance it replaces (that name is still the old actor's until it retires)
-        # and the graph version this move makes, as the Ray dashboard shows it
-        actor_name = f"{instance_actor_name(self.flow.name, step, index)}:v{self.graph_version + 1}"
-        handle = InstanceActor.options(
-            name=actor_name,
-            namespace=NAMESPACE,
-            max_concurrency=10_000,
-            **options.ray_options(node_id),
-        ).remote(spec)
+        # a warm spare on the target node (RuntimeConfig.change_spares), or a new process (the
+        # warm standbys are named for the indexes a scale-out would make) named after the
+        # instance it replaces (that name is still the old actor's until it retires) and the
+        # graph version this move makes, as the Ray dashboard shows it
+        spare = self._take_spares(1, node_id) if options.is_default else []
+        if spare:
+            handle, actor_name, _ = spare[0]
+            await handle.configure.remote(spec)
+        else:
+            version = self.graph_version + 1
+            actor_name = f"{instance_actor_name(self.flow.name, step, index)}:v{version}"
+            handle = InstanceActor.options(
+                name=actor_name,
+                namespace=NAMESPACE,
+                max_concurrency=10_000,
+                **options.ray_options(node_id),
+            ).remote(spec)
         self.specs[new_iid] = spec
         self.handles[new_iid] = handle
+        self.actor_names[new_iid] = actor_name
         self.nodes[new_iid] = await handle.ping.remote()
         t_actor = time.time()
         downstream = {r for o in outputs for r in o.receiver_ids}
@@ -391,9 +399,10 @@ class Reconfigurations:
         self.routing[step] = table
         self.slots[(step, index)] = new_iid
         self.retired.add(old_iid)
+        self.actor_names.pop(old_iid, None)
         t1 = time.time()
         waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
-        return self._record_reconfiguration(
+        record = self._record_reconfiguration(
             "move",
             step,
             t0,
@@ -412,6 +421,7 @@ class Reconfigurations:
             instance=list(new_iid),
             node_id=self.nodes[new_iid],
             actors=[actor_name],
+            spares_used=len(spare),  # 1: the new actor was a warm spare
             fetch_wait_ms_p99=float(np.percentile(waits, 99)) if waits else 0.0,
             phases_s={
                 **_move_phases(t0, t_actor, t_injected, t1, stats),
@@ -420,6 +430,9 @@ class Reconfigurations:
             transfer="files" if by_files else "rows",
             **({"files": files} if files is not None else {}),
         )
+        if spare:
+            self._refill_spares_later(f"move {step!r}/{index}")
+        return record
 
     # ---- records, graph ------------------------------------------------------------------------
     def _record_reconfiguration(

@@ -205,15 +205,26 @@ class Rewiring:
             )
             for j in range(parallelism)
         }
-        names = {iid: f"{instance_actor_name(self.flow.name, *iid)}:v{version}" for iid in specs}
-        handles = {
-            iid: InstanceActor.options(
-                name=names[iid], namespace=NAMESPACE, max_concurrency=10_000
-            ).remote(spec)
-            for iid, spec in specs.items()
-        }
+        # warm spares (RuntimeConfig.change_spares) first: no process starts while the job runs
+        spares = self._take_spares(len(specs))
+        names: dict[Any, str] = {}
+        handles: dict[Any, Any] = {}
+        configuring = []
+        for iid, spec in specs.items():
+            if spares:
+                handle, names[iid], _ = spares.pop(0)
+                configuring.append(handle.configure.remote(spec))
+            else:
+                names[iid] = f"{instance_actor_name(self.flow.name, *iid)}:v{version}"
+                handle = InstanceActor.options(
+                    name=names[iid], namespace=NAMESPACE, max_concurrency=10_000
+                ).remote(spec)
+            handles[iid] = handle
+        used_spares = len(configuring)
         self.specs.update(specs)
         self.handles.update(handles)
+        self.actor_names.update(names)
+        await asyncio.gather(*configuring)
         where = await asyncio.gather(*(h.ping.remote() for h in handles.values()))
         self.nodes.update(zip(handles, where, strict=True))
         await asyncio.gather(
@@ -252,9 +263,12 @@ class Rewiring:
             instances=parallelism,
             source_offsets=offsets,
             actors=list(names.values()),
+            spares_used=used_spares,  # of the instances, how many took a warm spare actor
             # seconds from the start: the new instances started and wired, the barrier passed
             phases_s={"instances_ready": round(t_ready - t0, 3), "switched": round(t1 - t0, 3)},
         )
+        if used_spares:
+            self._refill_spares_later(f"insert {name!r}")
         await self._checkpoint_after(record)
         return record
 
@@ -332,6 +346,8 @@ class Rewiring:
         removal = {"removes": step, "state": mode} if mode else {}
         epoch, offsets = await self._rewire(after, step, to_d, f"remove {step!r}", removal)
         self.retired.update(mine)
+        for iid in mine:
+            self.actor_names.pop(iid, None)
         for steps in (self.plan.steps, self.flow.steps):
             changed = graph_without_step(steps, step)
             steps.clear()

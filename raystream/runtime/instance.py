@@ -83,6 +83,8 @@ class RuntimeConfig:
     migration_support: bool = True  # False: no per-sub-group tracking, rescale refused
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
     standby_delay_s: float = 0.0  # ... started this long after the job starts (0: at once)
+    change_spares: int = 0  # warm actors under neutral names an insert or a move configures
+    change_spare_refill_delay_s: float = 5.0  # ... refilled one by one this long after a change
     state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
     state_cache_bytes: int = 64 << 20  # ... and its bound in bytes of keys and values
     migration_buffer_bytes: int = 64 << 20  # records waiting for moving state, per instance
@@ -106,7 +108,13 @@ class RuntimeConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 msg = f"{name} must be an int >= 1, got {v!r}"
                 raise ConfigError(msg)
-        for name in ("linger_ms", "checkpoint_interval_s", "restart_delay_s", "standby_delay_s"):
+        for name in (
+            "linger_ms",
+            "checkpoint_interval_s",
+            "restart_delay_s",
+            "standby_delay_s",
+            "change_spare_refill_delay_s",
+        ):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 msg = f"{name} must be a number >= 0, got {v!r}"
@@ -128,6 +136,10 @@ class RuntimeConfig:
         h = self.heat_half_life_s
         if isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0:
             msg = f"heat_half_life_s must be a number of seconds > 0, got {h!r}"
+            raise ConfigError(msg)
+        v = self.change_spares
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            msg = f"change_spares must be an int >= 0 (warm actors for changes), got {v!r}"
             raise ConfigError(msg)
         for name in ("checkpoints_retained",):
             v = getattr(self, name)

@@ -126,7 +126,19 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     move is done."""
     engine, task = _whole(inst, epoch)
     await task.sealed.wait()
+    backend = inst.processor.backend
+    # sealed: no record changes this state any more, so the changed rows are read now, while the
+    # fence (sent before the seal) goes round downstream; a row written after this (none is
+    # expected) is read again below
+    t0 = time.monotonic()
+    backend._write_pending(None)  # noqa: SLF001 - timers held in memory: written (and tracked)
+    early = backend.take_tracked()
+    backend.track_writes()
+    changes = _changes_chunk(backend, early)
+    early_ms = round((time.monotonic() - t0) * 1000, 1)
+    t_fence = time.monotonic()
     await task.fenced.wait()
+    fence_wait_ms = round((time.monotonic() - t_fence) * 1000, 1)
     held = set(np.flatnonzero(engine.held).tolist())
     if held != set(task.outgoing):
         msg = (
@@ -134,10 +146,11 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
             f"holds {len(held)} sub-groups, {len(task.outgoing)} are handed out"
         )
         raise StateError(msg)
-    backend = inst.processor.backend
-    t0 = time.monotonic()
-    backend._write_pending(None)  # noqa: SLF001 - timers held in memory: written (and tracked)
-    changes = _changes_chunk(backend, backend.take_tracked())
+    t1 = time.monotonic()
+    backend._write_pending(None)  # noqa: SLF001
+    late = backend.take_tracked()
+    if late:  # written between the seal and the fence: every changed row read again
+        changes = _changes_chunk(backend, sorted(set(early) | set(late)))
     backend.discard_cache()  # everything went: closing this instance writes none of it
     records = {g: list(pieces) for g, pieces in engine.handover.items()}
     # nothing is held or handed out here any more: the engine's part is done
@@ -152,7 +165,10 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     return {
         "changes": changes,
         "records": records,
-        "changes_ms": round((time.monotonic() - t0) * 1000, 1),
+        # reading the changed rows: at the seal (while the fence went round), and after the fence
+        "changes_ms": round(early_ms + (time.monotonic() - t1) * 1000, 1),
+        "fence_wait_ms": fence_wait_ms,  # after the rows were read, until the fence came back
+        "late_rows": len(late),
         "handed_wall": time.time(),
     }
 
@@ -331,6 +347,8 @@ class FilesTakeOver:
                 **self.stats,
                 "hand_over_wait_ms": round((t_handed - t0) * 1000, 1),
                 "changes_ms": got["changes_ms"],
+                "fence_wait_ms": got.get("fence_wait_ms"),
+                "late_rows": got.get("late_rows"),
                 # from the old instance's answer to its arrival here (the call's return path)
                 "answer_in_ms": round((received_wall - got["handed_wall"]) * 1000, 1),
                 "changed_rows": changes.num_rows,

@@ -47,3 +47,17 @@ def test_before_during_and_after_cover_their_windows() -> None:
     # when the highest latency came: its window's start, from the change's start
     window_s = rec.window_ms / 1000
     assert spans["peak_window_at_s"] == round(peak[1] // window_s * window_s - 5.0, 3)
+
+
+
+def test_a_refill_span_covers_its_process_starts_and_one_second_more() -> None:
+    from bench.reconfigure import refill_span
+
+    rec = LatencyRecorder(origin_ns=0)
+    # 20 ms everywhere, 700 ms at 11.9 s (inside the span), 5 s at 13 s (after it)
+    for t, ms in ((10.6, 20.0), (11.9, 700.0), (12.2, 20.0), (13.0, 5000.0)):
+        now = int(t * S)
+        rec.record(np.full(5, now - int(ms * 1e6), dtype=np.int64), now)
+    span = refill_span(rec, {"why": "insert", "start_s": 10.5, "process_starts_s": [0.5, 0.5]})
+    assert span["to_s"] == 12.5 and span["why"] == "insert"
+    assert 690 <= span["max_ms"] <= 710
