@@ -59,6 +59,7 @@ __all__ = [
     "MigrationEngine",
     "MigrationTask",
     "PrioritySlots",
+    "contiguous_runs",
     "transfer_summary",
 ]
 
@@ -576,6 +577,11 @@ class MigrationEngine:
             task, [g for g, o in task.incoming.items() if o == owner and g not in task.requested]
         )
 
+    def _pending_first(self, groups: list[int]) -> list[int]:
+        """Sub-groups with records waiting here first; otherwise in the order given."""
+        pending = self.pending
+        return sorted(groups, key=lambda g: g not in pending)
+
     def _hot_first(self, task: MigrationTask, groups: list[int]) -> list[int]:
         """Sub-groups with records waiting here first, then the rest; hottest first in each."""
         pending = self.pending
@@ -583,11 +589,14 @@ class MigrationEngine:
 
     def _pull(self, task: MigrationTask, owner: int, gs: list[int]) -> None:
         """A bulk pull: one sequence of calls per background slot of the pair, to keep the
-        pair's pipeline full; sequence i takes every k-th sub-group in hot-first order."""
-        gs = self._hot_first(task, gs)
-        k = self._slots_of(task, owner).size - self._slots_of(task, owner).reserved
-        for i in range(min(k, len(gs))):
-            self._spawn(self._fetch(task, owner, gs[i::k], urgent=False))
+        pair's pipeline full. The sub-groups go in key-ordered runs (:func:`contiguous_runs`:
+        the old owner reads a run with one iterator), hottest run first, dealt round-robin."""
+        slots = self._slots_of(task, owner)
+        k = max(1, slots.size - slots.reserved)
+        runs = contiguous_runs(self._hot_first(task, gs), self.sub_groups, k)
+        for i in range(min(k, len(runs))):
+            seq = [g for run in runs[i::k] for g in run]
+            self._spawn(self._fetch(task, owner, seq, urgent=False))
 
     def _slots_of(self, task: MigrationTask, owner: int) -> PrioritySlots:
         slots = self._slots.get(owner)
@@ -616,7 +625,10 @@ class MigrationEngine:
         first = True
         while remaining:
             if not first:
-                remaining = self._hot_first(task, remaining)
+                # a bulk pull keeps its key-ordered runs, those with records waiting here first
+                remaining = (
+                    self._hot_first(task, remaining) if urgent else self._pending_first(remaining)
+                )
             await slots.acquire(urgent)
             try:
                 task.max_inflight_chunks = max(task.max_inflight_chunks, slots.used)
@@ -788,32 +800,42 @@ class MigrationEngine:
         self, task: MigrationTask, groups: list[int], max_bytes: int
     ) -> tuple[list[int], list[pa.RecordBatch]]:
         """One chunk of ``groups`` (read from RocksDB on the serving loop's thread); what it
-        completes is handed out on the instance's loop (:meth:`_handed_out`)."""
+        completes is handed out on the instance's loop (:meth:`_handed_out`). Consecutive
+        sub-groups of one key group asked for in key order are one key range, read with one
+        iterator (:meth:`RocksStateBackend.export_run`)."""
         t0 = time.perf_counter()
         done: list[int] = []
-        pieces: list[tuple[int, pa.RecordBatch]] = []  # (sub-group, rows)
+        pieces: list[tuple[int, pa.RecordBatch]] = []  # (first sub-group, rows in key order)
         records: list[pa.RecordBatch] = []
         room = max_bytes
-        for g in groups:
-            if g not in task.outgoing or g in task.served:
-                msg = f"sub-group {g} was asked for twice or is not handed out by this instance"
-                raise StateError(msg)
-            kg, sg = divmod(g, self.sub_groups)
-            piece, resume = self.backend.export_chunk(kg, sg, task.cursors.get(g), room)
-            if piece.num_rows and pieces and piece.nbytes > room:
-                break  # a single row larger than the room left: it goes in the next chunk
+        s = self.sub_groups
+        i = 0
+        while i < len(groups) and room > 0:
+            run = [self._servable(task, groups[i])]
+            i += 1
+            while (
+                i < len(groups)
+                and groups[i] == run[-1] + 1
+                and groups[i] // s == run[0] // s
+                and groups[i] not in task.cursors  # a started one resumes at its own key
+            ):
+                run.append(self._servable(task, groups[i]))
+                i += 1
+            kg, first = divmod(run[0], s)
+            piece, nxt, resume = self.backend.export_run(
+                kg, first, first + len(run) - 1, task.cursors.get(run[0]), room, alone=not pieces
+            )
             if piece.num_rows:
-                pieces.append((g, piece))
+                pieces.append((run[0], piece))
                 room -= piece.nbytes
+            for g in run[: nxt - first]:
+                task.cursors.pop(g, None)
+                task.served.add(g)
+                done.append(g)
+                # with the chunk that completes the sub-group (fixed since the seal)
+                records.extend(_tag(rec, g) for rec in self.handover.get(g, ()))
             if resume is not None:
-                task.cursors[g] = resume
-                break
-            task.cursors.pop(g, None)
-            task.served.add(g)
-            done.append(g)
-            # with the chunk that completes the sub-group (fixed since the seal)
-            records.extend(_tag(rec, g) for rec in self.handover.get(g, ()))
-            if room <= 0:
+                task.cursors[kg * s + nxt] = resume
                 break
         # served in the order asked (hottest first), sent in key order (a chunk's rows sorted)
         chunk = _concat([piece for _, piece in sorted(pieces, key=lambda p: p[0])])
@@ -824,6 +846,13 @@ class MigrationEngine:
         if done:
             self._on_instance_loop(self._handed_out, task, done)
         return done, ([chunk] if chunk.num_rows else []) + records
+
+    @staticmethod
+    def _servable(task: MigrationTask, g: int) -> int:
+        if g not in task.outgoing or g in task.served:
+            msg = f"sub-group {g} was asked for twice or is not handed out by this instance"
+            raise StateError(msg)
+        return g
 
     def _handed_out(self, task: MigrationTask, done: list[int]) -> None:
         """Old owner, on the instance's loop: ``done`` went out in full; drop them here."""
@@ -932,6 +961,36 @@ def _join(run: list[pa.RecordBatch]) -> pa.RecordBatch:
     if len(run) == 1 or not any(p.num_rows for p in run):
         return run[0]
     return pa.Table.from_batches(run, schema=run[0].schema).combine_chunks().to_batches()[0]
+
+
+def contiguous_runs(groups: list[int], sub_groups: int, at_least: int = 1) -> list[list[int]]:
+    """``groups`` (global sub-groups, ranked: hottest first) as runs of consecutive sub-groups
+    of one key group each, in key order inside a run, the runs ranked by their best-ranked
+    member. While there are fewer than ``at_least`` runs, the longest is halved (so that many
+    calls can each take a run)."""
+    rank: dict[int, int] = {}
+    by_kg: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        kg = g // sub_groups
+        rank.setdefault(kg, i)
+        by_kg.setdefault(kg, []).append(g)
+    runs: list[tuple[int, list[int]]] = []
+    for kg, gs in by_kg.items():
+        gs.sort()
+        cut = 0
+        for j in range(1, len(gs) + 1):
+            if j == len(gs) or gs[j] != gs[j - 1] + 1:
+                runs.append((rank[kg], gs[cut:j]))
+                cut = j
+    runs.sort(key=lambda r: (r[0], r[1][0]))
+    while len(runs) < at_least:
+        longest = max(range(len(runs)), key=lambda j: len(runs[j][1]), default=None)
+        if longest is None or len(runs[longest][1]) < 2:
+            break
+        r, gs = runs[longest]
+        half = len(gs) // 2
+        runs[longest : longest + 1] = [(r, gs[:half]), (r, gs[half:])]
+    return [gs for _, gs in runs]
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

@@ -9,6 +9,7 @@ sizes against ``chunk_bytes``; overlap of calls against ``inflight_chunks``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -435,10 +436,21 @@ def test_an_on_demand_fetch_brings_the_owners_other_sub_groups_hottest_first(
     if chunk_bytes >= sum(len(k) + len(v) + 8 for k, v in rows.items()):
         assert len(pair.calls) == 1 and sorted(first["done"]) == moving  # one call moved all
     else:
-        # what did not fit came in background pulls, each asking hottest first
+        # what did not fit came in background pulls, each asking in key-ordered runs of one
+        # key group (read with one iterator), the key groups hottest first
         assert len(pair.calls) > 1 and not any(c["urgent"] for c in pair.calls[1:])
+        pulled = [g for g in moving if g not in first["done"]]
+        kg_heat: dict[int, float] = {}
+        for g in pulled:
+            kg = g // SUB_GROUPS
+            kg_heat[kg] = max(kg_heat.get(kg, -1.0), heat[g])
         for c in pair.calls[1:]:
-            assert c["groups"] == sorted(c["groups"], key=lambda g: -heat[g]), c
+            kgs = [g // SUB_GROUPS for g in c["groups"]]
+            order = [kg for j, kg in enumerate(kgs) if j == 0 or kgs[j - 1] != kg]
+            assert len(order) == len(set(order)), c  # a key group's sub-groups together
+            assert order == sorted(order, key=lambda kg: -kg_heat[kg]), c
+            for a, b in itertools.pairwise(c["groups"]):
+                assert a // SUB_GROUPS != b // SUB_GROUPS or a < b, c  # in key order
     for chunk in chunks:
         keys = chunk.column(0).to_pylist()
         assert keys == sorted(keys), "a chunk's rows must be in key order"
