@@ -60,6 +60,7 @@ __all__ = [
     "MigrationTask",
     "PrioritySlots",
     "contiguous_runs",
+    "pair_rates",
     "transfer_summary",
 ]
 
@@ -235,6 +236,11 @@ class MigrationTask:
     first_urgent_served_wall: float | None = None
     all_arrived_wall: float | None = None  # new owner: the last incoming sub-group arrived
     finished_wall: float | None = None
+    # old owner: sealed, fenced and evicted: from then on it hands out state
+    ready_wall: float | None = None
+    # new owner, per old owner: state bytes taken in and when its last chunk arrived
+    pair_bytes_in: dict[int, int] = field(default_factory=dict)
+    pair_last_in_wall: dict[int, float] = field(default_factory=dict)
 
 
 class MigrationEngine:
@@ -496,6 +502,7 @@ class MigrationEngine:
         if task.outgoing:
             self.backend.evict_sub_groups(divmod(g, self.sub_groups) for g in task.outgoing)
         task.evicted = True
+        task.ready_wall = time.time()
         with self._ready_lock:
             task.ready.set()
             waiters, task.ready_waiters = task.ready_waiters, []
@@ -648,6 +655,8 @@ class MigrationEngine:
                         continue
                     task.rows_in += self.backend.import_chunk(chunk)
                     task.bytes_in += chunk.nbytes
+                    task.pair_bytes_in[owner] = task.pair_bytes_in.get(owner, 0) + chunk.nbytes
+                    task.pair_last_in_wall[owner] = time.time()
                 task.import_s += time.perf_counter() - t1
             finally:
                 slots.release()
@@ -912,6 +921,9 @@ class MigrationEngine:
             "sealed_wall": t.sealed_wall,
             "first_urgent_served_wall": t.first_urgent_served_wall,
             "all_arrived_wall": t.all_arrived_wall,
+            "ready_wall": t.ready_wall,
+            "pair_bytes_in": dict(t.pair_bytes_in),
+            "pair_last_in_wall": dict(t.pair_last_in_wall),
             "finished_wall": t.finished_wall,
             "duration_s": (t.finished_at - t.activated_at)
             if t.finished_at and t.activated_at
@@ -1019,18 +1031,42 @@ def _concat(pieces: list[pa.RecordBatch]) -> pa.RecordBatch:
     return pa.Table.from_batches(pieces).combine_chunks().to_batches()[0]
 
 
-def transfer_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
+def pair_rates(stats: list[dict[str, Any]], width: int) -> list[float]:
+    """MB/s of every (new owner, old owner) pair of a move: the state bytes (Arrow chunk bytes:
+    keys, values, offsets) the new owner took in from that old owner, over the time from when
+    both could move state (the later of the new owner's switch and the old owner being ready to
+    hand out: sealed, fenced, evicted) until the pair's last chunk arrived. ``stats``: each
+    step's :meth:`MigrationEngine.stats` of instances ``0 .. width - 1``, step after step."""
+    rates = []
+    for at in range(0, len(stats) - width + 1, width):
+        step = stats[at : at + width]
+        for st in step:
+            switch = st.get("activated_wall")
+            for owner, nbytes in (st.get("pair_bytes_in") or {}).items():
+                ready = step[int(owner)].get("ready_wall") if int(owner) < width else None
+                end = (st.get("pair_last_in_wall") or {}).get(owner)
+                if switch is None or ready is None or end is None or not nbytes:
+                    continue
+                start = max(switch, ready)
+                if end > start:
+                    rates.append(nbytes / 1e6 / (end - start))
+    return rates
+
+
+def transfer_summary(stats: list[dict[str, Any]], width: int | None = None) -> dict[str, Any]:
     """Where a move's transfer time went, over every instance's :meth:`MigrationEngine.stats`:
     old owners' seconds reading chunks out of RocksDB and new owners' seconds writing them in
     (summed over instances), the round trip of each serve call as its new owner saw it (call to
-    chunk back: queueing at the old owner, reading, Ray), and the MB/s each new owner took in
-    from its switch until its last incoming sub-group arrived."""
+    chunk back: queueing at the old owner, reading, Ray), the MB/s each new owner took in
+    from its switch until its last incoming sub-group arrived and, given ``width`` (instances per
+    step in ``stats``), the MB/s of every (new owner, old owner) pair (:func:`pair_rates`)."""
     rtts = [x for st in stats for x in st.get("fetch_rtt_ms", [])]
     per_new = []
     for st in stats:
         start, end = st.get("activated_wall"), st.get("all_arrived_wall")
         if st.get("bytes_in") and start is not None and end is not None and end > start:
             per_new.append(st["bytes_in"] / 1e6 / (end - start))
+    per_pair = pair_rates(stats, width) if width else []
     return {
         "export_s": round(sum(st.get("export_s", 0.0) for st in stats), 4),
         "import_s": round(sum(st.get("import_s", 0.0) for st in stats), 4),
@@ -1041,4 +1077,5 @@ def transfer_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
             "max": float(max(rtts)) if rtts else None,
         },
         "new_owner_mb_s": [round(x, 1) for x in per_new],
+        "pair_mb_s": [round(x, 1) for x in per_pair],
     }

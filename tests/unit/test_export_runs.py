@@ -12,7 +12,13 @@ import pytest
 
 from raystream.errors import StateError
 from raystream.rescale import FetchPolicy
-from raystream.runtime.migration import MigrationEngine, MigrationTask, contiguous_runs
+from raystream.runtime.migration import (
+    MigrationEngine,
+    MigrationTask,
+    contiguous_runs,
+    pair_rates,
+    transfer_summary,
+)
 from raystream.state.layout import encode_one, sub_group_bounds
 from raystream.state.rocks import RocksStateBackend, chunk_payload_bytes
 
@@ -160,3 +166,23 @@ def test_a_serve_call_reads_a_key_ordered_run_with_one_read_and_never_repeats_a_
     assert sorted(served) == _in(rows, 1, 0, SUB_GROUPS - 1)
     assert len(served) == len(set(served))
     db.close()
+
+
+def test_pair_rates_count_from_when_both_could_move_until_the_pairs_last_chunk() -> None:
+    """Two steps of three instances: in each, instance 2 takes state from 0 and 1. A pair's
+    interval starts at the later of the new owner's switch and the old owner's ready time."""
+    step1 = [
+        {"ready_wall": 10.5},  # ready after the new owner's switch: counts from here
+        {"ready_wall": 9.0},  # ready before it: counts from the switch
+        {
+            "activated_wall": 10.0,
+            "pair_bytes_in": {0: 3_000_000, 1: 2_000_000},
+            "pair_last_in_wall": {0: 11.5, 1: 11.0},
+        },
+    ]
+    step2 = [{"ready_wall": 20.0}, {}, {"activated_wall": 20.0, "pair_bytes_in": {0: 0}}]
+    rates = pair_rates(step1 + step2, 3)
+    assert rates == pytest.approx([3.0, 2.0])  # 3 MB over 1 s, 2 MB over 1 s; empty pair out
+    summary = transfer_summary(step1 + step2, 3)
+    assert summary["pair_mb_s"] == [3.0, 2.0]
+    assert transfer_summary(step1)["pair_mb_s"] == []  # no width: no pairs
