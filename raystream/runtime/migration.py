@@ -71,6 +71,9 @@ SERVE_BURST_S = 0.02
 TRANSFER_FIRST_S = 0.05
 # an on-demand chunk that carries other sub-groups along is at most this large (or chunk_bytes)
 RIDER_ROOM_BYTES = 256 << 10
+# a bulk pull deals a pair's sub-groups out to its calls in runs of consecutive sub-groups (one
+# iterator each at the old owner), about this many per call: even shares, hot-first roughly kept
+RUNS_PER_CALL = 4
 # schema metadata of a batch of records handed over with a sub-group's state: its sub-group
 HANDOVER_META = b"raystream.handover"
 
@@ -597,10 +600,11 @@ class MigrationEngine:
     def _pull(self, task: MigrationTask, owner: int, gs: list[int]) -> None:
         """A bulk pull: one sequence of calls per background slot of the pair, to keep the
         pair's pipeline full. The sub-groups go in key-ordered runs (:func:`contiguous_runs`:
-        the old owner reads a run with one iterator), hottest run first, dealt round-robin."""
+        the old owner reads a run with one iterator), ``RUNS_PER_CALL`` runs per call, hottest
+        run first, dealt round-robin."""
         slots = self._slots_of(task, owner)
         k = max(1, slots.size - slots.reserved)
-        runs = contiguous_runs(self._hot_first(task, gs), self.sub_groups, k)
+        runs = contiguous_runs(self._hot_first(task, gs), self.sub_groups, k * RUNS_PER_CALL)
         for i in range(min(k, len(runs))):
             seq = [g for run in runs[i::k] for g in run]
             self._spawn(self._fetch(task, owner, seq, urgent=False))
@@ -975,34 +979,30 @@ def _join(run: list[pa.RecordBatch]) -> pa.RecordBatch:
     return pa.Table.from_batches(run, schema=run[0].schema).combine_chunks().to_batches()[0]
 
 
-def contiguous_runs(groups: list[int], sub_groups: int, at_least: int = 1) -> list[list[int]]:
+def contiguous_runs(groups: list[int], sub_groups: int, pieces: int = 1) -> list[list[int]]:
     """``groups`` (global sub-groups, ranked: hottest first) as runs of consecutive sub-groups
-    of one key group each, in key order inside a run, the runs ranked by their best-ranked
-    member. While there are fewer than ``at_least`` runs, the longest is halved (so that many
-    calls can each take a run)."""
-    rank: dict[int, int] = {}
-    by_kg: dict[int, list[int]] = {}
-    for i, g in enumerate(groups):
-        kg = g // sub_groups
-        rank.setdefault(kg, i)
-        by_kg.setdefault(kg, []).append(g)
-    runs: list[tuple[int, list[int]]] = []
-    for kg, gs in by_kg.items():
-        gs.sort()
-        cut = 0
-        for j in range(1, len(gs) + 1):
-            if j == len(gs) or gs[j] != gs[j - 1] + 1:
-                runs.append((rank[kg], gs[cut:j]))
-                cut = j
-    runs.sort(key=lambda r: (r[0], r[1][0]))
-    while len(runs) < at_least:
-        longest = max(range(len(runs)), key=lambda j: len(runs[j][1]), default=None)
-        if longest is None or len(runs[longest][1]) < 2:
-            break
-        r, gs = runs[longest]
-        half = len(gs) // 2
-        runs[longest : longest + 1] = [(r, gs[:half]), (r, gs[half:])]
-    return [gs for _, gs in runs]
+    of one key group each, in key order inside a run, none longer than
+    ``len(groups) // pieces`` (at least 1; so there are at least ``pieces`` runs, of even
+    lengths, for that many calls to share out evenly), ranked by their best-ranked member."""
+    rank = {g: i for i, g in enumerate(groups)}
+    longest = max(1, len(groups) // max(1, pieces))
+    ordered = sorted(rank)
+    runs: list[list[int]] = []
+    cut = 0
+    for j in range(1, len(ordered) + 1):
+        if (
+            j == len(ordered)
+            or ordered[j] != ordered[j - 1] + 1
+            or ordered[j] // sub_groups != ordered[j - 1] // sub_groups
+        ):
+            run = ordered[cut:j]
+            parts = -(-len(run) // longest)
+            runs.extend(
+                [int(g) for g in part] for part in np.array_split(np.asarray(run), parts)
+            )
+            cut = j
+    runs.sort(key=lambda r: (min(rank[g] for g in r), r[0]))
+    return runs
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

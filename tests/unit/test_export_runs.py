@@ -106,22 +106,25 @@ def test_a_run_refuses_a_resume_key_outside_it_and_an_empty_run(tmp_path: Path) 
     db.close()
 
 
-def test_contiguous_runs_keep_key_groups_together_in_key_order_hottest_first() -> None:
+def test_contiguous_runs_keep_key_groups_apart_in_key_order_hottest_first() -> None:
     s = 4
-    # ranked hottest first: key group 2 (g 9) is hottest, then key group 0, then key group 1
+    # ranked hottest first: 9 (key group 2) is hottest, then 1 (key group 0), ...
     ranked = [9, 1, 5, 0, 11, 4, 3, 8]
-    assert contiguous_runs(ranked, s) == [[8, 9], [11], [0, 1], [3], [4, 5]]
-    # fewer runs than asked for: the longest is halved until there are enough (or singles)
-    assert contiguous_runs([3, 2, 1, 0], s, at_least=3) == [[0], [1], [2, 3]]
-    assert contiguous_runs([1, 0], s, at_least=5) == [[0], [1]]
-    assert contiguous_runs([], s, at_least=2) == []
-    # every sub-group once
+    assert contiguous_runs(ranked, s) == [[8, 9], [0, 1], [4, 5], [11], [3]]
+    # runs no longer than len // pieces, split evenly, each ranked by its own best member
+    assert contiguous_runs([3, 2, 1, 0], s, pieces=3) == [[3], [2], [1], [0]]
+    assert contiguous_runs([7, 2, 1, 0, 3, 4, 5, 6], s, pieces=4) == [[6, 7], [2, 3], [0, 1], [4, 5]]
+    assert contiguous_runs([1, 0], s, pieces=5) == [[1], [0]]
+    assert contiguous_runs([], s, pieces=2) == []
+    # every sub-group once, in runs of one key group, consecutive, at most len // pieces long
     rng = np.random.default_rng(3)
     gs = [int(g) for g in rng.permutation(64)[:40]]
-    runs = contiguous_runs(gs, 8, at_least=6)
+    runs = contiguous_runs(gs, 8, pieces=6)
     assert sorted(g for r in runs for g in r) == sorted(gs)
+    assert len(runs) >= 6
     for r in runs:
         assert len({g // 8 for g in r}) == 1 and r == list(range(r[0], r[0] + len(r)))
+        assert len(r) <= 40 // 6
 
 
 def test_a_serve_call_reads_a_key_ordered_run_with_one_read_and_never_repeats_a_row(
