@@ -15,7 +15,8 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
   on-demand fetch asks for its sub-groups and then for every other sub-group of that old owner
   not asked for yet (they fill the chunk's room, at most ``RIDER_ROOM_BYTES``; what does not
   fit follows as a bulk pull), and before each call the sub-groups with records waiting here go
-  first, then the hottest. A chunk is filled in the order asked and sent in key order.
+  first, then the hottest. A chunk is filled in the order asked and sent in key order (one
+  Arrow batch per key range read, each sorted).
 * The old owner serves one chunk at a time, on-demand requests before background pulls (the
   requests queued meanwhile back to back, for up to ``SERVE_BURST_S``). Serving runs on the
   event loop ``serve`` is called from: under Ray a loop of its own, in its own thread (the
@@ -850,15 +851,17 @@ class MigrationEngine:
             if resume is not None:
                 task.cursors[kg * s + nxt] = resume
                 break
-        # served in the order asked (hottest first), sent in key order (a chunk's rows sorted)
-        chunk = _concat([piece for _, piece in sorted(pieces, key=lambda p: p[0])])
+        # served in the order asked (hottest first), sent in key order: one batch per run read
+        # (rows sorted), not copied into one
+        state = [piece for _, piece in sorted(pieces, key=lambda p: p[0])]
+        size = sum(piece.nbytes for piece in state)
         task.chunks_out += 1
-        task.bytes_out += chunk.nbytes
-        task.max_chunk_bytes = max(task.max_chunk_bytes, chunk.nbytes)
+        task.bytes_out += size
+        task.max_chunk_bytes = max(task.max_chunk_bytes, size)
         task.export_s += time.perf_counter() - t0
         if done:
             self._on_instance_loop(self._handed_out, task, done)
-        return done, ([chunk] if chunk.num_rows else []) + records
+        return done, state + records
 
     @staticmethod
     def _servable(task: MigrationTask, g: int) -> int:
@@ -1019,16 +1022,6 @@ def _tag(batch: pa.RecordBatch, g: int) -> pa.RecordBatch:
 def _untag(batch: pa.RecordBatch) -> pa.RecordBatch:
     meta = {k: v for k, v in (batch.schema.metadata or {}).items() if k != HANDOVER_META}
     return batch.replace_schema_metadata(meta or None)
-
-
-def _concat(pieces: list[pa.RecordBatch]) -> pa.RecordBatch:
-    from raystream.state.rocks import STATE_CHUNK_SCHEMA
-
-    if not pieces:
-        return pa.RecordBatch.from_pylist([], schema=STATE_CHUNK_SCHEMA)
-    if len(pieces) == 1:
-        return pieces[0]
-    return pa.Table.from_batches(pieces).combine_chunks().to_batches()[0]
 
 
 def pair_rates(stats: list[dict[str, Any]], width: int) -> list[float]:
