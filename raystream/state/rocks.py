@@ -72,7 +72,10 @@ def _options() -> Options:
     return opts
 
 
-BLOCK_CACHE_BYTES = 64 << 20  # RocksDB's cache of SST blocks, per instance
+# RocksDB's cache of SST blocks, per instance (it fills as blocks are read): the part of a hot
+# Zipf head that the write-back cache does not hold stays in it (1M keys x 1 KB, 2 -> 4: see
+# bench/results/compare_1gb_meces_bc256.md against compare_1gb_meces_base.md)
+BLOCK_CACHE_BYTES = 256 << 20
 
 
 _MISS = object()
