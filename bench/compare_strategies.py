@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -147,6 +148,13 @@ def _new_owner_mb_s(rep: dict[str, Any]) -> float | None:
     return min(rates) if rates else None
 
 
+def _pair_mb_s(rep: dict[str, Any]) -> float | None:
+    """The median (new owner, old owner) pair's MB/s, from when both could move state until
+    the pair's last chunk arrived (:func:`raystream.runtime.migration.pair_rates`)."""
+    rates = (_first_rescale(rep).get("transfer") or {}).get("pair_mb_s") or []
+    return float(statistics.median(rates)) if rates else None
+
+
 def _first_served(rep: dict[str, Any]) -> float | None:
     return (_first_rescale(rep).get("on_demand_serve_wait_ms") or {}).get("first")
 
@@ -161,7 +169,10 @@ def _field(name: str, scale: float = 1.0) -> Callable[[dict[str, Any]], float | 
 
 TRANSFER_FIGURES = (
     "MB/s per new owner: the bytes a new owner took in over the time from its switch until "
-    "its last incoming sub-group arrived, the slowest new owner of the run; first on-demand "
+    "its last incoming sub-group arrived, the slowest new owner of the run; MB/s per pair: the "
+    "state bytes a new owner took in from one old owner over the time from when both could "
+    "move state (the later of the new owner's switch and the old owner's seal, fence and "
+    "eviction) until that pair's last chunk arrived, the median pair of the run; first on-demand "
     "served: the longest, over old owners, from the seal (or the request, if later) until the "
     "chunk of its first on-demand request went out."
 )
@@ -178,6 +189,7 @@ FIGURES: list[tuple[str, str, int, Callable[[dict[str, Any]], float | None]]] = 
     ("moved_mb", "moved MB", 2, _field("moved_bytes", 1e-6)),
     ("on_demand_fetches", "on-demand fetches", 0, _field("on_demand_fetches")),
     ("new_owner_mb_s", "MB/s per new owner (slowest)", 0, _new_owner_mb_s),
+    ("pair_mb_s", "MB/s per pair (median)", 0, _pair_mb_s),
     ("max_rss_growth_mb", "max RSS growth MB", 0, _field("max_rss_growth_mb")),
     ("first_served_ms", "first on-demand served ms", 1, _first_served),
     ("fetch_wait_p50_ms", "fetch wait p50 ms", 0, _fetch_wait("p50")),

@@ -10,8 +10,11 @@ One RocksDB (``RocksStateBackend``) holds ``--keys`` keys with ``--value-bytes``
 serves it (:meth:`RocksStateBackend.export_chunk`, chunks of at most ``--chunk-bytes``), then the
 chunks are imported into a fresh RocksDB twice: once by ``WriteBatch`` and once by writing each
 chunk to an SST file and ingesting it. Chunks hold one sub-group each (``per_sub_group``: small
-sub-groups make small chunks) or consecutive sub-groups up to ``--chunk-bytes`` (``packed``, as a
-serve call fills its chunk). Each import is timed from the first chunk to the last
+sub-groups make small chunks) or consecutive sub-groups up to ``--chunk-bytes`` (``packed``: one
+read per sub-group, the pieces copied into one chunk, as serve calls did), or (``runs``) each
+key group's sub-groups read as one key range (:meth:`RocksStateBackend.export_run`, one iterator)
+filling calls of up to ``--chunk-bytes``, one batch per range read, as a serve call does now.
+Each import is timed from the first chunk to the last
 (the export is timed on its own); MB/s count the bytes of keys and values.
 Every import is checked against the source: same rows, same bytes (a digest of a full scan).
 The median of ``--repeats`` runs is reported; results go to ``bench/results/state_transfer.json``.
@@ -97,6 +100,31 @@ def _export(backend: RocksStateBackend, chunk_bytes: int, packed: bool) -> list[
     return chunks
 
 
+def _export_runs(backend: RocksStateBackend, chunk_bytes: int) -> list[pa.RecordBatch]:
+    """Every key group's sub-groups as one key range each, read the way a serve call reads a
+    run of consecutive sub-groups: calls of at most ``chunk_bytes``, one batch per range read."""
+    chunks: list[pa.RecordBatch] = []
+    kg, first, start = 0, 0, None
+    while kg < NUM_KEY_GROUPS:
+        room, pieces = chunk_bytes, []
+        while kg < NUM_KEY_GROUPS and room > 0:
+            piece, nxt, resume = backend.export_run(
+                kg, first, SUB_GROUPS - 1, start, room, alone=not pieces
+            )
+            if piece.num_rows:
+                pieces.append(piece)
+                room -= piece.nbytes
+            if resume is not None:
+                first, start = nxt, resume
+                break
+            kg, first, start = kg + 1, 0, None
+        chunks.extend(pieces)
+    return chunks
+
+
+LAYOUTS = ("per_sub_group", "packed", "runs")
+
+
 @click.command()
 @click.option("--keys", default=100_000, show_default=True)
 @click.option("--value-bytes", default=1_000, show_default=True)
@@ -112,9 +140,12 @@ def main(keys: int, value_bytes: int, chunk_bytes: int, repeats: int, out: str) 
         n_chunks: dict[str, int] = {}
         nbytes = 0
         for r in range(repeats):
-            for layout in ("per_sub_group", "packed"):
+            for layout in LAYOUTS:
                 t0 = time.perf_counter()
-                chunks = _export(src, chunk_bytes, packed=layout == "packed")
+                if layout == "runs":
+                    chunks = _export_runs(src, chunk_bytes)
+                else:
+                    chunks = _export(src, chunk_bytes, packed=layout == "packed")
                 runs.setdefault(f"export_{layout}", []).append(time.perf_counter() - t0)
                 nbytes = sum(c.nbytes - 8 * (c.num_rows + 1) for c in chunks)  # keys + values
                 n_chunks[layout] = len(chunks)
@@ -133,7 +164,9 @@ def main(keys: int, value_bytes: int, chunk_bytes: int, repeats: int, out: str) 
         "what": (
             "every sub-group exported (RocksStateBackend.export_chunk) in chunks of at most "
             "chunk_bytes, one sub-group per chunk (per_sub_group) or consecutive sub-groups "
-            "filling a chunk (packed, as a serve call does), then imported into a fresh RocksDB "
+            "filling a chunk (packed: one read per sub-group, copied into one chunk) or each key "
+            "group's sub-groups read as one key range (runs: RocksStateBackend.export_run, calls "
+            "of at most chunk_bytes, one batch per range read, as a serve call does), then imported into a fresh RocksDB "
             "by WriteBatch or by SST file ingestion; each import checked against the source; "
             "median seconds of `repeats` runs; MB/s over the keys' and values' bytes; one "
             "process, no Ray"
@@ -151,7 +184,7 @@ def main(keys: int, value_bytes: int, chunk_bytes: int, repeats: int, out: str) 
         "seconds": {k: [round(x, 3) for x in v] for k, v in runs.items()},
         "mb_per_s": {k: round(mb / statistics.median(v), 1) for k, v in runs.items()},
     }
-    for layout in ("per_sub_group", "packed"):
+    for layout in LAYOUTS:
         imports = {m: result["mb_per_s"][f"{m}_{layout}"] for m in IMPORT_METHODS}
         result[f"faster_import_{layout}"] = max(imports, key=imports.__getitem__)
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -715,7 +715,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
             "max_inflight_chunks": int(
                 max((st.get("max_inflight_chunks", 0) for st in stats), default=0)
             ),
-            "transfer": transfer_summary(stats),
+            "transfer": transfer_summary(stats, width),
         }
         self.rescales.append(record)
         if parallelism > old.parallelism:  # new processes only once the backlog is worked off

@@ -15,7 +15,8 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
   on-demand fetch asks for its sub-groups and then for every other sub-group of that old owner
   not asked for yet (they fill the chunk's room, at most ``RIDER_ROOM_BYTES``; what does not
   fit follows as a bulk pull), and before each call the sub-groups with records waiting here go
-  first, then the hottest. A chunk is filled in the order asked and sent in key order.
+  first, then the hottest. A chunk is filled in the order asked and sent in key order (one
+  Arrow batch per key range read, each sorted).
 * The old owner serves one chunk at a time, on-demand requests before background pulls (the
   requests queued meanwhile back to back, for up to ``SERVE_BURST_S``). Serving runs on the
   event loop ``serve`` is called from: under Ray a loop of its own, in its own thread (the
@@ -59,6 +60,8 @@ __all__ = [
     "MigrationEngine",
     "MigrationTask",
     "PrioritySlots",
+    "contiguous_runs",
+    "pair_rates",
     "transfer_summary",
 ]
 
@@ -69,6 +72,9 @@ SERVE_BURST_S = 0.02
 TRANSFER_FIRST_S = 0.05
 # an on-demand chunk that carries other sub-groups along is at most this large (or chunk_bytes)
 RIDER_ROOM_BYTES = 256 << 10
+# a bulk pull deals a pair's sub-groups out to its calls in runs of consecutive sub-groups (one
+# iterator each at the old owner), about this many per call: even shares, hot-first roughly kept
+RUNS_PER_CALL = 4
 # schema metadata of a batch of records handed over with a sub-group's state: its sub-group
 HANDOVER_META = b"raystream.handover"
 
@@ -234,6 +240,11 @@ class MigrationTask:
     first_urgent_served_wall: float | None = None
     all_arrived_wall: float | None = None  # new owner: the last incoming sub-group arrived
     finished_wall: float | None = None
+    # old owner: sealed, fenced and evicted: from then on it hands out state
+    ready_wall: float | None = None
+    # new owner, per old owner: state bytes taken in and when its last chunk arrived
+    pair_bytes_in: dict[int, int] = field(default_factory=dict)
+    pair_last_in_wall: dict[int, float] = field(default_factory=dict)
 
 
 class MigrationEngine:
@@ -495,6 +506,7 @@ class MigrationEngine:
         if task.outgoing:
             self.backend.evict_sub_groups(divmod(g, self.sub_groups) for g in task.outgoing)
         task.evicted = True
+        task.ready_wall = time.time()
         with self._ready_lock:
             task.ready.set()
             waiters, task.ready_waiters = task.ready_waiters, []
@@ -576,6 +588,11 @@ class MigrationEngine:
             task, [g for g, o in task.incoming.items() if o == owner and g not in task.requested]
         )
 
+    def _pending_first(self, groups: list[int]) -> list[int]:
+        """Sub-groups with records waiting here first; otherwise in the order given."""
+        pending = self.pending
+        return sorted(groups, key=lambda g: g not in pending)
+
     def _hot_first(self, task: MigrationTask, groups: list[int]) -> list[int]:
         """Sub-groups with records waiting here first, then the rest; hottest first in each."""
         pending = self.pending
@@ -583,11 +600,15 @@ class MigrationEngine:
 
     def _pull(self, task: MigrationTask, owner: int, gs: list[int]) -> None:
         """A bulk pull: one sequence of calls per background slot of the pair, to keep the
-        pair's pipeline full; sequence i takes every k-th sub-group in hot-first order."""
-        gs = self._hot_first(task, gs)
-        k = self._slots_of(task, owner).size - self._slots_of(task, owner).reserved
-        for i in range(min(k, len(gs))):
-            self._spawn(self._fetch(task, owner, gs[i::k], urgent=False))
+        pair's pipeline full. The sub-groups go in key-ordered runs (:func:`contiguous_runs`:
+        the old owner reads a run with one iterator), ``RUNS_PER_CALL`` runs per call, hottest
+        run first, dealt round-robin."""
+        slots = self._slots_of(task, owner)
+        k = max(1, slots.size - slots.reserved)
+        runs = contiguous_runs(self._hot_first(task, gs), self.sub_groups, k * RUNS_PER_CALL)
+        for i in range(min(k, len(runs))):
+            seq = [g for run in runs[i::k] for g in run]
+            self._spawn(self._fetch(task, owner, seq, urgent=False))
 
     def _slots_of(self, task: MigrationTask, owner: int) -> PrioritySlots:
         slots = self._slots.get(owner)
@@ -616,7 +637,10 @@ class MigrationEngine:
         first = True
         while remaining:
             if not first:
-                remaining = self._hot_first(task, remaining)
+                # a bulk pull keeps its key-ordered runs, those with records waiting here first
+                remaining = (
+                    self._hot_first(task, remaining) if urgent else self._pending_first(remaining)
+                )
             await slots.acquire(urgent)
             try:
                 task.max_inflight_chunks = max(task.max_inflight_chunks, slots.used)
@@ -636,6 +660,8 @@ class MigrationEngine:
                         continue
                     task.rows_in += self.backend.import_chunk(chunk)
                     task.bytes_in += chunk.nbytes
+                    task.pair_bytes_in[owner] = task.pair_bytes_in.get(owner, 0) + chunk.nbytes
+                    task.pair_last_in_wall[owner] = time.time()
                 task.import_s += time.perf_counter() - t1
             finally:
                 slots.release()
@@ -788,42 +814,61 @@ class MigrationEngine:
         self, task: MigrationTask, groups: list[int], max_bytes: int
     ) -> tuple[list[int], list[pa.RecordBatch]]:
         """One chunk of ``groups`` (read from RocksDB on the serving loop's thread); what it
-        completes is handed out on the instance's loop (:meth:`_handed_out`)."""
+        completes is handed out on the instance's loop (:meth:`_handed_out`). Consecutive
+        sub-groups of one key group asked for in key order are one key range, read with one
+        iterator (:meth:`RocksStateBackend.export_run`)."""
         t0 = time.perf_counter()
         done: list[int] = []
-        pieces: list[tuple[int, pa.RecordBatch]] = []  # (sub-group, rows)
+        pieces: list[tuple[int, pa.RecordBatch]] = []  # (first sub-group, rows in key order)
         records: list[pa.RecordBatch] = []
         room = max_bytes
-        for g in groups:
-            if g not in task.outgoing or g in task.served:
-                msg = f"sub-group {g} was asked for twice or is not handed out by this instance"
-                raise StateError(msg)
-            kg, sg = divmod(g, self.sub_groups)
-            piece, resume = self.backend.export_chunk(kg, sg, task.cursors.get(g), room)
-            if piece.num_rows and pieces and piece.nbytes > room:
-                break  # a single row larger than the room left: it goes in the next chunk
+        s = self.sub_groups
+        i = 0
+        while i < len(groups) and room > 0:
+            run = [self._servable(task, groups[i])]
+            i += 1
+            while (
+                i < len(groups)
+                and groups[i] == run[-1] + 1
+                and groups[i] // s == run[0] // s
+                and groups[i] not in task.cursors  # a started one resumes at its own key
+            ):
+                run.append(self._servable(task, groups[i]))
+                i += 1
+            kg, first = divmod(run[0], s)
+            piece, nxt, resume = self.backend.export_run(
+                kg, first, first + len(run) - 1, task.cursors.get(run[0]), room, alone=not pieces
+            )
             if piece.num_rows:
-                pieces.append((g, piece))
+                pieces.append((run[0], piece))
                 room -= piece.nbytes
+            for g in run[: nxt - first]:
+                task.cursors.pop(g, None)
+                task.served.add(g)
+                done.append(g)
+                # with the chunk that completes the sub-group (fixed since the seal)
+                records.extend(_tag(rec, g) for rec in self.handover.get(g, ()))
             if resume is not None:
-                task.cursors[g] = resume
+                task.cursors[kg * s + nxt] = resume
                 break
-            task.cursors.pop(g, None)
-            task.served.add(g)
-            done.append(g)
-            # with the chunk that completes the sub-group (fixed since the seal)
-            records.extend(_tag(rec, g) for rec in self.handover.get(g, ()))
-            if room <= 0:
-                break
-        # served in the order asked (hottest first), sent in key order (a chunk's rows sorted)
-        chunk = _concat([piece for _, piece in sorted(pieces, key=lambda p: p[0])])
+        # served in the order asked (hottest first), sent in key order: one batch per run read
+        # (rows sorted), not copied into one
+        state = [piece for _, piece in sorted(pieces, key=lambda p: p[0])]
+        size = sum(piece.nbytes for piece in state)
         task.chunks_out += 1
-        task.bytes_out += chunk.nbytes
-        task.max_chunk_bytes = max(task.max_chunk_bytes, chunk.nbytes)
+        task.bytes_out += size
+        task.max_chunk_bytes = max(task.max_chunk_bytes, size)
         task.export_s += time.perf_counter() - t0
         if done:
             self._on_instance_loop(self._handed_out, task, done)
-        return done, ([chunk] if chunk.num_rows else []) + records
+        return done, state + records
+
+    @staticmethod
+    def _servable(task: MigrationTask, g: int) -> int:
+        if g not in task.outgoing or g in task.served:
+            msg = f"sub-group {g} was asked for twice or is not handed out by this instance"
+            raise StateError(msg)
+        return g
 
     def _handed_out(self, task: MigrationTask, done: list[int]) -> None:
         """Old owner, on the instance's loop: ``done`` went out in full; drop them here."""
@@ -883,6 +928,9 @@ class MigrationEngine:
             "sealed_wall": t.sealed_wall,
             "first_urgent_served_wall": t.first_urgent_served_wall,
             "all_arrived_wall": t.all_arrived_wall,
+            "ready_wall": t.ready_wall,
+            "pair_bytes_in": dict(t.pair_bytes_in),
+            "pair_last_in_wall": dict(t.pair_last_in_wall),
             "finished_wall": t.finished_wall,
             "duration_s": (t.finished_at - t.activated_at)
             if t.finished_at and t.activated_at
@@ -934,6 +982,32 @@ def _join(run: list[pa.RecordBatch]) -> pa.RecordBatch:
     return pa.Table.from_batches(run, schema=run[0].schema).combine_chunks().to_batches()[0]
 
 
+def contiguous_runs(groups: list[int], sub_groups: int, pieces: int = 1) -> list[list[int]]:
+    """``groups`` (global sub-groups, ranked: hottest first) as runs of consecutive sub-groups
+    of one key group each, in key order inside a run, none longer than
+    ``len(groups) // pieces`` (at least 1; so there are at least ``pieces`` runs, of even
+    lengths, for that many calls to share out evenly), ranked by their best-ranked member."""
+    rank = {g: i for i, g in enumerate(groups)}
+    longest = max(1, len(groups) // max(1, pieces))
+    ordered = sorted(rank)
+    runs: list[list[int]] = []
+    cut = 0
+    for j in range(1, len(ordered) + 1):
+        if (
+            j == len(ordered)
+            or ordered[j] != ordered[j - 1] + 1
+            or ordered[j] // sub_groups != ordered[j - 1] // sub_groups
+        ):
+            run = ordered[cut:j]
+            parts = -(-len(run) // longest)
+            runs.extend(
+                [int(g) for g in part] for part in np.array_split(np.asarray(run), parts)
+            )
+            cut = j
+    runs.sort(key=lambda r: (min(rank[g] for g in r), r[0]))
+    return runs
+
+
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -950,28 +1024,42 @@ def _untag(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch.replace_schema_metadata(meta or None)
 
 
-def _concat(pieces: list[pa.RecordBatch]) -> pa.RecordBatch:
-    from raystream.state.rocks import STATE_CHUNK_SCHEMA
+def pair_rates(stats: list[dict[str, Any]], width: int) -> list[float]:
+    """MB/s of every (new owner, old owner) pair of a move: the state bytes (Arrow chunk bytes:
+    keys, values, offsets) the new owner took in from that old owner, over the time from when
+    both could move state (the later of the new owner's switch and the old owner being ready to
+    hand out: sealed, fenced, evicted) until the pair's last chunk arrived. ``stats``: each
+    step's :meth:`MigrationEngine.stats` of instances ``0 .. width - 1``, step after step."""
+    rates = []
+    for at in range(0, len(stats) - width + 1, width):
+        step = stats[at : at + width]
+        for st in step:
+            switch = st.get("activated_wall")
+            for owner, nbytes in (st.get("pair_bytes_in") or {}).items():
+                ready = step[int(owner)].get("ready_wall") if int(owner) < width else None
+                end = (st.get("pair_last_in_wall") or {}).get(owner)
+                if switch is None or ready is None or end is None or not nbytes:
+                    continue
+                start = max(switch, ready)
+                if end > start:
+                    rates.append(nbytes / 1e6 / (end - start))
+    return rates
 
-    if not pieces:
-        return pa.RecordBatch.from_pylist([], schema=STATE_CHUNK_SCHEMA)
-    if len(pieces) == 1:
-        return pieces[0]
-    return pa.Table.from_batches(pieces).combine_chunks().to_batches()[0]
 
-
-def transfer_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
+def transfer_summary(stats: list[dict[str, Any]], width: int | None = None) -> dict[str, Any]:
     """Where a move's transfer time went, over every instance's :meth:`MigrationEngine.stats`:
     old owners' seconds reading chunks out of RocksDB and new owners' seconds writing them in
     (summed over instances), the round trip of each serve call as its new owner saw it (call to
-    chunk back: queueing at the old owner, reading, Ray), and the MB/s each new owner took in
-    from its switch until its last incoming sub-group arrived."""
+    chunk back: queueing at the old owner, reading, Ray), the MB/s each new owner took in
+    from its switch until its last incoming sub-group arrived and, given ``width`` (instances per
+    step in ``stats``), the MB/s of every (new owner, old owner) pair (:func:`pair_rates`)."""
     rtts = [x for st in stats for x in st.get("fetch_rtt_ms", [])]
     per_new = []
     for st in stats:
         start, end = st.get("activated_wall"), st.get("all_arrived_wall")
         if st.get("bytes_in") and start is not None and end is not None and end > start:
             per_new.append(st["bytes_in"] / 1e6 / (end - start))
+    per_pair = pair_rates(stats, width) if width else []
     return {
         "export_s": round(sum(st.get("export_s", 0.0) for st in stats), 4),
         "import_s": round(sum(st.get("import_s", 0.0) for st in stats), 4),
@@ -982,4 +1070,5 @@ def transfer_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
             "max": float(max(rtts)) if rtts else None,
         },
         "new_owner_mb_s": [round(x, 1) for x in per_new],
+        "pair_mb_s": [round(x, 1) for x in per_pair],
     }

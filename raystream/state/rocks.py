@@ -72,7 +72,10 @@ def _options() -> Options:
     return opts
 
 
-BLOCK_CACHE_BYTES = 64 << 20  # RocksDB's cache of SST blocks, per instance
+# RocksDB's cache of SST blocks, per instance (it fills as blocks are read): the part of a hot
+# Zipf head that the write-back cache does not hold stays in it (1M keys x 1 KB, 2 -> 4: see
+# bench/results/compare_1gb_meces_bc256.md against compare_1gb_meces_base.md)
+BLOCK_CACHE_BYTES = 256 << 20
 
 
 _MISS = object()
@@ -457,14 +460,49 @@ class RocksStateBackend:
         ``max_bytes`` of chunk (see :func:`chunk_payload_bytes`; a single larger row comes
         alone), read past the cache (evict the sub-group first: :meth:`evict_sub_groups`).
         Returns the chunk and the key to continue from (None: the sub-group is complete).
+        One sub-group of :meth:`export_run`."""
+        chunk, _, resume = self.export_run(key_group, sub_group, sub_group, start, max_bytes)
+        return chunk, resume
 
-        Rows are read in runs (``itertools.islice`` over the RocksDB iterator) and measured per
-        run with numpy, not row by row in Python, past the block cache; only reads, so it may
+    def export_run(
+        self,
+        key_group: int,
+        first: int,
+        last: int,
+        start: bytes | None,
+        max_bytes: int,
+        *,
+        alone: bool = True,
+    ) -> tuple[pa.RecordBatch, int, bytes | None]:
+        """Rows of sub-groups ``first`` .. ``last`` (inclusive) of one key group — one key range,
+        read with one RocksDB iterator — from key ``start`` on (None: the first key of
+        ``first``; else a key of ``first``), at most ``max_bytes`` of chunk (see
+        :func:`chunk_payload_bytes`; with ``alone``, a single larger row comes alone, without
+        it the chunk may be empty). Read past the cache (evict the sub-groups first:
+        :meth:`evict_sub_groups`).
+
+        Returns ``(chunk, next_sub_group, resume)``: the chunk's rows in key order; every
+        sub-group of the run before ``next_sub_group`` is complete; ``resume`` None means the
+        whole run is (``next_sub_group == last + 1``), else sub-group ``next_sub_group`` goes on
+        from key ``resume``.
+
+        Rows are read in runs (``itertools.islice`` over the iterator) and measured per run with
+        numpy; the chunk's columns are built from one joined buffer each. Only reads, so it may
         run in another thread than the one writing other ranges."""
         if max_bytes < 1:
             msg = f"max_bytes must be >= 1, got {max_bytes}"
             raise StateError(msg)
-        lower, upper = sub_group_bounds(key_group, sub_group)
+        if not 0 <= first <= last < 256:
+            msg = f"a run of sub-groups needs 0 <= first <= last < 256, got {first}..{last}"
+            raise StateError(msg)
+        lower = sub_group_bounds(key_group, first)[0]
+        upper = sub_group_bounds(key_group, last)[1]
+        if start is not None and not lower <= start < upper:
+            msg = (
+                f"resume key {start.hex()} is outside sub-groups {first}..{last} of key group "
+                f"{key_group} [{lower.hex()}, {upper.hex()})"
+            )
+            raise StateError(msg)
         ro = ReadOptions()
         ro.set_iterate_upper_bound(upper)
         # a range read once, leaving: its blocks do not push the staying keys' blocks out of
@@ -475,31 +513,43 @@ class RocksStateBackend:
         rows = self._db.items(from_key=start or lower, read_opt=ro)
         keys: list[bytes] = []
         values: list[bytes] = []
+        key_lens: list[np.ndarray] = []
+        value_lens: list[np.ndarray] = []
         size = 2 * 4  # the offsets' closing entries
         run = _EXPORT_RUN_ROWS
+        nxt: bytes | None = None
         while True:
             part = list(itertools.islice(rows, run))
             if not part:
-                return _chunk(keys, values), None
+                break
             ks, vs = zip(*part, strict=True)
-            cum = np.cumsum(
-                np.fromiter(map(len, ks), np.int64, len(ks))
-                + np.fromiter(map(len, vs), np.int64, len(vs))
-                + ROW_OVERHEAD
-            )
+            kl = np.fromiter(map(len, ks), np.int64, len(ks))
+            vl = np.fromiter(map(len, vs), np.int64, len(vs))
+            cum = np.cumsum(kl + vl + ROW_OVERHEAD)
             fit = int(np.searchsorted(cum, max_bytes - size, side="right"))
             if fit < len(part):
-                fit = max(fit, 0 if keys else 1)  # a single larger row comes alone
+                if fit == 0 and not keys and alone:
+                    fit = 1  # a single larger row comes alone
                 keys.extend(ks[:fit])
                 values.extend(vs[:fit])
+                key_lens.append(kl[:fit])
+                value_lens.append(vl[:fit])
                 if fit < len(part):
-                    return _chunk(keys, values), ks[fit]
-                nxt = next(rows, None)  # the run ended exactly at the bound
-                return _chunk(keys, values), (nxt[0] if nxt is not None else None)
+                    nxt = ks[fit]
+                else:  # the run ended exactly at the bound
+                    after = next(rows, None)
+                    nxt = after[0] if after is not None else None
+                break
             keys.extend(ks)
             values.extend(vs)
+            key_lens.append(kl)
+            value_lens.append(vl)
             size += int(cum[-1])
             run = min(run * 4, _EXPORT_MAX_RUN_ROWS)
+        chunk = _chunk_from(keys, key_lens, values, value_lens)
+        if nxt is None:
+            return chunk, last + 1, None
+        return chunk, nxt[2], nxt  # the key's sub-group byte (layout: [kg u16][sg u8]...)
 
     def export_sub_group(self, key_group: int, sub_group: int) -> pa.RecordBatch:
         chunks = list(
@@ -655,6 +705,29 @@ class RocksStateBackend:
 def _chunk(keys: list[bytes], values: list[bytes]) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(
         [pa.array(keys, pa.binary()), pa.array(values, pa.binary())], schema=STATE_CHUNK_SCHEMA
+    )
+
+
+def _binary(items: list[bytes], lens: list[np.ndarray]) -> pa.Array:
+    """A binary column of ``items`` (their lengths ``lens``, in pieces): one joined buffer and
+    the offsets, without a Python object per row on Arrow's side."""
+    n = len(items)
+    offsets = np.zeros(n + 1, np.int64)
+    if n:
+        np.cumsum(np.concatenate(lens), out=offsets[1:])
+    if offsets[-1] >= 1 << 31:  # over 2 GiB: beyond binary's int32 offsets, let Arrow say so
+        return pa.array(items, pa.binary())
+    data = pa.py_buffer(b"".join(items))
+    return pa.Array.from_buffers(
+        pa.binary(), n, [None, pa.py_buffer(offsets.astype(np.int32)), data]
+    )
+
+
+def _chunk_from(
+    keys: list[bytes], key_lens: list[np.ndarray], values: list[bytes], value_lens: list[np.ndarray]
+) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays(
+        [_binary(keys, key_lens), _binary(values, value_lens)], schema=STATE_CHUNK_SCHEMA
     )
 
 

@@ -20,7 +20,14 @@ import pytest
 
 from raystream.errors import ConfigError, StateError
 from raystream.rescale import FetchPolicy
-from raystream.runtime.migration import DecayingHeat, MigrationEngine, MigrationTask, PrioritySlots
+from raystream.runtime.migration import (
+    RUNS_PER_CALL,
+    DecayingHeat,
+    MigrationEngine,
+    MigrationTask,
+    PrioritySlots,
+    contiguous_runs,
+)
 from raystream.state.layout import encode_one, sub_group_bounds
 from raystream.state.rocks import RocksStateBackend
 
@@ -138,7 +145,8 @@ def test_state_moves_in_chunks_of_at_most_chunk_bytes_with_bounded_calls_in_flig
     kept = {k: v for k, v in rows.items() if k not in moved}
     assert _dump(pair.new_db) == moved
     assert _dump(pair.old_db) == kept
-    sizes = [b for c in pair.calls for b in c["bytes"]]
+    # a call's chunk may come as several batches (one per key range read): bounded together
+    sizes = [sum(c["bytes"]) for c in pair.calls if c["bytes"]]
     assert max(sizes) <= chunk_bytes
     payload = sum(len(k) + len(v) + 8 for k, v in moved.items())
     if chunk_bytes < payload:  # several chunks, several sub-groups split over chunks
@@ -435,10 +443,17 @@ def test_an_on_demand_fetch_brings_the_owners_other_sub_groups_hottest_first(
     if chunk_bytes >= sum(len(k) + len(v) + 8 for k, v in rows.items()):
         assert len(pair.calls) == 1 and sorted(first["done"]) == moving  # one call moved all
     else:
-        # what did not fit came in background pulls, each asking hottest first
+        # what did not fit came in background pulls: one sequence of calls per background
+        # slot (2: one of the 3 is kept for on-demand fetches), each dealt key-ordered runs
+        # (read with one iterator each), hottest run first; every call asks for what is left
+        # of its sequence
         assert len(pair.calls) > 1 and not any(c["urgent"] for c in pair.calls[1:])
+        pulled = sorted((g for g in moving if g not in first["done"]), key=lambda g: -heat[g])
+        runs = contiguous_runs(pulled, SUB_GROUPS, 2 * RUNS_PER_CALL)
+        assert all(len(r) <= max(1, len(pulled) // (2 * RUNS_PER_CALL)) for r in runs)
+        seqs = [[g for r in runs[i::2] for g in r] for i in range(2)]
         for c in pair.calls[1:]:
-            assert c["groups"] == sorted(c["groups"], key=lambda g: -heat[g]), c
+            assert any(seq[len(seq) - len(c["groups"]) :] == c["groups"] for seq in seqs), c
     for chunk in chunks:
         keys = chunk.column(0).to_pylist()
         assert keys == sorted(keys), "a chunk's rows must be in key order"
