@@ -9,6 +9,7 @@ import pytest
 from raystream.change_spares import pick_spares, spare_actor_name
 from raystream.errors import ConfigError
 from raystream.runtime.instance import RuntimeConfig
+from tests._cli import status_output
 
 
 def test_any_spares_oldest_first_when_no_node_is_asked_for() -> None:
@@ -46,11 +47,6 @@ def test_config_knobs() -> None:
 
 
 def test_cli_status_names_the_actors_of_inserted_and_moved_instances(monkeypatch: Any) -> None:
-    from click.testing import CliRunner
-
-    import raystream as rs
-    from raystream import cli
-
     status = {
         "job": "kc",
         "state": "running",
@@ -62,13 +58,5 @@ def test_cli_status_names_the_actors_of_inserted_and_moved_instances(monkeypatch
         "reconfigurations": [],
     }
 
-    class _Job:
-        def status(self) -> dict[str, Any]:
-            return status
-
-    monkeypatch.setattr(cli, "_connect", lambda address=None: None)
-    monkeypatch.setattr(rs, "attach", lambda name: _Job())
-    result = CliRunner().invoke(cli.main, ["status", "kc"], terminal_width=200)
-    assert result.exit_code == 0, result.output
-    out = " ".join(result.output.split())
+    out = status_output(monkeypatch, status)
     assert "actors: tally/0 in raystream:kc:spare:1, tally/1 in raystream:kc:spare:2" in out

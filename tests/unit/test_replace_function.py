@@ -33,6 +33,7 @@ from raystream.reconfigure import check_replacement, load_object, migrate_state_
 from raystream.runtime.instance import OperatorInstance, RuntimeConfig
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.state.rocks import RocksStateBackend
+from tests._cli import status_output
 
 EVENTS = 4_000  # per source
 KEYS = 200
@@ -275,8 +276,6 @@ def test_cli_update_refuses_a_bad_import_before_connecting() -> None:
 
 
 def test_cli_status_shows_the_graph_version_and_every_change(monkeypatch: Any) -> None:
-    import raystream.cli as cli
-
     change = {
         "kind": "replace",
         "step": "count",
@@ -301,15 +300,7 @@ def test_cli_status_shows_the_graph_version_and_every_change(monkeypatch: Any) -
         "reconfigurations": [change],
     }
 
-    class _Job:
-        def status(self) -> dict[str, Any]:
-            return status
-
-    monkeypatch.setattr(cli, "_connect", lambda address=None: None)
-    monkeypatch.setattr(rs, "attach", lambda name: _Job())
-    result = CliRunner().invoke(cli.main, ["status", "kc"], terminal_width=200)
-    assert result.exit_code == 0, result.output
-    out = " ".join(result.output.split())
+    out = status_output(monkeypatch, status)
     assert "graph version 2: count (keyed_batches ops:count_v2)" in out
     assert "replace 'count' at epoch 7: t=3.0-3.2s, ops:count -> ops:count_v2" in out
     assert "migrated_state_rows 1,200; peak latency 41.5 ms" in out
