@@ -628,6 +628,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
         for i in range(parallelism, old.parallelism):
             iid = self._at(step, i)
             self.retired.add(iid)
+            self.actor_names.pop(iid, None)  # status lists the actors of live instances
             if iid in self.outcomes and iid in self._run_handles:
                 # it ended (handed everything over) before it was marked retired, so the watch
                 # did not stop it: stop it now, its name is free for the next scale-out
@@ -1137,6 +1138,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
             self.specs[(step, i)] = spec
             actor_spec, sink_spec = self._chained_spawn(step, spec, indexes.stop)
             self._spawning.add((step, i))  # no standby fill takes this name meanwhile
+            self.actor_names.pop((step, i), None)  # a scale-out's instance has the usual name
             try:
                 handle = await self._take_standby((step, i), node) if options.is_default else None
                 if handle is not None:

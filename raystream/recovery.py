@@ -521,6 +521,7 @@ class Recovery:
         self._run_futures = {}
         self._run_handles = {}
         self.retired = set()
+        self.actor_names = {}  # every instance is redeployed under its usual name
         self._hung = {}
         self._source_emitted = {}
         self._replan(manifest, str(Path(self.state_dir) / f"attempt-{self._attempt}"))
