@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -173,3 +174,11 @@ def wait_checkpoints(job: rs.Job, n: int, timeout_s: float = 60) -> None:
     while job.status()["checkpoints"]["completed"] < n:
         assert time.monotonic() < deadline, f"no {n} checkpoints: {job.status()['checkpoints']}"
         time.sleep(0.05)
+
+
+def finished_after_gate(job: rs.Job, gate: str, timeout_s: float = 120) -> tuple[rs.JobResult, int]:
+    """Once the gate file the job's gated source waits at exists: the job's result (checked
+    finished) and the number of events that source sent (it writes ``<gate>.events``)."""
+    result = job.wait(timeout_s=timeout_s)
+    assert result.state == "finished", result.error
+    return result, int(Path(gate + ".events").read_text())

@@ -16,7 +16,7 @@ import ray
 
 import raystream as rs
 
-from ._helpers import Batches, count_vec
+from ._helpers import Batches, count_vec, finished_after_gate
 from ._rescale_helpers import RUNTIME, UntilGate, generator
 from .test_reconfigure_rewire import _first_keys, _per_key_last, _records_in
 
@@ -64,9 +64,7 @@ def test_keyed_insert_and_move_take_warm_spares_and_count_exactly(tmp_path: Path
         status = job.status()
     finally:
         Path(gate).touch()
-    result = job.wait(timeout_s=120)
-    assert result.state == "finished", result.error
-    events = int(Path(gate + ".events").read_text())
+    result, events = finished_after_gate(job, gate)
 
     b1, b2 = inserted["source_offsets"]["source/0"], emitted["source_offsets"]["source/0"]
     assert 0 < b1 < b2 < events

@@ -32,7 +32,7 @@ import ray
 
 import raystream as rs
 
-from ._helpers import last_counts, oracle_counts
+from ._helpers import finished_after_gate, last_counts, oracle_counts
 from ._rescale_helpers import RUNTIME, STATE, UntilGate, _count, generator, prefix_counts
 
 STEP = "count"
@@ -111,9 +111,7 @@ def test_replace_queued_behind_a_rescale_then_move_a_hot_instance(tmp_path: Path
         status = job.status()
     finally:
         Path(gate).touch()
-    result = job.wait(timeout_s=120)
-    assert result.state == "finished", result.error
-    events = int(Path(gate + ".events").read_text())
+    result, events = finished_after_gate(job, gate)
 
     # every event counted exactly once, per key in order (the operator also checked each seq)
     out = result.table("out")

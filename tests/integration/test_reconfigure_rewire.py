@@ -18,7 +18,7 @@ import ray
 
 import raystream as rs
 
-from ._helpers import Batches, count_vec, last_counts
+from ._helpers import Batches, count_vec, finished_after_gate, last_counts
 from ._rescale_helpers import RUNTIME, UntilGate, generator
 
 
@@ -71,9 +71,7 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
         status = job.status()
     finally:
         Path(gate).touch()
-    result = job.wait(timeout_s=120)
-    assert result.state == "finished", result.error
-    events = int(Path(gate + ".events").read_text())
+    result, events = finished_after_gate(job, gate)
 
     start = inserted["source_offsets"]["source/0"]
     end = removed["source_offsets"]["source/0"]
@@ -137,9 +135,7 @@ def test_keyed_count_inserted_rescaled_removed_counts_exactly_between_its_barrie
         status = job.status()
     finally:
         Path(gate).touch()
-    result = job.wait(timeout_s=120)
-    assert result.state == "finished", result.error
-    events = int(Path(gate + ".events").read_text())
+    result, events = finished_after_gate(job, gate)
 
     b1, b2 = inserted["source_offsets"]["source/0"], emitted["source_offsets"]["source/0"]
     b3, b4 = again["source_offsets"]["source/0"], dropped["source_offsets"]["source/0"]
