@@ -35,7 +35,7 @@ from rocksdict import (
 )
 
 from raystream.errors import StateError
-from raystream.state.layout import key_group_bounds, sub_group_bounds
+from raystream.state.layout import key_group_bounds, split_prefix, sub_group_bounds
 
 __all__ = [
     "IMPORT_METHODS",
@@ -549,7 +549,7 @@ class RocksStateBackend:
         chunk = _chunk_from(keys, key_lens, values, value_lens)
         if nxt is None:
             return chunk, last + 1, None
-        return chunk, nxt[2], nxt  # the key's sub-group byte (layout: [kg u16][sg u8]...)
+        return chunk, split_prefix(nxt)[1], nxt  # resume in the key's sub-group
 
     def export_sub_group(self, key_group: int, sub_group: int) -> pa.RecordBatch:
         chunks = list(
