@@ -87,9 +87,10 @@ def _check_exact(tables: list[pa.Table], gen: Any, events: int) -> None:
 
 def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) -> None:
     """count -> tag -> even chained (one actor per index of count), the sink alone (parallelism
-    1, it reads every chain's tail). While it checkpoints, count scales 2 -> 3 -> 1: a new
-    chain actor's tail starts sending to the sink, retired chains end their tails' outputs, and
-    the sink gets every row once, per key in order."""
+    1, it reads every chain's tail). While it checkpoints, count scales 2 -> 3 -> 1 -> 2: a new
+    chain actor's tail starts sending to the sink, retired chains end their tails' outputs (and
+    an index that comes back gets a new chain), and the sink gets every row once, per key in
+    order."""
     gen = rs.sources.generator(events=10_000_000, keys=KEYS, zipf=1.1, seed=21, rate_eps=40_000)
     gate = str(tmp_path / "gate")
     flow = _flow("chained_after_keyed", gen, gate, sink_parallelism=None)
@@ -105,11 +106,13 @@ def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) ->
             wait_checkpoints(job, at3["checkpoints"]["completed"] + 1)
             to1 = job.rescale("count", 1)
             at1 = job.status()
+            # index 1 comes back: the sink takes the new tail once the retired one ended there
+            to2 = job.rescale("count", 2)
     finally:
         Path(gate).touch()
     result = job.wait(timeout_s=60)
     assert result.state == "finished", result.error
-    assert to3["to"] == 3 and to1["to"] == 1
+    assert to3["to"] == 3 and to1["to"] == 1 and to2["to"] == 2
     chains = {g["step"]: g["chain"] for g in at_start["graph"]}
     assert chains["count"] == chains["tag"] == chains["even"] == ["count", "tag", "even"]
     assert chains["out"] == []
@@ -121,6 +124,8 @@ def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) ->
     for m in result.step_metrics("even"):
         sent[int(m["index"])] += int(m["records_out"])
     assert sent[2] > 0, sent
+    # index 1 ran twice (retired by the scale-in to 1, started again by the scale-out to 2)
+    assert sorted(int(m["index"]) for m in result.step_metrics("tag")) == [0, 1, 1, 2]
     _check_exact([result.table("out")], gen, int(Path(f"{gate}.events").read_text()))
 
 
