@@ -322,3 +322,67 @@ def test_keyed_count_with_chained_map_filter_and_sink_matches_counter(chaining: 
     for k, c in rows:  # per key in order
         assert c == last.get(k, 0) + 2, (k, c, last.get(k))
         last[k] = c
+
+
+def _tag_version(version: int) -> Any:
+    @rs.map_batches(name="fmt")
+    def fmt_v(batch: pa.RecordBatch) -> pa.RecordBatch:
+        even = pc.equal(pc.bit_wise_and(batch["count"], 1), 0)
+        return batch.append_column("even", even).append_column(
+            "version", pa.array([version] * batch.num_rows, pa.int64())
+        )
+
+    return fmt_v
+
+
+def test_a_replace_barrier_swaps_a_followers_function_inside_the_chain() -> None:
+    """count -> fmt -> keep -> sink as one chain (records pushed to its head): a replace barrier
+    for fmt passes count and reaches fmt in order, so every row before it went through the old
+    function and every row after it through the new one, as for an unchained step."""
+    from raystream.reconfigure import check_replacement
+    from raystream.runtime.chain import Chain
+    from raystream.runtime.messages import Barrier, EndOfStream
+
+    flow = rs.Dataflow("keyed-chain-replace")
+    flow.source(_gen(), name="src").options(chain=False).key_by("key").apply(count).apply(
+        _tag_version(1)
+    ).apply(keep).sink(rs.sinks.collect(), name="out")
+    plan = physical_plan(flow, None, RuntimeConfig(), 0, tempfile.mkdtemp())
+    ids = plan.chains[("count", 0)]
+    assert ids == (("count", 0), ("fmt", 0), ("keep", 0), ("out", 0))
+    chain = Chain(ChainSpec(tuple(plan.instances[i] for i in ids)))
+    events: list[tuple[str, Any]] = []
+    chain.connect(lambda r, p: None, lambda event, info: events.append((event, info)))
+    new_step, migrations = check_replacement(plan.steps["fmt"], _tag_version(2))
+    keys = _gen().generate_all()
+    half = keys.num_rows // 2
+
+    async def drive() -> None:
+        task = asyncio.ensure_future(chain.run())
+        src = ("src", 0)
+        seq = 0
+        for k, part in enumerate([keys.slice(0, half), keys.slice(half)]):
+            for b in part.to_batches(max_chunksize=4096):
+                await chain.head.push(src, seq, b)
+                seq += 1
+            if k == 0:
+                payload = {"step": "fmt", "new_step": new_step, "migrations": migrations}
+                barrier = Barrier(1, "replace", {**payload, "aligned": True})
+                await chain.head.push(src, seq, barrier)
+                seq += 1
+        await chain.head.push(src, seq, EndOfStream())
+        await task
+
+    asyncio.run(drive())
+    assert chain.head.error is None, chain.head.error_traceback
+    acks = [tuple(e["instance"]) for ev, e in events if ev == "barrier" and e["epoch"] == 1]
+    assert acks == [("out", 0), ("keep", 0), ("fmt", 0), ("count", 0)]
+    table = chain.instances[-1].result
+    rows = list(
+        zip(table["key"].to_pylist(), table["count"].to_pylist(), table["version"].to_pylist(), strict=True)
+    )
+    before = Counter(keys.slice(0, half)["key"].to_pylist())
+    for k, c, v in rows:  # a key's count c is from the first half iff c <= its count there
+        assert v == (1 if c <= before[k] else 2), (k, c, v, before[k])
+    assert sorted((k, c) for k, c, _ in rows) == _oracle()
+    assert chain.instances[1].step.fn is new_step.fn
