@@ -29,9 +29,15 @@ KEYS = 2_000
 AFTER_GATE_ROWS = 4_000
 
 
-@rs.map_batches
-def tag(batch: pa.RecordBatch) -> pa.RecordBatch:
-    return batch.append_column("even", pc.equal(pc.bit_wise_and(batch["count"], 1), 0))
+def _tag(version: int) -> Any:
+    @rs.map_batches(name="tag")
+    def tag(batch: pa.RecordBatch) -> pa.RecordBatch:
+        even = pc.equal(pc.bit_wise_and(batch["count"], 1), 0)
+        return batch.append_column("even", even).append_column(
+            "version", pa.array([version] * batch.num_rows, pa.int64())
+        )
+
+    return tag
 
 
 @rs.filter
@@ -45,7 +51,7 @@ def _flow(name: str, gen: Any, gate: str, sink_parallelism: int | None) -> rs.Da
         flow.source(UntilGate(gen, gate, after_rows=AFTER_GATE_ROWS))
         .key_by("key")
         .apply(running_count, name="count", parallelism=2)
-        .apply(tag)
+        .apply(_tag(1))
         .apply(even)
         .sink(rs.sinks.collect(), name="out", parallelism=sink_parallelism)
     )
@@ -104,6 +110,8 @@ def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) ->
             to3 = job.rescale("count", 3)
             at3 = job.status()
             wait_checkpoints(job, at3["checkpoints"]["completed"] + 1)
+            # the chained tag's function is replaced at a barrier; chains started later run it
+            replaced = job.replace("tag", _tag(2))
             to1 = job.rescale("count", 1)
             at1 = job.status()
             # index 1 comes back: the sink takes the new tail once the retired one ended there
@@ -113,6 +121,7 @@ def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) ->
     result = job.wait(timeout_s=60)
     assert result.state == "finished", result.error
     assert to3["to"] == 3 and to1["to"] == 1 and to2["to"] == 2
+    assert replaced["instances"] == 3
     chains = {g["step"]: g["chain"] for g in at_start["graph"]}
     assert chains["count"] == chains["tag"] == chains["even"] == ["count", "tag", "even"]
     assert chains["out"] == []
@@ -126,7 +135,16 @@ def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) ->
     assert sent[2] > 0, sent
     # index 1 ran twice (retired by the scale-in to 1, started again by the scale-out to 2)
     assert sorted(int(m["index"]) for m in result.step_metrics("tag")) == [0, 1, 1, 2]
-    _check_exact([result.table("out")], gen, int(Path(f"{gate}.events").read_text()))
+    out = result.table("out")
+    _check_exact([out], gen, int(Path(f"{gate}.events").read_text()))
+    # per key, version 2 only after version 1: the barrier passed each chain in order, and the
+    # chain that came back at index 1 (after keys had version-2 rows at index 0) ran the new
+    # function (a key with no row after the replace keeps version 1)
+    latest: dict[int, int] = {}
+    for k, v in zip(out["key"].to_pylist(), out["version"].to_pylist(), strict=True):
+        assert v >= latest.get(k, 1), f"key {k}: version {v} after {latest[k]}"
+        latest[k] = v
+    assert set(out["version"].to_pylist()) == {1, 2}
 
 
 def test_a_keyed_chain_recovers_from_a_killed_actor_and_rescales(tmp_path: Path) -> None:
