@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
@@ -45,16 +46,33 @@ def even(record: dict[str, Any]) -> bool:
     return bool(record["even"])
 
 
-def _flow(name: str, gen: Any, gate: str, sink_parallelism: int | None) -> rs.Dataflow:
+@rs.keyed_batches(state=rs.ValueState(int, default=0), name="recount")
+def recount(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    """Each row the chain sent, with ``n``: how many rows of its key came here up to it."""
+    before = state.get(batch.keys)
+    counts = batch.counts
+    state.put(batch.keys, before + counts)
+    rows = batch.records
+    rank = np.arange(rows.num_rows) - np.repeat(np.cumsum(counts) - counts, counts)
+    columns = {c: rows.column(c) for c in ("key", "seq", "count", "even", "version")}
+    columns["n"] = pa.array(np.repeat(before, counts) + rank + 1, pa.int64())
+    return pa.record_batch(columns)
+
+
+def _flow(
+    name: str, gen: Any, gate: str, sink_parallelism: int | None, *, keyed_after: bool = False
+) -> rs.Dataflow:
     flow = rs.Dataflow(name, num_key_groups=32, sub_groups=8)
-    (
+    chain = (
         flow.source(UntilGate(gen, gate, after_rows=AFTER_GATE_ROWS))
         .key_by("key")
         .apply(running_count, name="count", parallelism=2)
         .apply(_tag(1))
         .apply(even)
-        .sink(rs.sinks.collect(), name="out", parallelism=sink_parallelism)
     )
+    if keyed_after:  # a second keyed step reads the chain's tails by key group
+        chain = chain.key_by("key").apply(recount)
+    chain.sink(rs.sinks.collect(), name="out", parallelism=sink_parallelism)
     return flow
 
 
@@ -92,14 +110,16 @@ def _check_exact(tables: list[pa.Table], gen: Any, events: int) -> None:
 
 
 def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) -> None:
-    """count -> tag -> even chained (one actor per index of count), the sink alone (parallelism
-    1, it reads every chain's tail). While it checkpoints, count scales 2 -> 3 -> 1 -> 2: a new
-    chain actor's tail starts sending to the sink, retired chains end their tails' outputs (and
-    an index that comes back gets a new chain), and the sink gets every row once, per key in
-    order."""
+    """count -> tag -> even chained (one actor per index of count), then a second keyed step,
+    recount (at 1, its sink chained to it), that reads every chain's tail by key group. While it
+    checkpoints, count scales 2 -> 3, recount 1 -> 2 (the chains' tails get the new receivers),
+    tag's function is replaced, count scales 3 -> 1 -> 2: a new chain's tail starts sending to
+    recount, retired chains end their tails' outputs (and an index that comes back gets a new
+    chain). recount must see every even count of every key once and in order (its own count of
+    a key's rows is half the count), and so must the sink, per instance."""
     gen = rs.sources.generator(events=10_000_000, keys=KEYS, zipf=1.1, seed=21, rate_eps=40_000)
     gate = str(tmp_path / "gate")
-    flow = _flow("chained_after_keyed", gen, gate, sink_parallelism=None)
+    flow = _flow("chained_after_keyed", gen, gate, sink_parallelism=None, keyed_after=True)
     job = rs.start(
         flow, checkpoint_interval_s=0.5, checkpoint_dir=str(tmp_path / "chk"), linger_ms=10.0
     )
@@ -110,6 +130,7 @@ def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) ->
             to3 = job.rescale("count", 3)
             at3 = job.status()
             wait_checkpoints(job, at3["checkpoints"]["completed"] + 1)
+            recount2 = job.rescale("recount", 2)
             # the chained tag's function is replaced at a barrier; chains started later run it
             replaced = job.replace("tag", _tag(2))
             to1 = job.rescale("count", 1)
@@ -120,31 +141,43 @@ def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) ->
         Path(gate).touch()
     result = job.wait(timeout_s=60)
     assert result.state == "finished", result.error
-    assert to3["to"] == 3 and to1["to"] == 1 and to2["to"] == 2
+    assert to3["to"] == 3 and to1["to"] == 1 and to2["to"] == 2 and recount2["to"] == 2
     assert replaced["instances"] == 3
     chains = {g["step"]: g["chain"] for g in at_start["graph"]}
     assert chains["count"] == chains["tag"] == chains["even"] == ["count", "tag", "even"]
-    assert chains["out"] == []
-    assert [at_start["parallelism"][s] for s in ("count", "tag", "even", "out")] == [2, 2, 2, 1]
-    assert [at3["parallelism"][s] for s in ("count", "tag", "even", "out")] == [3, 3, 3, 1]
-    assert [at1["parallelism"][s] for s in ("count", "tag", "even", "out")] == [1, 1, 1, 1]
-    # the chain of the new index ran: its tail sent rows to the sink
+    assert chains["recount"] == chains["out"] == ["recount", "out"]
+    steps = ("count", "tag", "even", "recount", "out")
+    assert [at_start["parallelism"][s] for s in steps] == [2, 2, 2, 1, 1]
+    assert [at3["parallelism"][s] for s in steps] == [3, 3, 3, 1, 1]
+    assert [at1["parallelism"][s] for s in steps] == [1, 1, 1, 2, 2]
+    # the chain of the new index ran: its tail sent rows on
     sent: collections.Counter[int] = collections.Counter()
     for m in result.step_metrics("even"):
         sent[int(m["index"])] += int(m["records_out"])
     assert sent[2] > 0, sent
     # index 1 ran twice (retired by the scale-in to 1, started again by the scale-out to 2)
     assert sorted(int(m["index"]) for m in result.step_metrics("tag")) == [0, 1, 1, 2]
-    out = result.table("out")
-    _check_exact([out], gen, int(Path(f"{gate}.events").read_text()))
-    # per key, version 2 only after version 1: the barrier passed each chain in order, and the
-    # chain that came back at index 1 (after keys had version-2 rows at index 0) ran the new
-    # function (a key with no row after the replace keeps version 1)
-    latest: dict[int, int] = {}
-    for k, v in zip(out["key"].to_pylist(), out["version"].to_pylist(), strict=True):
-        assert v >= latest.get(k, 1), f"key {k}: version {v} after {latest[k]}"
-        latest[k] = v
-    assert set(out["version"].to_pylist()) == {1, 2}
+    tables = list(result.results["out"])
+    assert len(tables) == 2
+    _check_exact(tables, gen, int(Path(f"{gate}.events").read_text()))
+    versions: set[int] = set()
+    for t in tables:
+        # recount saw each key's even counts once and in order: its n-th row has count 2n
+        bad = [
+            (k, c, n)
+            for k, c, n in zip(t["key"].to_pylist(), t["count"].to_pylist(), t["n"].to_pylist(), strict=True)
+            if c != 2 * n
+        ]
+        assert not bad, f"{len(bad)} rows reached recount out of order or not once, e.g. {bad[:5]}"
+        # per key, version 2 only after version 1: the barrier passed each chain in order, and
+        # the chain that came back at index 1 (after keys had version-2 rows at index 0) ran
+        # the new function (a key with no row after the replace keeps version 1)
+        latest: dict[int, int] = {}
+        for k, v in zip(t["key"].to_pylist(), t["version"].to_pylist(), strict=True):
+            assert v >= latest.get(k, 1), f"key {k}: version {v} after {latest[k]}"
+            latest[k] = v
+        versions.update(t["version"].to_pylist())
+    assert versions == {1, 2}
 
 
 def test_a_keyed_chain_recovers_from_a_killed_actor_and_rescales(tmp_path: Path) -> None:
