@@ -145,7 +145,7 @@ class RocksStateBackend:
         cache_bytes: int = 64 << 20,
         # dirty entries that coalesce before a write (hot keys: once); None: as many as the
         # cache holds, so a key is written when it leaves the cache, at a snapshot, a range
-        # operation or close (bench/results/thr_*.json: 32,768 wrote each batch's keys again)
+        # operation or close (bench/results/dataplane_thr_*.json: 32,768 wrote each batch's keys again)
         max_dirty: int | None = None,
         import_method: str = "write_batch",
     ) -> None:
