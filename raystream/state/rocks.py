@@ -145,7 +145,8 @@ class RocksStateBackend:
         cache_bytes: int = 64 << 20,
         # dirty entries that coalesce before a write (hot keys: once); None: as many as the
         # cache holds, so a key is written when it leaves the cache, at a snapshot, a range
-        # operation or close (bench/results/dataplane_thr_*.json: 32,768 wrote each batch's keys again)
+        # operation or close (32,768 made a 1M-key Zipf count write each batch's keys again:
+        # bench/results/dataplane_thr_*.json)
         max_dirty: int | None = None,
         import_method: str = "write_batch",
     ) -> None:
@@ -289,8 +290,9 @@ class RocksStateBackend:
 
     def _bound(self) -> None:
         """Keep the cache bounded without long stalls: dirty entries go to RocksDB in small sorted
-        batches; when full, the oldest quarter (dicts keep insertion order) is evicted, its dirty
-        entries written first (the others stay dirty). In bytes:
+        batches once ``max_dirty`` are dirty; when full, the oldest entries (dicts keep insertion
+        order) are evicted down to a small slice under ``cache_entries``, the dirty ones among
+        them written first (the other dirty entries stay dirty). In bytes:
         once the bytes put in since the last measurement pass ``cache_bytes``, the cache is
         measured, and if it holds more than half of ``cache_bytes`` the oldest entries go until
         it holds half (so a measurement, O(entries), comes at most once per half bound written).
@@ -314,9 +316,11 @@ class RocksStateBackend:
             slice_ = max(1, min(self.max_dirty // DIRTY_SLICE_FRACTION, DIRTY_SLICE_MAX))
             self._write_oldest_dirty(len(self._dirty) - self.max_dirty + slice_)
         if len(self._cache) > self.cache_entries:
-            # the oldest quarter leaves; of it, only the dirty entries are written
+            # the oldest entries leave, down to a slice under the bound (O(entries evicted));
+            # of them, only the dirty ones are written
             cache = self._cache
-            old = list(itertools.islice(cache, len(cache) - self.cache_entries * 3 // 4))
+            slice_ = max(1, min(self.cache_entries // DIRTY_SLICE_FRACTION, DIRTY_SLICE_MAX))
+            old = list(itertools.islice(cache, len(cache) - self.cache_entries + slice_))
             self._write_dirty_keys(sorted(filter(self._dirty.__contains__, old)))
             collections.deque(map(cache.__delitem__, old), maxlen=0)
         if self._cache_added > self.cache_bytes:

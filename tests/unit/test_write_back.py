@@ -14,6 +14,7 @@ import pytest
 from raystream.keys import KeySpace
 from raystream.runtime.processors import _state_key_order, group_by_key
 from raystream.state.layout import encode_keys, encode_one
+from raystream.state import rocks
 from raystream.state.rocks import RocksStateBackend
 
 
@@ -86,8 +87,9 @@ def test_key_count_through_the_write_back_cache_matches_a_counter(
 
 def test_dirty_entries_stay_in_the_cache_until_they_leave_it(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """By default (max_dirty = cache_entries) writes reach RocksDB only when their entries are
-    evicted: an eviction writes exactly the dirty entries it drops (sorted), and the dirty
-    entries that stay are neither written nor cleaned."""
+    evicted: a full cache drops its oldest entries down to a small slice under the bound, writes
+    exactly the dirty ones among them (sorted), and the dirty entries that stay are neither
+    written nor cleaned."""
     written: list[list[bytes]] = []
     real = RocksStateBackend._write_through_now
 
@@ -105,11 +107,13 @@ def test_dirty_entries_stay_in_the_cache_until_they_leave_it(tmp_path: Path, mon
         assert b.multi_get(clean) == [None] * 300  # cached misses: not dirty
         assert written == []  # 900 entries, under the bound: nothing written yet
         later = [encode_one(3, 0, 1, i) for i in range(200)]
-        b.write(later, [b"b"] * 200)  # 1,100 > 1,000: the oldest 350 (of first) leave
+        b.write(later, [b"b"] * 200)  # 1,100 > 1,000: the oldest leave, to a slice under it
+        gone = 1_100 - 1_000 + 1_000 // rocks.DIRTY_SLICE_FRACTION  # 115, all of first
         assert len(written) == 1
-        assert written[0] == sorted(first[:350])
-        assert set(b._dirty) == set(first[350:]) | set(later)  # noqa: SLF001
-        assert _rocks_rows(b).keys() == set(first[:350])
+        assert written[0] == sorted(first[:gone])
+        assert set(b._dirty) == set(first[gone:]) | set(later)  # noqa: SLF001
+        assert len(b._cache) == 1_100 - gone  # noqa: SLF001
+        assert _rocks_rows(b).keys() == set(first[:gone])
         assert b.multi_get(first + later) == [b"a"] * 600 + [b"b"] * 200
     finally:
         b.close()
