@@ -47,17 +47,25 @@ def _rocks_rows(b: RocksStateBackend) -> dict[bytes, int]:
 
 
 @pytest.mark.parametrize(
-    ("cache_entries", "max_dirty"),
-    [(500_000, None), (3_000, None), (3_000, 64), (0, None)],
-    ids=["everything-cached", "evicting", "small-dirty-bound", "cache-off"],
+    ("cache_entries", "max_dirty", "cache_bytes"),
+    [
+        (500_000, None, 64 << 20),
+        (3_000, None, 64 << 20),
+        (3_000, 64, 64 << 20),
+        (500_000, None, 60_000),
+        (0, None, 64 << 20),
+    ],
+    ids=["everything-cached", "evicting", "small-dirty-bound", "bytes-bound", "cache-off"],
 )
 def test_key_count_through_the_write_back_cache_matches_a_counter(
-    tmp_path: Path, cache_entries: int, max_dirty: int | None
+    tmp_path: Path, cache_entries: int, max_dirty: int | None, cache_bytes: int
 ) -> None:
     """Counts read and written through the cache equal a Counter over the input: in reads, in a
     snapshot taken midway (the Counter at that moment), and in RocksDB after a flush."""
     ks = KeySpace(16, 4)
-    b = RocksStateBackend(tmp_path / "db", cache_entries=cache_entries, max_dirty=max_dirty)
+    b = RocksStateBackend(
+        tmp_path / "db", cache_entries=cache_entries, max_dirty=max_dirty, cache_bytes=cache_bytes
+    )
     oracle: Counter[bytes] = Counter()
     try:
         batches = _count_batches(7, 24, 4_000, 20_000)
@@ -71,6 +79,7 @@ def test_key_count_through_the_write_back_cache_matches_a_counter(
         if cache_entries:
             assert len(b._cache) <= cache_entries  # noqa: SLF001 - bounded
             assert len(b._dirty) <= b.max_dirty  # noqa: SLF001
+            assert b.cached_bytes() <= cache_bytes
         everything = list(oracle)
         got = b.multi_get(everything)
         assert [int.from_bytes(v, "little") for v in got] == [oracle[k] for k in everything]
