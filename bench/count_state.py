@@ -6,8 +6,9 @@ Run it from the repository root::
 
 The generator's events (``--events``, ``--keys``, Zipf ``--zipf``) are split as a job at
 parallelism ``--instances`` splits them (by key group, in contiguous ranges) and instance 0's share
-is cut into ``--batch-rows`` batches, as its input channel would deliver them. Each repeat makes a
-new RocksDB in a temporary folder, builds the batches first (not timed), then times
+is cut into ``--batch-rows`` batches, as its input channel would deliver them
+(``--cache-entries``: the write-back cache's bound; under the share's distinct keys it evicts).
+Each repeat makes a new RocksDB in a temporary folder, builds the batches first (not timed), then times
 ``KeyedProcessor.process`` over all of them plus the final write of the write-back cache
 (``flush_cache``): process CPU seconds, and per million events. The counts are then read back
 through the state and checked against ``np.unique`` over the same events (exit 1 if any differs).
@@ -55,9 +56,9 @@ def _share(events: int, keys: int, zipf: float, instances: int, batch_rows: int)
     return step, ks, owned, table.to_batches(max_chunksize=batch_rows), table.column("key")
 
 
-def run_once(share: Any, folder: Path) -> dict[str, Any]:
+def run_once(share: Any, folder: Path, cache_entries: int = 500_000) -> dict[str, Any]:
     step, ks, owned, batches, keys = share
-    proc = KeyedProcessor(step, ks, folder / "count", owned, track=True)
+    proc = KeyedProcessor(step, ks, folder / "count", owned, track=True, cache_entries=cache_entries)
     try:
         events = sum(b.num_rows for b in batches)
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -91,15 +92,29 @@ def run_once(share: Any, folder: Path) -> dict[str, Any]:
 @click.option("--instances", default=2, show_default=True, help="parallelism the share is of")
 @click.option("--batch-rows", default=100_000, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
+@click.option(
+    "--cache-entries",
+    default=500_000,
+    show_default=True,
+    help="the write-back cache's bound (RuntimeConfig.state_cache_entries); under the share's "
+    "distinct keys, the cache evicts",
+)
 def main(
-    name: str, events: int, keys: int, zipf: float, instances: int, batch_rows: int, repeats: int
+    name: str,
+    events: int,
+    keys: int,
+    zipf: float,
+    instances: int,
+    batch_rows: int,
+    repeats: int,
+    cache_entries: int,
 ) -> None:
     """Time the count step over instance 0's share of the generator's events."""
     share = _share(events, keys, zipf, instances, batch_rows)
     runs = []
     for i in range(repeats):
         with tempfile.TemporaryDirectory(prefix="raystream-count-state-") as tmp:
-            run = run_once(share, Path(tmp))
+            run = run_once(share, Path(tmp), cache_entries)
         runs.append(run)
         click.echo(
             f"rep {i + 1}: {run['cpu_s_per_m_events']:.3f} CPU-s per M events "
@@ -118,6 +133,7 @@ def main(
             "zipf": zipf,
             "instances": instances,
             "batch_rows": batch_rows,
+            "cache_entries": cache_entries,
         },
         "cpu_s_per_m_events": {
             "median": statistics.median(per_m),
