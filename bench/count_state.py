@@ -10,7 +10,8 @@ is cut into ``--batch-rows`` batches, as its input channel would deliver them
 (``--cache-entries``: the write-back cache's bound; under the share's distinct keys it evicts).
 Each repeat makes a new RocksDB in a temporary folder, builds the batches first (not timed), then times
 ``KeyedProcessor.process`` over all of them plus the final write of the write-back cache
-(``flush_cache``): process CPU seconds, and per million events. The counts are then read back
+(``flush_cache``): process CPU seconds, and per million events; and each batch's wall time
+(median and max per run). The counts are then read back
 through the state and checked against ``np.unique`` over the same events (exit 1 if any differs).
 
 Writes ``bench/results/NAME.json`` with every run, the median and min-max, and which
@@ -61,9 +62,12 @@ def run_once(share: Any, folder: Path, cache_entries: int = 500_000) -> dict[str
     proc = KeyedProcessor(step, ks, folder / "count", owned, track=True, cache_entries=cache_entries)
     try:
         events = sum(b.num_rows for b in batches)
+        batch_s = np.empty(len(batches))
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        for b in batches:
+        for i, b in enumerate(batches):
+            t0 = time.perf_counter()
             proc.process(b)
+            batch_s[i] = time.perf_counter() - t0
         proc.backend.flush_cache()
         cpu = time.process_time() - cpu0
         wall = time.perf_counter() - wall0
@@ -79,6 +83,9 @@ def run_once(share: Any, folder: Path, cache_entries: int = 500_000) -> dict[str
         "cpu_s": round(cpu, 4),
         "wall_s": round(wall, 4),
         "cpu_s_per_m_events": round(cpu / events * 1e6, 4),
+        # wall time of one batch's process (a write to RocksDB inside it shows here)
+        "batch_ms_median": round(float(np.median(batch_s)) * 1e3, 2),
+        "batch_ms_max": round(float(batch_s.max()) * 1e3, 2),
         "keys": len(distinct),
         "wrong_counts": wrong,
     }
@@ -119,7 +126,8 @@ def main(
         click.echo(
             f"rep {i + 1}: {run['cpu_s_per_m_events']:.3f} CPU-s per M events "
             f"({run['events']:,} events, {run['batches']} batches, {run['keys']:,} keys, "
-            f"{run['wrong_counts']} wrong counts)"
+            f"{run['wrong_counts']} wrong counts; batch median {run['batch_ms_median']} ms, "
+            f"max {run['batch_ms_max']} ms)"
         )
     per_m = [r["cpu_s_per_m_events"] for r in runs]
     out = {
