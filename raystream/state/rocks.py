@@ -105,9 +105,11 @@ EXPORT_READAHEAD_BYTES = 2 << 20
 
 # dirty entries a checkpoint thread writes at once (~1 ms of GIL-holding calls)
 _SNAPSHOT_SLICE = 512
-# a full write-back cache writes this fraction of max_dirty, its oldest dirty entries, at once
-# (32,768 / 64 = 512 entries, ~1 ms; 1/8 stalled a batch for 3-10 ms every ~0.5 s at 100k ev/s)
+# a full write-back cache writes this fraction of max_dirty, its oldest dirty entries, at once,
+# at most DIRTY_SLICE_MAX (512 entries, ~1 ms; 1/8 of 32,768 stalled a batch for 3-10 ms every
+# ~0.5 s at 100k ev/s)
 DIRTY_SLICE_FRACTION = 64
+DIRTY_SLICE_MAX = 512
 
 
 class RocksStateBackend:
@@ -141,7 +143,11 @@ class RocksStateBackend:
         *,
         cache_entries: int = 500_000,
         cache_bytes: int = 64 << 20,
-        max_dirty: int = 32768,  # dirty entries that coalesce before a write (hot keys: once)
+        # dirty entries that coalesce before a write (hot keys: once); None: as many as the
+        # cache holds, so a key is written when it leaves the cache, at a snapshot, a range
+        # operation or close (32,768 made a 1M-key Zipf count write each batch's keys again:
+        # bench/results/dataplane_thr_*.json)
+        max_dirty: int | None = None,
         import_method: str = "write_batch",
     ) -> None:
         if import_method not in IMPORT_METHODS:
@@ -153,7 +159,7 @@ class RocksStateBackend:
         self.path = Path(path)
         self.cache_entries = cache_entries
         self.cache_bytes = cache_bytes
-        self.max_dirty = max_dirty
+        self.max_dirty = cache_entries if max_dirty is None else max_dirty
         self.import_method = import_method
         self._cache: dict[bytes, bytes | None] = {}
         # dirty entries with their values (also in the cache): a checkpoint takes them at once
@@ -181,14 +187,19 @@ class RocksStateBackend:
         if not self.cache_entries:
             return self._db.get(keys)  # type: ignore[no-any-return]
         # whole-list operations in C (map, compress): no Python-level loop per key
-        get = self._cache.get
-        values = list(map(get, keys, itertools.repeat(_MISS, len(keys))))
-        if _MISS in values:
-            missing = map(operator.is_, values, itertools.repeat(_MISS))
-            wanted = sorted(itertools.compress(keys, missing))  # cheap if keys come sorted
+        n = len(keys)
+        values = list(map(self._cache.get, keys, itertools.repeat(_MISS, n)))
+        missing = list(map(operator.is_, values, itertools.repeat(_MISS, n)))
+        if any(missing):
+            asked = list(itertools.compress(keys, missing))
+            wanted = sorted(asked)  # cheap if keys come sorted
             fetched = self._db.get(wanted)
             self._cache.update(zip(wanted, fetched, strict=True))  # misses cached too (None)
-            values = list(map(get, keys))
+            if wanted != asked:  # keys did not come sorted: fetched values in asked order
+                fetched = list(map(dict(zip(wanted, fetched, strict=True)).__getitem__, asked))
+            # into the misses' places (not a second lookup of every key)
+            at = itertools.compress(range(n), missing)
+            collections.deque(map(values.__setitem__, at, fetched), maxlen=0)
             self._cache_added += sum(map(len, wanted)) + sum(map(len, filter(None, fetched)))
             self._bound()
         return values  # type: ignore[return-value]
@@ -279,7 +290,9 @@ class RocksStateBackend:
 
     def _bound(self) -> None:
         """Keep the cache bounded without long stalls: dirty entries go to RocksDB in small sorted
-        batches; when full, the oldest quarter (dicts keep insertion order) is evicted. In bytes:
+        batches once ``max_dirty`` are dirty; when full, the oldest entries (dicts keep insertion
+        order) are evicted down to a small slice under ``cache_entries``, the dirty ones among
+        them written first (the other dirty entries stay dirty). In bytes:
         once the bytes put in since the last measurement pass ``cache_bytes``, the cache is
         measured, and if it holds more than half of ``cache_bytes`` the oldest entries go until
         it holds half (so a measurement, O(entries), comes at most once per half bound written).
@@ -300,13 +313,16 @@ class RocksStateBackend:
             # the oldest 1/DIRTY_SLICE_FRACTION goes to RocksDB: the write is spread over the
             # batches (about 1 ms each) instead of one long stall per max_dirty writes; the newer
             # entries go on coalescing
-            slice_ = max(1, self.max_dirty // DIRTY_SLICE_FRACTION)
+            slice_ = max(1, min(self.max_dirty // DIRTY_SLICE_FRACTION, DIRTY_SLICE_MAX))
             self._write_oldest_dirty(len(self._dirty) - self.max_dirty + slice_)
         if len(self._cache) > self.cache_entries:
-            self._write_dirty()
+            # the oldest entries leave, down to a slice under the bound (O(entries evicted));
+            # of them, only the dirty ones are written
             cache = self._cache
-            for k in list(itertools.islice(cache, len(cache) - self.cache_entries * 3 // 4)):
-                del cache[k]
+            slice_ = max(1, min(self.cache_entries // DIRTY_SLICE_FRACTION, DIRTY_SLICE_MAX))
+            old = list(itertools.islice(cache, len(cache) - self.cache_entries + slice_))
+            self._write_dirty_keys(sorted(filter(self._dirty.__contains__, old)))
+            collections.deque(map(cache.__delitem__, old), maxlen=0)
         if self._cache_added > self.cache_bytes:
             self._bound_bytes()
 
@@ -339,7 +355,6 @@ class RocksStateBackend:
         size = self.cached_bytes()
         half = self.cache_bytes // 2
         if size > half:
-            self._write_dirty()
             cache = self._cache
             drop = []
             for k, v in cache.items():
@@ -347,8 +362,9 @@ class RocksStateBackend:
                     break
                 size -= len(k) + (len(v) if v else 0)
                 drop.append(k)
-            for k in drop:
-                del cache[k]
+            # of the entries that leave, only the dirty ones are written
+            self._write_dirty_keys(sorted(filter(self._dirty.__contains__, drop)))
+            collections.deque(map(cache.__delitem__, drop), maxlen=0)
         self._cache_added = size
 
     def _write_oldest_dirty(self, n: int) -> None:
@@ -357,9 +373,14 @@ class RocksStateBackend:
         if n >= len(dirty):
             self._write_dirty()
             return
-        oldest = dict(itertools.islice(dirty.items(), n))
-        keys = sorted(oldest)
-        self._write_through(keys, list(map(oldest.__getitem__, keys)))
+        self._write_dirty_keys(sorted(itertools.islice(dirty, n)))
+
+    def _write_dirty_keys(self, keys: list[bytes]) -> None:
+        """Write these dirty entries (sorted keys) to RocksDB; then they are clean."""
+        if not keys:
+            return
+        dirty = self._dirty
+        self._write_through(keys, list(map(dirty.__getitem__, keys)))
         # only once written (a failed write leaves them dirty); nothing wrote them meanwhile
         collections.deque(map(dirty.pop, keys), maxlen=0)
 
