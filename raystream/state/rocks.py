@@ -110,6 +110,10 @@ _SNAPSHOT_SLICE = 512
 # ~0.5 s at 100k ev/s)
 DIRTY_SLICE_FRACTION = 64
 DIRTY_SLICE_MAX = 512
+# while a checkpoint thread writes the dirty entries it took (with max_dirty = cache_entries,
+# up to the whole cache: ~0.5 s for 500k entries), the cache may hold this much more than its
+# bounds before a write waits for it (a full cache of dirty entries blocked a batch ~0.57 s)
+PENDING_SNAPSHOT_SLACK = 0.5
 
 
 class RocksStateBackend:
@@ -296,14 +300,15 @@ class RocksStateBackend:
         once the bytes put in since the last measurement pass ``cache_bytes``, the cache is
         measured, and if it holds more than half of ``cache_bytes`` the oldest entries go until
         it holds half (so a measurement, O(entries), comes at most once per half bound written).
-        While a checkpoint is taken in a thread, dirty entries wait in the cache (up to its
-        bounds)."""
+        While a checkpoint is taken in a thread, dirty entries wait in the cache, up to its
+        bounds plus ``PENDING_SNAPSHOT_SLACK`` (then the write waits for the checkpoint)."""
         pending = self._pending
+        slack = 1 + PENDING_SNAPSHOT_SLACK
         if (
             pending is not None
             and not pending.done()
-            and len(self._cache) <= self.cache_entries
-            and self._cache_added <= self.cache_bytes
+            and len(self._cache) <= self.cache_entries * slack
+            and self._cache_added <= self.cache_bytes * slack
         ):
             return
         # an entry the checkpoint thread still writes is clean here, but must not be evicted

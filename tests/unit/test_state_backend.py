@@ -321,7 +321,7 @@ def test_snapshot_async_writes_the_barriers_dirty_entries_off_the_callers_thread
         put_all(b, newer)  # the same keys, after the barrier
         assert b.multi_get(list(newer)) == list(newer.values())
         threading.Timer(0.2, release.set).start()
-        more = make_rows(2_500, 12)  # overflows the cache: evicts after the thread is done
+        more = make_rows(3_000, 12)  # overflows the cache and its slack: evicts after the thread
         put_all(b, more)
         assert taken.done()
         assert _snapshot_rows(tmp_path / "snap") == before

@@ -4,6 +4,7 @@ Python's sort of the encoded keys, numpy's lexsort)."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -186,3 +187,51 @@ def test_group_by_key_gives_distinct_keys_in_encoded_state_key_order() -> None:
         seq = rec.column("seq").to_numpy()
         assert (np.diff(seq) > 0).all()
     assert Counter(kb.records.column("key").to_pylist()) == Counter(keys.tolist())
+
+
+def test_a_pending_checkpoint_lets_the_cache_overshoot_before_a_write_waits(tmp_path: Path) -> None:
+    """While a checkpoint thread writes the dirty entries it took, writes go on into the cache up
+    to its bound plus the slack without waiting; past that a write waits for the checkpoint; once
+    it is done the cache is back under its bound, and the checkpoint holds only what was written
+    before it was asked for (every key then counted once) while RocksDB and the cache hold all."""
+    import threading
+    from concurrent.futures import Future
+
+    b = RocksStateBackend(tmp_path / "db", cache_entries=100)
+    first = [encode_one(0, 0, 1, i.to_bytes(8, "big")) for i in range(80)]
+    b.write(first, [(1).to_bytes(8, "little")] * len(first))
+    b.snapshot(tmp_path / "ck0")  # every entry clean and in RocksDB
+    gate: Future[None] = Future()
+    real = b.snapshot_async(tmp_path / "ck1")
+    held = Future()  # the checkpoint as the instance sees it: pending until the gate opens
+
+    def finish() -> None:
+        gate.result()
+        held.set_result(real.result())
+
+    threading.Thread(target=finish, daemon=True).start()
+    b._pending = held
+    allowed = int(100 * (1 + rocks.PENDING_SNAPSHOT_SLACK))
+    assert allowed >= 120, "the slack lets a cache of 100 entries hold at least 120"
+    more = [encode_one(0, 0, 1, i.to_bytes(8, "big")) for i in range(80, 120)]
+    opens = threading.Timer(1.0, gate.set_result, (None,))
+    opens.start()  # (so that a write that waits does not wait for ever)
+    t0 = time.perf_counter()
+    b.write(more, [(1).to_bytes(8, "little")] * len(more))  # under bound + slack: no wait
+    assert time.perf_counter() - t0 < 0.5
+    assert len(b._cache) == 120
+    assert not held.done()
+    past = [encode_one(0, 0, 1, i.to_bytes(8, "big")) for i in range(120, allowed + 20)]
+    b.write(past, [(1).to_bytes(8, "little")] * len(past))  # over: waits for the checkpoint
+    assert held.done()
+    opens.join()
+    assert len(b._cache) <= 100
+    everything = first + more + past
+    assert [int.from_bytes(v, "little") for v in b.multi_get(everything)] == [1] * len(everything)
+    b.flush_cache()
+    b.close()
+    ck = RocksStateBackend(tmp_path / "ck1")
+    got = ck.multi_get(everything)
+    assert got[: len(first)] == [(1).to_bytes(8, "little")] * len(first)
+    assert got[len(first) :] == [None] * (len(everything) - len(first))
+    ck.close()
