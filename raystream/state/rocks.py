@@ -134,8 +134,8 @@ class RocksStateBackend:
     in a thread
     while the caller goes on: later writes stay in the cache until the checkpoint is taken, so
     it holds exactly the state of the moment it was asked for. Anything that must write to
-    RocksDB or evict from the cache meanwhile (a full cache, a range operation, ``write_direct``)
-    first waits for it.
+    RocksDB or evict from the cache meanwhile (a cache past its bounds plus
+    ``PENDING_SNAPSHOT_SLACK``, a range operation, ``write_direct``) first waits for it.
     """
 
     _pending: Future[Path] | None = None  # a checkpoint being taken in a thread
