@@ -1,0 +1,200 @@
+"""Where the high phase's sink p99 comes from: the records above it, by when they came in.
+
+``bench.loadstep --trace`` keeps every row's ingest and write time (``bench._latency_trace``) and
+calls ``tail_breakdown`` on them; the result is the report's ``tail``. It can also be run again
+on a report and its trace folder::
+
+    python -m bench.loadstep_tail bench/results/loadstep_x.json   # trace in loadstep_x_trace/
+
+The records written in the high phase (from the step to the step down, by write time) are
+ranked by latency; the top 1 % (latency above the phase's p99) are put in buckets by *ingest*
+time against the first scale-out's milestones: before the step; from the step to the decision;
+decision to routing switch; switch to the last old owner's seal; seal to done; after done. Each
+bucket says how many of the top records it has, how many of them the new owners wrote (their
+sub-group moved), and their latency range. ``line_2x`` counts the high-phase records above 2x
+the low phase's p99 against the 1 % that a p99 within 2x allows, and ``profile`` gives the
+latency (p50, max) of the records by 50 ms of ingest time around the step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+__all__ = ["BUCKETS", "step_from_ingest", "tail_breakdown"]
+
+BUCKETS = (
+    "before_step",
+    "step_to_decision",
+    "decision_to_switch",
+    "switch_to_seal",
+    "seal_to_done",
+    "after_done",
+)
+PROFILE_BIN_S = 0.05
+
+
+def step_from_ingest(ingest_s: np.ndarray, low_eps: float, high_eps: float, near_s: float) -> float:
+    """When the input rate stepped up: the start of the first 50 ms bin of ingest times, within
+    2 s of ``near_s`` (the bench's estimate), whose rate is above the middle of the two rates.
+
+    >>> t = np.concatenate([np.arange(0, 1, 1 / 100), np.arange(1, 2, 1 / 400)])
+    >>> round(step_from_ingest(t, 100, 400, 1.1), 2)
+    1.0
+    """
+    lo, hi = near_s - 2.0, near_s + 2.0
+    t = ingest_s[(ingest_s >= lo) & (ingest_s < hi)]
+    if t.size == 0:
+        return near_s
+    edges = np.arange(lo, hi + PROFILE_BIN_S, PROFILE_BIN_S)
+    counts, _ = np.histogram(t, edges)
+    rate = counts / PROFILE_BIN_S
+    over = np.flatnonzero(rate > (low_eps + high_eps) / 2)
+    return float(edges[over[0]]) if over.size else near_s
+
+
+def _milestones(rescale: dict[str, Any], step_s: float) -> list[float]:
+    """Bucket edges (seconds since the origin) for ``BUCKETS``."""
+    start = float(rescale["start_s"])
+
+    def at(key: str) -> float:
+        v = rescale.get(key)
+        return start + float(v) if v is not None else start
+
+    return [step_s, start, at("switch_s"), at("sealed_s"), at("done_s")]
+
+
+def tail_breakdown(
+    ingest_ns: np.ndarray,
+    written_ns: np.ndarray,
+    sink_index: np.ndarray,
+    origin_ns: int,
+    report: dict[str, Any],
+) -> dict[str, Any]:
+    """The high phase's top 1 % by ingest time (see the module's doc). ``report`` is a
+    ``bench.loadstep`` report (``config``, ``offered``, ``per_rescale``)."""
+    cfg = report["config"]
+    ingest = (np.asarray(ingest_ns, np.int64) - origin_ns) / 1e9
+    written = (np.asarray(written_ns, np.int64) - origin_ns) / 1e9
+    index = np.asarray(sink_index, np.int64)
+    latency_ms = (written - ingest) * 1e3
+    low_eps, high_eps = float(cfg["low_eps"]), float(cfg["low_eps"]) * float(cfg["factor"])
+    step_est, down_est = float(report["offered"][1][0]), float(report["offered"][2][0])
+    step_s = step_from_ingest(ingest, low_eps, high_eps, step_est)
+    shift = step_s - step_est  # the bench's phases are on its estimate; follow the ingest's step
+    down_s = down_est + shift
+    low = (written >= step_s - (float(cfg["low_s"]) - 2)) & (written < step_s)
+    high = (written >= step_s) & (written < down_s)
+    if not high.any() or not low.any():
+        return {"error": f"no rows in the low ({int(low.sum())}) or high ({int(high.sum())}) phase"}
+    low_p99 = float(np.percentile(latency_ms[low], 99))
+    high_p99 = float(np.percentile(latency_ms[high], 99))
+    outs = [
+        r
+        for r in report.get("per_rescale", [])
+        if r["to"] > r["from"] and r["start_s"] >= step_s - 1 and r["start_s"] < down_s
+    ]
+    out: dict[str, Any] = {
+        "step_s": round(step_s, 3),
+        "step_minus_bench_estimate_s": round(shift, 3),
+        "rows_high": int(high.sum()),
+        "low_p99_ms": round(low_p99, 1),
+        "high_p99_ms": round(high_p99, 1),
+        "high_over_low": round(high_p99 / low_p99, 2) if low_p99 else None,
+    }
+    h_lat, h_ing, h_idx = latency_ms[high], ingest[high], index[high]
+    top = h_lat > high_p99
+    line = 2 * low_p99
+    over_line = h_lat > line
+    allowed = int(0.01 * h_lat.size)
+    out["line_2x"] = {
+        "line_ms": round(line, 1),
+        "rows_above": int(over_line.sum()),
+        "rows_allowed_for_p99": allowed,
+        "ingest_span_above_s": (
+            [round(float(h_ing[over_line].min()) - step_s, 3), round(float(h_ing[over_line].max()) - step_s, 3)]
+            if over_line.any()
+            else None
+        ),
+        "seconds_of_high_input_above": round(int(over_line.sum()) / high_eps, 3),
+    }
+    if not outs:
+        out["buckets"] = None
+        return out
+    r = outs[0]
+    edges = _milestones(r, step_s)
+    out["first_scale_out"] = {
+        "rescale": f"{r['from']} -> {r['to']}",
+        "decision_after_step_s": round(edges[1] - step_s, 3),
+        "switch_after_step_s": round(edges[2] - step_s, 3),
+        "sealed_after_step_s": round(edges[3] - step_s, 3),
+        "done_after_step_s": round(edges[4] - step_s, 3),
+    }
+    which = np.searchsorted(np.asarray(edges), h_ing, side="right")  # 0: before the step
+    buckets: dict[str, Any] = {}
+    for b, name in enumerate(BUCKETS):
+        sel = top & (which == b)
+        n = int(sel.sum())
+        buckets[name] = {
+            "top_rows": n,
+            "share": round(n / max(int(top.sum()), 1), 3),
+            "by_new_owner": int((sel & (h_idx >= int(r["from"]))).sum()),
+            "latency_ms": [round(float(h_lat[sel].min()), 1), round(float(h_lat[sel].max()), 1)]
+            if n
+            else None,
+            "rows_ingested": int((which == b).sum()),
+            "above_2x_line": int((over_line & (which == b)).sum()),
+        }
+    out["top_rows"] = int(top.sum())
+    out["buckets"] = buckets
+    # latency by ingest time, 50 ms bins, from 0.25 s before the step to 1.5 s after done
+    lo, hi = step_s - 0.25, edges[4] + 1.5
+    bins = np.arange(lo, hi + PROFILE_BIN_S, PROFILE_BIN_S)
+    prof = []
+    where = np.digitize(h_ing, bins) - 1
+    for i in range(len(bins) - 1):
+        sel = where == i
+        if sel.any():
+            moved = sel & (h_idx >= int(r["from"]))
+            prof.append(
+                [
+                    round(float(bins[i]) - step_s, 3),
+                    int(sel.sum()),
+                    round(float(np.percentile(h_lat[sel], 50)), 1),
+                    round(float(h_lat[sel].max()), 1),
+                    int(moved.sum()),
+                ]
+            )
+    out["profile_columns"] = ["ingest_after_step_s", "rows", "p50_ms", "max_ms", "rows_new_owner"]
+    out["profile"] = prof
+    return out
+
+
+@click.command()
+@click.argument("report_json", type=click.Path(exists=True, path_type=Path))
+@click.option("--trace", type=click.Path(exists=True, path_type=Path), default=None)
+def main(report_json: Path, trace: Path | None) -> None:
+    """Recompute the report's ``tail`` from its trace folder (default: <report>_trace)."""
+    from bench._latency_trace import read_trace
+
+    report = json.loads(report_json.read_text())
+    folder = trace or report_json.with_name(report_json.stem + "_trace")
+    t = read_trace(folder)
+    tail = tail_breakdown(
+        t["ingest_ns"].to_numpy(),
+        t["written_ns"].to_numpy(),
+        t["sink_index"].to_numpy(),
+        int(report["origin_ns"]),
+        report,
+    )
+    report["tail"] = tail
+    report_json.write_text(json.dumps(report, indent=1, default=str))
+    click.echo(json.dumps({k: v for k, v in tail.items() if k != "profile"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
