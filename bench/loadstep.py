@@ -32,7 +32,7 @@ import raystream as rs
 from bench._latency_trace import TracedLatestCountSink, read_trace
 from bench._latest import LatestCountSink, latest_counts
 from bench.keycount import _connect_ray, _pickle_by_value, _stop
-from bench.loadstep_tail import tail_breakdown
+from bench.loadstep_tail import tail_breakdown, trace_weights
 from raystream.metrics import WindowedCounter, build_timeline
 
 __all__ = ["loadstep_flow", "main"]
@@ -398,6 +398,7 @@ def main(
             t["sink_index"].to_numpy(),
             result.origin_ns,
             report,
+            trace_weights(t),
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
@@ -426,15 +427,17 @@ def main(
         if r.get("prepare_phases_s"):
             click.echo(f"    preparation (s): {r['prepare_phases_s']}")
         if r.get("move_phases_s"):
-            click.echo(f"    move (s from the request): {r['move_phases_s']}")
+            logs = ("fetch_log", "serve_log")
+            move = {k: v for k, v in r["move_phases_s"].items() if k not in logs}
+            click.echo(f"    move (s from the request): {move}")
     tail = report.get("tail")
     if tail and tail.get("buckets"):
         click.echo(
             f"  tail: high p99 {tail['high_p99_ms']} ms ({tail['high_over_low']}x low); top 1 % "
             f"by ingest: "
-            + ", ".join(f"{k} {v['top_rows']}" for k, v in tail["buckets"].items())
-            + f"; above 2x low: {tail['line_2x']['rows_above']} rows "
-            f"(p99 allows {tail['line_2x']['rows_allowed_for_p99']})"
+            + ", ".join(f"{k} {v['top_events']}" for k, v in tail["buckets"].items())
+            + f"; above 2x low: {tail['line_2x']['events_above']} events "
+            f"(p99 allows {tail['line_2x']['events_allowed_for_p99']})"
         )
     click.echo(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     if not exact:

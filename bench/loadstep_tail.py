@@ -25,7 +25,7 @@ from typing import Any
 import click
 import numpy as np
 
-__all__ = ["BUCKETS", "step_from_ingest", "tail_breakdown"]
+__all__ = ["BUCKETS", "step_from_ingest", "tail_breakdown", "trace_weights", "weighted_percentile"]
 
 BUCKETS = (
     "before_step",
@@ -38,23 +38,41 @@ BUCKETS = (
 PROFILE_BIN_S = 0.05
 
 
-def step_from_ingest(ingest_s: np.ndarray, low_eps: float, high_eps: float, near_s: float) -> float:
-    """When the input rate stepped up: the start of the first 50 ms bin of ingest times, within
-    2 s of ``near_s`` (the bench's estimate), whose rate is above the middle of the two rates.
+def step_from_ingest(
+    ingest_s: np.ndarray, factor: float, near_s: float, weights: np.ndarray | None = None
+) -> float:
+    """When the input rate stepped up: the start of the first 50 ms bin of ingest times (events,
+    with ``weights``), within 2 s of ``near_s`` (the bench's estimate), whose rate is above the
+    middle of the rate measured in the first second of that span and ``factor`` x it (relative:
+    a trace of aggregated rows undercounts both rates alike).
 
-    >>> t = np.concatenate([np.arange(0, 1, 1 / 100), np.arange(1, 2, 1 / 400)])
-    >>> round(step_from_ingest(t, 100, 400, 1.1), 2)
-    1.0
+    >>> t = np.concatenate([np.arange(0, 1.2, 1 / 100), np.arange(1.2, 3, 1 / 400)])
+    >>> round(step_from_ingest(t, 4, 2.0), 2)
+    1.2
     """
     lo, hi = near_s - 2.0, near_s + 2.0
-    t = ingest_s[(ingest_s >= lo) & (ingest_s < hi)]
+    sel = (ingest_s >= lo) & (ingest_s < hi)
+    t = ingest_s[sel]
     if t.size == 0:
         return near_s
-    edges = np.arange(lo, hi + PROFILE_BIN_S, PROFILE_BIN_S)
-    counts, _ = np.histogram(t, edges)
-    rate = counts / PROFILE_BIN_S
-    over = np.flatnonzero(rate > (low_eps + high_eps) / 2)
-    return float(edges[over[0]]) if over.size else near_s
+    w = None if weights is None else np.asarray(weights)[sel]
+    edges = lo + PROFILE_BIN_S * np.arange(int(round((hi - lo) / PROFILE_BIN_S)) + 1)
+    counts, _ = np.histogram(t, edges, weights=w)
+    base = float(np.median(counts[: int(round(1.0 / PROFILE_BIN_S))]))
+    over = np.flatnonzero(counts > base * (1 + factor) / 2)
+    return float(edges[over[0]]) if over.size and base > 0 else near_s
+
+
+def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """The smallest value with at least ``q`` % of the weight at or below it.
+
+    >>> weighted_percentile(np.array([5.0, 1.0, 3.0]), np.array([1, 1, 98]), 99)
+    3.0
+    """
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(np.asarray(weights, np.int64)[order])
+    i = int(np.searchsorted(cum, q / 100 * cum[-1], side="left"))
+    return float(np.asarray(values)[order][min(i, cum.size - 1)])
 
 
 def _milestones(rescale: dict[str, Any], step_s: float) -> list[float]:
@@ -74,25 +92,28 @@ def tail_breakdown(
     sink_index: np.ndarray,
     origin_ns: int,
     report: dict[str, Any],
+    weights: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """The high phase's top 1 % by ingest time (see the module's doc). ``report`` is a
-    ``bench.loadstep`` report (``config``, ``offered``, ``per_rescale``)."""
+    ``bench.loadstep`` report (``config``, ``offered``, ``per_rescale``); ``weights``: input
+    events per row (``bench._latency_trace.row_weights``; default 1). Counts are of events."""
     cfg = report["config"]
     ingest = (np.asarray(ingest_ns, np.int64) - origin_ns) / 1e9
     written = (np.asarray(written_ns, np.int64) - origin_ns) / 1e9
     index = np.asarray(sink_index, np.int64)
     latency_ms = (written - ingest) * 1e3
-    low_eps, high_eps = float(cfg["low_eps"]), float(cfg["low_eps"]) * float(cfg["factor"])
+    wts = np.ones(ingest.size, np.int64) if weights is None else np.asarray(weights, np.int64)
+    high_eps = float(cfg["low_eps"]) * float(cfg["factor"])
     step_est, down_est = float(report["offered"][1][0]), float(report["offered"][2][0])
-    step_s = step_from_ingest(ingest, low_eps, high_eps, step_est)
+    step_s = step_from_ingest(ingest, float(cfg["factor"]), step_est, wts)
     shift = step_s - step_est  # the bench's phases are on its estimate; follow the ingest's step
     down_s = down_est + shift
     low = (written >= step_s - (float(cfg["low_s"]) - 2)) & (written < step_s)
     high = (written >= step_s) & (written < down_s)
     if not high.any() or not low.any():
         return {"error": f"no rows in the low ({int(low.sum())}) or high ({int(high.sum())}) phase"}
-    low_p99 = float(np.percentile(latency_ms[low], 99))
-    high_p99 = float(np.percentile(latency_ms[high], 99))
+    low_p99 = weighted_percentile(latency_ms[low], wts[low], 99)
+    high_p99 = weighted_percentile(latency_ms[high], wts[high], 99)
     outs = [
         r
         for r in report.get("per_rescale", [])
@@ -101,26 +122,26 @@ def tail_breakdown(
     out: dict[str, Any] = {
         "step_s": round(step_s, 3),
         "step_minus_bench_estimate_s": round(shift, 3),
-        "rows_high": int(high.sum()),
+        "events_high": int(wts[high].sum()),
         "low_p99_ms": round(low_p99, 1),
         "high_p99_ms": round(high_p99, 1),
         "high_over_low": round(high_p99 / low_p99, 2) if low_p99 else None,
     }
-    h_lat, h_ing, h_idx = latency_ms[high], ingest[high], index[high]
+    h_lat, h_ing, h_idx, h_w = latency_ms[high], ingest[high], index[high], wts[high]
     top = h_lat > high_p99
     line = 2 * low_p99
     over_line = h_lat > line
-    allowed = int(0.01 * h_lat.size)
+    allowed = int(0.01 * h_w.sum())
     out["line_2x"] = {
         "line_ms": round(line, 1),
-        "rows_above": int(over_line.sum()),
-        "rows_allowed_for_p99": allowed,
+        "events_above": int(h_w[over_line].sum()),
+        "events_allowed_for_p99": allowed,
         "ingest_span_above_s": (
             [round(float(h_ing[over_line].min()) - step_s, 3), round(float(h_ing[over_line].max()) - step_s, 3)]
             if over_line.any()
             else None
         ),
-        "seconds_of_high_input_above": round(int(over_line.sum()) / high_eps, 3),
+        "seconds_of_high_input_above": round(int(h_w[over_line].sum()) / high_eps, 3),
     }
     if not outs:
         out["buckets"] = None
@@ -138,18 +159,18 @@ def tail_breakdown(
     buckets: dict[str, Any] = {}
     for b, name in enumerate(BUCKETS):
         sel = top & (which == b)
-        n = int(sel.sum())
+        n = int(h_w[sel].sum())
         buckets[name] = {
-            "top_rows": n,
-            "share": round(n / max(int(top.sum()), 1), 3),
-            "by_new_owner": int((sel & (h_idx >= int(r["from"]))).sum()),
+            "top_events": n,
+            "share": round(n / max(int(h_w[top].sum()), 1), 3),
+            "by_new_owner": int(h_w[sel & (h_idx >= int(r["from"]))].sum()),
             "latency_ms": [round(float(h_lat[sel].min()), 1), round(float(h_lat[sel].max()), 1)]
             if n
             else None,
-            "rows_ingested": int((which == b).sum()),
-            "above_2x_line": int((over_line & (which == b)).sum()),
+            "events_ingested": int(h_w[which == b].sum()),
+            "above_2x_line": int(h_w[over_line & (which == b)].sum()),
         }
-    out["top_rows"] = int(top.sum())
+    out["top_events"] = int(h_w[top].sum())
     out["buckets"] = buckets
     # latency by ingest time, 50 ms bins, from 0.25 s before the step to 1.5 s after done
     lo, hi = step_s - 0.25, edges[4] + 1.5
@@ -163,15 +184,30 @@ def tail_breakdown(
             prof.append(
                 [
                     round(float(bins[i]) - step_s, 3),
-                    int(sel.sum()),
-                    round(float(np.percentile(h_lat[sel], 50)), 1),
+                    int(h_w[sel].sum()),
+                    round(weighted_percentile(h_lat[sel], h_w[sel], 50), 1),
                     round(float(h_lat[sel].max()), 1),
-                    int(moved.sum()),
+                    int(h_w[moved].sum()),
                 ]
             )
-    out["profile_columns"] = ["ingest_after_step_s", "rows", "p50_ms", "max_ms", "rows_new_owner"]
+    out["profile_columns"] = [
+        "ingest_after_step_s",
+        "events",
+        "p50_ms",
+        "max_ms",
+        "events_new_owner",
+    ]
     out["profile"] = prof
     return out
+
+
+def trace_weights(trace: Any) -> np.ndarray | None:
+    """Input events per row of a trace table (None: a trace without counts, weight 1)."""
+    from bench._latency_trace import row_weights
+
+    if "count" not in trace.column_names:
+        return None
+    return row_weights(trace["key"].to_numpy(), trace["count"].to_numpy())
 
 
 @click.command()
@@ -190,6 +226,7 @@ def main(report_json: Path, trace: Path | None) -> None:
         t["sink_index"].to_numpy(),
         int(report["origin_ns"]),
         report,
+        trace_weights(t),
     )
     report["tail"] = tail
     report_json.write_text(json.dumps(report, indent=1, default=str))

@@ -1364,6 +1364,15 @@ def _move_timeline(
         "handover_rows_out": [int(st.get("handover_rows_out", 0)) for st in stats],
         "chunks_out": [int(st.get("chunks_out", 0)) for st in stats],
         "fetch_calls": [int(st.get("fetch_calls", 0)) for st in stats],
+        # per instance and serve call: new owner [made, answered, imported, urgent, sub-groups
+        # completed, handed-over rows]; old owner [came, answered, urgent] (seconds from t0)
+        "fetch_log": [
+            [[since(a), since(b), since(c), u, n, h] for a, b, c, u, n, h in st.get("fetch_log", [])]
+            for st in stats
+        ],
+        "serve_log": [
+            [[since(a), since(b), u] for a, b, u in st.get("serve_log", [])] for st in stats
+        ],
         "done": since(end),
     }
 

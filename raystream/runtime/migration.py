@@ -172,6 +172,7 @@ class _ServeRequest:
     max_bytes: int
     arrived_at: float
     future: asyncio.Future[tuple[list[int], list[pa.RecordBatch]]]
+    arrived_wall: float = 0.0
 
 
 @dataclass
@@ -245,6 +246,11 @@ class MigrationTask:
     # new owner, per old owner: state bytes taken in and when its last chunk arrived
     pair_bytes_in: dict[int, int] = field(default_factory=dict)
     pair_last_in_wall: dict[int, float] = field(default_factory=dict)
+    # new owner, per serve call: wall-clock times it was made, answered (back on this loop) and
+    # its chunk imported, whether urgent, sub-groups completed, handed-over rows it carried
+    fetch_log: list[tuple[float, float, float, bool, int, int]] = field(default_factory=list)
+    # old owner, per serve call: wall-clock times it came and was answered, whether urgent
+    serve_log: list[tuple[float, float, bool]] = field(default_factory=list)
 
 
 class MigrationEngine:
@@ -649,8 +655,10 @@ class MigrationEngine:
                 if first and riders:  # the records waiting here need only the first groups
                     room = min(room, RIDER_ROOM_BYTES)
                 t0 = time.perf_counter()
+                made_wall = time.time()
                 done, chunks = await self.fetcher(owner, task.epoch, remaining, room, urgent)
                 t1 = time.perf_counter()
+                back_wall = time.time()
                 task.fetch_rtt_ms.append((t1 - t0) * 1000)
                 handed: dict[int, list[pa.RecordBatch]] = {}
                 for chunk in chunks:
@@ -663,6 +671,10 @@ class MigrationEngine:
                     task.pair_bytes_in[owner] = task.pair_bytes_in.get(owner, 0) + chunk.nbytes
                     task.pair_last_in_wall[owner] = time.time()
                 task.import_s += time.perf_counter() - t1
+                handed_rows = sum(p.num_rows for ps in handed.values() for p in ps)
+                task.fetch_log.append(
+                    (made_wall, back_wall, time.time(), urgent, len(done), handed_rows)
+                )
             finally:
                 slots.release()
             if not done and not chunks:
@@ -754,7 +766,9 @@ class MigrationEngine:
             msg = f"a fetch must allow chunks of >= 1 byte, got max_bytes={max_bytes}"
             raise StateError(msg)
         loop = asyncio.get_running_loop()
-        req = _ServeRequest(urgent, list(groups), max_bytes, time.monotonic(), loop.create_future())
+        req = _ServeRequest(
+            urgent, list(groups), max_bytes, time.monotonic(), loop.create_future(), time.time()
+        )
         heapq.heappush(task.serve_queue, (0 if urgent else 1, next(self._serve_seq), req))
         server = task.server
         if server is None or server.done() or server.get_loop() is not loop:
@@ -805,6 +819,7 @@ class MigrationEngine:
                 req.future.set_result(self._serve_chunk(task, req.groups, req.max_bytes))
             except Exception as e:  # noqa: BLE001 - the requester's call fails with it
                 req.future.set_exception(e)
+            task.serve_log.append((req.arrived_wall, time.time(), req.urgent))
             if queue and time.monotonic() - burst_from < SERVE_BURST_S:
                 continue  # requests queued while records ran: serve them together
             await asyncio.sleep(0)  # records, and new (urgent) requests, between bursts
@@ -931,6 +946,8 @@ class MigrationEngine:
             "ready_wall": t.ready_wall,
             "pair_bytes_in": dict(t.pair_bytes_in),
             "pair_last_in_wall": dict(t.pair_last_in_wall),
+            "fetch_log": list(t.fetch_log),
+            "serve_log": list(t.serve_log),
             "finished_wall": t.finished_wall,
             "duration_s": (t.finished_at - t.activated_at)
             if t.finished_at and t.activated_at
