@@ -91,6 +91,7 @@ def _rescale_timing(r: dict[str, Any], refills: list[dict[str, Any]]) -> dict[st
         "strategy": r["strategy"],
         "start_s": r["start_s"],
         "prepare_phases_s": r.get("prepare_phases_s"),
+        "spawn_phases_s": r.get("spawn_phases_s"),
         "move_phases_s": r.get("move_phases_s"),
         "switch_s": r.get("switch_s"),
         "sealed_s": r.get("sealed_s"),
@@ -426,6 +427,8 @@ def main(
         )
         if r.get("prepare_phases_s"):
             click.echo(f"    preparation (s): {r['prepare_phases_s']}")
+        if r.get("spawn_phases_s"):
+            click.echo(f"    spawn (s): {r['spawn_phases_s']}")
         if r.get("move_phases_s"):
             logs = ("fetch_log", "serve_log")
             move = {k: v for k, v in r["move_phases_s"].items() if k not in logs}

@@ -560,8 +560,10 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
         target = rebalance(old, parallelism, kg_load)
         plan = strategy.plan(RescaleContext(step, old, target, kg_load, s))
         marks["plan"] = time.time()
+        spawn_marks: dict[str, float] = {}
+        t_spawn = time.time()
         if parallelism > old.parallelism:
-            await self._spawn(step, range(old.parallelism, parallelism))
+            await self._spawn(step, range(old.parallelism, parallelism), spawn_marks)
         marks["spawn"] = time.time()
         width = max(parallelism, old.parallelism)
         peers = {i: self.handles[self._at(step, i)] for i in range(width)}
@@ -687,6 +689,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
             # the move, in seconds from the request: per instance (index order of the last
             # migration step) its switch, seal, first on-demand chunk out, last incoming
             # sub-group in and end of its part; then the whole rescale's end
+            # the spawn's parts, seconds each (cold_started: instances no warm standby was for)
+            "spawn_phases_s": _phases(t_spawn, spawn_marks),
             "move_phases_s": _move_timeline(
                 t0, marks.get("injected", marks.get("tasks_acknowledged")), stats[-width:], t1
             ),
@@ -1075,9 +1079,13 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
     def _sources_done(self) -> bool:
         return all(i in self.outcomes for i in self.plan.sources)
 
-    async def _spawn(self, step: str, indexes: range) -> None:
+    async def _spawn(
+        self, step: str, indexes: range, marks: dict[str, float] | None = None
+    ) -> None:
         """Start new instances of ``step`` (empty state, named like deployed ones) and wire them
-        to both neighbours."""
+        to both neighbours. ``marks`` gets the wall-clock end of each part: nodes chosen,
+        actors taken (warm standbys) or started, configured, answered a ping, wired."""
+        marks = {} if marks is None else marks
         from raystream.runtime.actors import (
             NAMESPACE,
             InstanceActor,
@@ -1099,6 +1107,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
             step_placed=Counter(node for iid, node in live.items() if iid[0] == step),
             job_placed=Counter(live.values()),
         )
+        marks["nodes"] = time.time()
         reused: set[ChannelId] = set()
         # an index retired by an earlier scale-in comes back: let the old go (and its sink)
         for iid in [j for i in indexes for j in self._chain_ids((step, i))]:
@@ -1158,11 +1167,15 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
             new[(step, i)] = handle
             if sink_spec is not None:
                 sink_specs[sink_spec.id] = MemberHandle(handle, sink_spec.id)
+        marks["taken"] = time.time()
+        marks["cold_started"] = float(len(indexes) - len(configuring))
         await asyncio.gather(*configuring)
+        marks["configured"] = time.time()
         self.handles.update(sink_specs)
         keyed_new = dict(new)
         new.update(sink_specs)
         where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
+        marks["pinged"] = time.time()
         self.nodes.update(zip(new, where, strict=True))
         # a chained sink's input is its chain's keyed instance (in its spec): nothing to add
         downstream = set() if sink_specs else {r for o in outputs for r in o.receiver_ids}
@@ -1193,6 +1206,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
             self.state = "failed"
             await self._stop_all()
             raise RescaleError(msg) from e
+        marks["wired"] = time.time()
         for iid in new:
             self._run(iid)
 
@@ -1342,6 +1356,20 @@ def _backlog_of(mine: list[dict[str, Any]], sources: list[dict[str, Any]]) -> di
         "busy_s": float(sum(m.get("busy_s", 0) or 0 for m in mine)),
         "instances": len(mine),
     }
+
+
+def _phases(t0: float, marks: dict[str, float]) -> dict[str, float]:
+    """Seconds each part took, from wall-clock ends in order (counts, not times, kept as they
+    are: keys ending in ``_started``)."""
+    out: dict[str, float] = {}
+    before = t0
+    for name, at in marks.items():
+        if name.endswith("_started"):
+            out[name] = at
+            continue
+        out[name] = round(at - before, 4)
+        before = at
+    return out
 
 
 def _move_timeline(
