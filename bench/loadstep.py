@@ -210,6 +210,19 @@ def _plot(path: Path, report: dict[str, Any]) -> None:
     help="Writes OUT.json and OUT.png.",
 )
 @click.option(
+    "--catch-up-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="ds2 only: also size for the expected backlog, worked off within this long (the "
+    "policy's catch_up_s; default off).",
+)
+@click.option(
+    "--standby-instances",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Warm standby actors the job keeps (default: the runtime's, 2).",
+)
+@click.option(
     "--trace/--no-trace",
     default=False,
     help="Keep every row's latency (OUT_trace/*.parquet) and break the high phase's tail down "
@@ -233,6 +246,8 @@ def main(
     strategy: str,
     linger_ms: float,
     out: Path,
+    catch_up_s: float | None,
+    standby_instances: int | None,
     trace: bool,
 ) -> None:
     """Step the input rate up by FACTOR and back down; record how the autoscaler follows."""
@@ -262,7 +277,9 @@ def main(
                 "cooldown_s": cooldown_s,
                 "stabilization_s": stabilization_s,
                 "max_parallelism": max_parallelism,
+                **({"policy_args": {"catch_up_s": catch_up_s}} if catch_up_s else {}),
             },
+            **({} if standby_instances is None else {"standby_instances": standby_instances}),
         )
         try:
             result = job.wait(timeout_s=(low_s + high_s + after_s) * 3 + 60)
@@ -359,6 +376,8 @@ def main(
             "strategy": strategy,
             "linger_ms": linger_ms,
             "initial_parallelism": parallelism,
+            "catch_up_s": catch_up_s,
+            "standby_instances": standby_instances,
         },
         "exact": exact,
         "mismatch": mismatch,
