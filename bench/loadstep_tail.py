@@ -13,7 +13,13 @@ decision to routing switch; switch to the last old owner's seal; seal to done; a
 bucket says how many of the top records it has, how many of them the new owners wrote (their
 sub-group moved), and their latency range. ``line_2x`` counts the high-phase records above 2x
 the low phase's p99 against the 1 % that a p99 within 2x allows, and ``profile`` gives the
-latency (p50, max) of the records by 50 ms of ingest time around the step.
+latency (p50, max) of the records by 50 ms of ingest time around the step. ``by_write_time``
+splits the top 1 % and the events above the 2x line by when they were written: before the first
+scale-out was done, or after (while the backlog it left was worked off).
+
+Several runs' tails side by side (median, min, max per figure)::
+
+    python -m bench.loadstep_tail --runs bench/results/loadstep_x_{1,2,3}.json --out bench/results/loadstep_x_tail.json
 """
 
 from __future__ import annotations
@@ -25,7 +31,14 @@ from typing import Any
 import click
 import numpy as np
 
-__all__ = ["BUCKETS", "step_from_ingest", "tail_breakdown", "trace_weights", "weighted_percentile"]
+__all__ = [
+    "BUCKETS",
+    "step_from_ingest",
+    "tail_breakdown",
+    "tail_figures",
+    "trace_weights",
+    "weighted_percentile",
+]
 
 BUCKETS = (
     "before_step",
@@ -172,6 +185,19 @@ def tail_breakdown(
         }
     out["top_events"] = int(h_w[top].sum())
     out["buckets"] = buckets
+    # when the top 1 % and the events above the 2x line were *written*: while the move ran, or
+    # after it, while the step worked off what queued meanwhile
+    h_wr = written[high]
+    done_at = edges[4]
+    out["by_write_time"] = {
+        "top_before_done": int(h_w[top & (h_wr < done_at)].sum()),
+        "top_after_done": int(h_w[top & (h_wr >= done_at)].sum()),
+        "above_2x_before_done": int(h_w[over_line & (h_wr < done_at)].sum()),
+        "above_2x_after_done": int(h_w[over_line & (h_wr >= done_at)].sum()),
+        "last_above_2x_written_after_step_s": round(float(h_wr[over_line].max()) - step_s, 3)
+        if over_line.any()
+        else None,
+    }
     # latency by ingest time, 50 ms bins, from 0.25 s before the step to 1.5 s after done
     lo, hi = step_s - 0.25, edges[4] + 1.5
     bins = np.arange(lo, hi + PROFILE_BIN_S, PROFILE_BIN_S)
@@ -210,15 +236,74 @@ def trace_weights(trace: Any) -> np.ndarray | None:
     return row_weights(trace["key"].to_numpy(), trace["count"].to_numpy())
 
 
+def tail_figures(tail: dict[str, Any]) -> dict[str, Any]:
+    """One run's tail as flat figures (for a side-by-side of runs)."""
+    fs = tail.get("first_scale_out") or {}
+    buckets = tail.get("buckets") or {}
+    wt = tail.get("by_write_time") or {}
+    line = tail.get("line_2x") or {}
+    top = max(int(tail.get("top_events") or 0), 1)
+    row: dict[str, Any] = {
+        "low_p99_ms": tail.get("low_p99_ms"),
+        "high_p99_ms": tail.get("high_p99_ms"),
+        "high_over_low": tail.get("high_over_low"),
+        "decision_after_step_s": fs.get("decision_after_step_s"),
+        "switch_after_step_s": fs.get("switch_after_step_s"),
+        "sealed_after_step_s": fs.get("sealed_after_step_s"),
+        "done_after_step_s": fs.get("done_after_step_s"),
+        "above_2x_events": line.get("events_above"),
+        "above_2x_allowed": line.get("events_allowed_for_p99"),
+        "above_2x_written_after_done_share": (
+            round(wt["above_2x_after_done"] / max(line.get("events_above") or 0, 1), 3)
+            if wt
+            else None
+        ),
+        "top_written_after_done_share": round(wt["top_after_done"] / top, 3) if wt else None,
+        "last_above_2x_written_after_step_s": wt.get("last_above_2x_written_after_step_s"),
+    }
+    for name in BUCKETS:
+        b = buckets.get(name)
+        row[f"top_share_ingested_{name}"] = b["share"] if b else None
+    return row
+
+
+def _median_range(values: list[Any]) -> dict[str, Any] | None:
+    xs = [float(v) for v in values if isinstance(v, (int, float))]
+    if not xs:
+        return None
+    return {"median": float(np.median(xs)), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
 @click.command()
-@click.argument("report_json", type=click.Path(exists=True, path_type=Path))
+@click.argument("report_json", type=click.Path(exists=True, path_type=Path), nargs=-1)
 @click.option("--trace", type=click.Path(exists=True, path_type=Path), default=None)
-def main(report_json: Path, trace: Path | None) -> None:
-    """Recompute the report's ``tail`` from its trace folder (default: <report>_trace)."""
+@click.option("--runs", is_flag=True, help="Summarise the reports' tails (median, min, max).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="With --runs.")
+def main(report_json: tuple[Path, ...], trace: Path | None, runs: bool, out: Path | None) -> None:
+    """Recompute a report's ``tail`` from its trace folder (default: <report>_trace), or with
+    ``--runs`` put several reports' tails side by side."""
     from bench._latency_trace import read_trace
 
-    report = json.loads(report_json.read_text())
-    folder = trace or report_json.with_name(report_json.stem + "_trace")
+    if runs:
+        per_run = {}
+        for path in report_json:
+            rep = json.loads(path.read_text())
+            per_run[path.name] = {"exact": rep.get("exact"), **tail_figures(rep.get("tail") or {})}
+        keys = next(iter(per_run.values())).keys() if per_run else []
+        summary = {
+            "runs": per_run,
+            "summary": {k: _median_range([r[k] for r in per_run.values()]) for k in keys},
+        }
+        text = json.dumps(summary, indent=1)
+        if out is not None:
+            out.write_text(text)
+        click.echo(text)
+        return
+    if len(report_json) != 1:
+        raise click.UsageError("give one report (or --runs and several)")
+    path = report_json[0]
+    report = json.loads(path.read_text())
+    folder = trace or path.with_name(path.stem + "_trace")
     t = read_trace(folder)
     tail = tail_breakdown(
         t["ingest_ns"].to_numpy(),
@@ -229,7 +314,7 @@ def main(report_json: Path, trace: Path | None) -> None:
         trace_weights(t),
     )
     report["tail"] = tail
-    report_json.write_text(json.dumps(report, indent=1, default=str))
+    path.write_text(json.dumps(report, indent=1, default=str))
     click.echo(json.dumps({k: v for k, v in tail.items() if k != "profile"}, indent=1))
 
 
