@@ -198,6 +198,22 @@ def tail_breakdown(
         if over_line.any()
         else None,
     }
+    # ... and while warm standby processes started (the refill after a scale-out: from its
+    # start to its last wave's end)
+    refilling = np.zeros(h_wr.size, dtype=bool)
+    spans = []
+    ends = {x["start_s"]: x.get("end_s") for x in report.get("rescales", [])}
+    for f in report.get("standby_refills", []):
+        end = ends.get(f.get("rescale_start_s"))
+        if end is None or f.get("after_s") is None:
+            continue
+        a = float(end) + float(f["after_s"])
+        b = a + sum(float(w[1]) for w in f.get("waves", []))
+        spans.append([round(a - step_s, 3), round(b - step_s, 3)])
+        refilling |= (h_wr >= a) & (h_wr < b)
+    out["by_write_time"]["refill_spans_after_step_s"] = spans
+    out["by_write_time"]["top_during_refill"] = int(h_w[top & refilling].sum())
+    out["by_write_time"]["above_2x_during_refill"] = int(h_w[over_line & refilling].sum())
     # latency by ingest time, 50 ms bins, from 0.25 s before the step to 1.5 s after done
     lo, hi = step_s - 0.25, edges[4] + 1.5
     bins = np.arange(lo, hi + PROFILE_BIN_S, PROFILE_BIN_S)
@@ -259,6 +275,14 @@ def tail_figures(tail: dict[str, Any]) -> dict[str, Any]:
             else None
         ),
         "top_written_after_done_share": round(wt["top_after_done"] / top, 3) if wt else None,
+        "top_written_during_refill_share": round(wt.get("top_during_refill", 0) / top, 3)
+        if wt
+        else None,
+        "above_2x_written_during_refill_share": (
+            round(wt.get("above_2x_during_refill", 0) / max(line.get("events_above") or 0, 1), 3)
+            if wt
+            else None
+        ),
         "last_above_2x_written_after_step_s": wt.get("last_above_2x_written_after_step_s"),
     }
     for name in BUCKETS:
