@@ -15,7 +15,8 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
   on-demand fetch asks for its sub-groups and then for every other sub-group of that old owner
   not asked for yet (they fill the chunk's room, at most ``RIDER_ROOM_BYTES``; what does not
   fit follows as a bulk pull), and before each call the sub-groups with records waiting here go
-  first, then the hottest. A chunk is filled in the order asked and sent in key order (one
+  first, then the hottest, by runs of consecutive sub-groups (one iterator each at the old
+  owner). A chunk is filled in the order asked and sent in key order (one
   Arrow batch per key range read, each sorted).
 * The old owner serves one chunk at a time, on-demand requests before background pulls (the
   requests queued meanwhile back to back, for up to ``SERVE_BURST_S``). Serving runs on the
@@ -581,18 +582,26 @@ class MigrationEngine:
             by_owner.setdefault(task.incoming[g], []).append(g)
         for owner, gs in by_owner.items():
             if on_demand:
-                # the owner's other sub-groups not asked for yet ride along, hottest first, in
-                # the room the chunk has left (one call instead of one per sub-group later)
+                # the owner's other sub-groups not asked for yet ride along, hottest run first,
+                # in the room the chunk has left (one call instead of one per sub-group later)
                 riders = self._riders(task, owner) if task.policy.background != "none" else []
                 task.requested.update(riders)
-                self._spawn(self._fetch(task, owner, self._hot_first(task, gs), riders=riders))
+                self._spawn(self._fetch(task, owner, self._hot_runs(task, gs), riders=riders))
                 continue
             self._pull(task, owner, gs)
 
     def _riders(self, task: MigrationTask, owner: int) -> list[int]:
-        return self._hot_first(
+        return self._hot_runs(
             task, [g for g, o in task.incoming.items() if o == owner and g not in task.requested]
         )
+
+    def _hot_runs(self, task: MigrationTask, groups: list[int]) -> list[int]:
+        """``groups`` as runs of consecutive sub-groups of one key group (key order inside a
+        run), the run with the hottest member first (records waiting here count first; see
+        :meth:`_hot_first`): the old owner reads a run with one RocksDB iterator, not one per
+        sub-group (an on-demand chunk with its riders is often a whole move's state)."""
+        ranked = self._hot_first(task, groups)
+        return [g for run in contiguous_runs(ranked, self.sub_groups) for g in run]
 
     def _pending_first(self, groups: list[int]) -> list[int]:
         """Sub-groups with records waiting here first; otherwise in the order given."""
@@ -645,7 +654,7 @@ class MigrationEngine:
             if not first:
                 # a bulk pull keeps its key-ordered runs, those with records waiting here first
                 remaining = (
-                    self._hot_first(task, remaining) if urgent else self._pending_first(remaining)
+                    self._hot_runs(task, remaining) if urgent else self._pending_first(remaining)
                 )
             await slots.acquire(urgent)
             try:
