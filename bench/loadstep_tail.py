@@ -212,6 +212,14 @@ def tail_breakdown(
         spans.append([round(a - step_s, 3), round(b - step_s, 3)])
         refilling |= (h_wr >= a) & (h_wr < b)
     out["by_write_time"]["refill_spans_after_step_s"] = spans
+    # the scale-out's own bump: what went above the line before the first refill started
+    first_refill = min((a for a, _ in spans), default=None)
+    before_refill = (
+        over_line
+        if first_refill is None
+        else over_line & (h_wr < step_s + first_refill)
+    )
+    out["by_write_time"]["above_2x_before_refill"] = int(h_w[before_refill].sum())
     out["by_write_time"]["top_during_refill"] = int(h_w[top & refilling].sum())
     out["by_write_time"]["above_2x_during_refill"] = int(h_w[over_line & refilling].sum())
     # latency by ingest time, 50 ms bins, from 0.25 s before the step to 1.5 s after done
@@ -284,6 +292,7 @@ def tail_figures(tail: dict[str, Any]) -> dict[str, Any]:
             else None
         ),
         "last_above_2x_written_after_step_s": wt.get("last_above_2x_written_after_step_s"),
+        "above_2x_before_refill": wt.get("above_2x_before_refill"),
     }
     for name in BUCKETS:
         b = buckets.get(name)
