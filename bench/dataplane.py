@@ -25,6 +25,14 @@ alternating between repeats; ``--compare chaining``: operator chaining on and of
       python -m bench.dataplane --name dataplane_chained_sink --compare chaining \
           --case gen_p2_sink --case rate_100k_sink
 
+* ``gen_p2_post_map``, ``rate_100k_post_map`` (not in the default set): ``gen_p2_sink`` and
+  ``rate_100k_sink`` with a stateless step (``parity``: derives a column from the count) between
+  the count and the sink, all three at p=2; chained, each count instance, its ``parity`` and its
+  sink instance share one actor. Chaining vs not::
+
+      python -m bench.dataplane --name dataplane_chained_post_map --compare chaining \
+          --case gen_p2_post_map --case rate_100k_post_map
+
 * ``gen_p2_no_standby`` (not in the default set): ``gen_p2`` with ``--standby-instances 0``:
   the job with migration support starts no warm standby actors, so the pair shows the per-batch
   cost of migration support alone::
@@ -128,6 +136,30 @@ CASES: dict[str, list[str]] = {
         str(RATE_WARMUP_S),
         "--sink-parallelism",
         "2",
+    ],
+    # a stateless step after the count, and the sink, both at the count's parallelism: chained
+    # to it (one actor per count instance) or not
+    "gen_p2_post_map": [
+        "--events",
+        "6000000",
+        "--parallelism",
+        "2",
+        "--sink-parallelism",
+        "2",
+        "--post-map",
+    ],
+    "rate_100k_post_map": [
+        "--rate",
+        "100000",
+        "--events",
+        str(100_000 * RATE_SECONDS),
+        "--parallelism",
+        "2",
+        "--warmup",
+        str(RATE_WARMUP_S),
+        "--sink-parallelism",
+        "2",
+        "--post-map",
     ],
     # long runs for the cost of migration support in steady state (after its one-time start)
     "long_gen_p2": ["--events", "24000000", "--parallelism", "2"],

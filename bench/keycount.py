@@ -16,7 +16,8 @@ state from the first second. ``--warmup S`` adds ``latency_steady_ms``: latency 
 the sink after S seconds (a prefilled state starts cold: the first seconds read it from disk).
 
 The dataflow is ``source -> key_by("key") -> count (keyed, RocksDB) -> sink`` (``--pre-map``: a
-stateless ``project`` step after the source, at ``--source-parallelism``); the sink keeps the
+stateless ``project`` step after the source, at ``--source-parallelism``; ``--post-map``: a
+stateless ``parity`` step after the count, at the count's parallelism); the sink keeps the
 latest count per key (bounded memory). Throughput is what the count step took in per second of
 the job's run; latency is how old a record's oldest input was when its count reached the sink.
 With ``--output`` the final counts (``key``, ``count``, one row per key) are written atomically,
@@ -37,6 +38,7 @@ from typing import Any
 import click
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import raystream as rs
@@ -49,6 +51,7 @@ __all__ = ["count_per_key", "count_vectorised", "keycount_flow", "main"]
 STEP = "count"
 SINK = "latest"
 PROJECT = "project"
+PARITY = "parity"
 
 
 @rs.keyed_batches(name=STEP, state=rs.ValueState(int, default=0))
@@ -75,6 +78,12 @@ def project(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch.drop_columns([n for n in batch.schema.names if n == "seq"])
 
 
+@rs.map_batches(name=PARITY)
+def parity(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Derive a column from the count (whether it is even): a stateless step after the count."""
+    return batch.append_column("even", pc.equal(pc.bit_wise_and(batch["count"], 1), 0))
+
+
 def keycount_flow(
     source: Any,
     form: str,
@@ -83,10 +92,13 @@ def keycount_flow(
     source_parallelism: int = 1,
     pre_map: bool = False,
     sink_parallelism: int = 1,
+    post_map_parallelism: int | None = None,
 ) -> rs.Dataflow:
     """``source -> key_by -> count -> sink``; ``pre_map``: ``source -> project -> key_by ...``
     with ``project`` at the source's parallelism (chained to it unless chaining is off);
-    ``sink_parallelism`` equal to the count's: the sink runs chained in the count's actors."""
+    ``post_map_parallelism``: ``... count -> parity -> sink`` with ``parity`` at that
+    parallelism (at the count's: chained to it unless chaining is off); ``sink_parallelism``
+    equal to the count's: the sink runs chained in the count's actors."""
     from bench._payload import count_with_payload
 
     op = FORMS[form] if value_bytes is None else count_with_payload(value_bytes, STEP)
@@ -94,7 +106,10 @@ def keycount_flow(
     stream = flow.source(source, parallelism=source_parallelism)
     if pre_map:
         stream = stream.apply(project, parallelism=source_parallelism)
-    stream.key_by("key").apply(op).sink(LatestCountSink(), name=SINK, parallelism=sink_parallelism)
+    counted = stream.key_by("key").apply(op)
+    if post_map_parallelism is not None:
+        counted = counted.apply(parity, parallelism=post_map_parallelism)
+    counted.sink(LatestCountSink(), name=SINK, parallelism=sink_parallelism)
     return flow
 
 
@@ -425,6 +440,12 @@ def _stop(job: rs.Job) -> None:
     help="Put a stateless step (project: drop the seq column) between the source and the count.",
 )
 @click.option(
+    "--post-map",
+    is_flag=True,
+    help="Put a stateless step (parity: derive a column from the count) between the count and "
+    "the sink, at --parallelism (chained to the count unless chaining is off).",
+)
+@click.option(
     "--sink-parallelism",
     type=click.IntRange(min=1),
     default=1,
@@ -505,6 +526,7 @@ def main(
     strategy: str,
     source_parallelism: int,
     pre_map: bool,
+    post_map: bool,
     sink_parallelism: int,
     chaining: bool,
     migration_support: bool,
@@ -597,6 +619,7 @@ def main(
         "standby_instances": standby_instances,
         "source_parallelism": source_parallelism,
         "pre_map": pre_map,
+        "post_map": post_map,
         "sink_parallelism": sink_parallelism,
         "chaining": chaining,
         "checkpoint_interval_s": checkpoint_interval_s,
@@ -606,7 +629,14 @@ def main(
         "warmup_s": warmup_s,
     }
     flow = keycount_flow(
-        source, form, num_key_groups, value_bytes, source_parallelism, pre_map, sink_parallelism
+        source,
+        form,
+        num_key_groups,
+        value_bytes,
+        source_parallelism,
+        pre_map,
+        sink_parallelism,
+        post_map_parallelism=parallelism if post_map else None,
     )
     state_dir = None
     if prefill:

@@ -19,12 +19,12 @@ import numpy as np
 import ray
 
 from raystream.assignment import check_rescale_parallelism, rebalance
-from raystream.chained_sinks import ChainedSinks
 from raystream.change_spares import ChangeSpares
-from raystream.chaining import sinks_following
+from raystream.chaining import steps_following
 from raystream.checkpointing import RestartStrategy, default_checkpoint_dir
 from raystream.dataflow import Dataflow
 from raystream.errors import JobFailedError, RaystreamError, RescaleError
+from raystream.keyed_chains import KeyedChains
 from raystream.keys import RoutingTable
 from raystream.metrics import LatencyRecorder
 from raystream.placement import check_satisfiable, choose_nodes, cluster_nodes
@@ -49,7 +49,7 @@ EXPECT_RESCALE_S = 2.0
 STANDBY_STARTS_KEPT = 8  # standby waves whose start-up time the estimate keeps
 
 
-class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpares):
+class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares):
     """Owns one running job."""
 
     def __init__(
@@ -130,8 +130,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
         self.reconfigurations: list[dict[str, Any]] = []  # one record per change (every kind)
         self.graph_version = 1  # +1 per completed change of the running graph
         self.slots: dict[tuple[str, int], ChannelId] = {}  # routing index -> instance, if moved
-        # sinks chained to a keyed step follow its rescales (raystream.chained_sinks)
-        self.following = sinks_following(self.plan.steps, enabled=config.chaining)
+        # steps chained after a keyed step follow its rescales (raystream.keyed_chains)
+        self.following = steps_following(self.plan.steps, enabled=config.chaining)
         self._sink_writers: dict[ChannelId, int] = {}  # sink instance -> its writer index
         self._writers_used: dict[str, set[int]] = {}  # sink -> writer indexes ever opened
         self._retired_results: list[tuple[ChannelId, Any]] = []
@@ -626,7 +626,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
             current = table
             self.routing[step] = table
         self.parallelism[step] = parallelism
-        retired_sinks = self._follow_rescale(step, parallelism, old.parallelism)
+        retired_followers = self._follow_rescale(step, parallelism, old.parallelism)
         for i in range(parallelism, old.parallelism):
             iid = self._at(step, i)
             self.retired.add(iid)
@@ -635,7 +635,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
                 # it ended (handed everything over) before it was marked retired, so the watch
                 # did not stop it: stop it now, its name is free for the next scale-out
                 self._stop_retired(iid)
-        await self._settle_retired_sinks(retired_sinks)
+        await self._settle_retired_followers(retired_followers)
         if parallelism <= old.parallelism:  # (after a scale-out: once it caught up, below)
             asyncio.get_running_loop().create_task(self._fill_standby())
         t1 = time.time()
@@ -1122,7 +1122,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
                 self.retired.discard(iid)
                 reused.add(iid)
                 self._run_futures.pop(iid, None)
-        sink_specs: dict[ChannelId, Any] = {}  # the sinks chained to the new instances
+        member_specs: dict[ChannelId, Any] = {}  # the steps chained after the new instances
+        tails: list[ChannelId] = []  # each new chain's last instance (sends to the next steps)
         template = self.specs[(step, 0)]
         outputs = tuple(self._current_output(o) for o in template.outputs)
         upstream = [
@@ -1145,7 +1146,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
                 restore=None,
             )
             self.specs[(step, i)] = spec
-            actor_spec, sink_spec = self._chained_spawn(step, spec, indexes.stop)
+            actor_spec, members = self._chained_spawn(step, spec, indexes.stop)
             self._spawning.add((step, i))  # no standby fill takes this name meanwhile
             self.actor_names.pop((step, i), None)  # a scale-out's instance has the usual name
             try:
@@ -1165,29 +1166,29 @@ class Controller(Recovery, Reconfigurations, Rewiring, ChainedSinks, ChangeSpare
             finally:
                 self._spawning.discard((step, i))
             new[(step, i)] = handle
-            if sink_spec is not None:
-                sink_specs[sink_spec.id] = MemberHandle(handle, sink_spec.id)
+            for m in members:
+                member_specs[m.id] = MemberHandle(handle, m.id)
+            tails.append(members[-1].id if members else (step, i))
         marks["taken"] = time.time()
         marks["cold_started"] = float(len(indexes) - len(configuring))
         await asyncio.gather(*configuring)
         marks["configured"] = time.time()
-        self.handles.update(sink_specs)
+        self.handles.update(member_specs)
         keyed_new = dict(new)
-        new.update(sink_specs)
+        new.update(member_specs)
         where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
         marks["pinged"] = time.time()
         self.nodes.update(zip(new, where, strict=True))
-        # a chained sink's input is its chain's keyed instance (in its spec): nothing to add
-        downstream = set() if sink_specs else {r for o in outputs for r in o.receiver_ids}
+        # the next steps take each new chain's tail as a new input (a chained follower's input
+        # is the instance before it in its actor, in its spec: nothing to add there)
+        downstream = {r for t in tails for o in self.specs[t].outputs for r in o.receiver_ids}
         try:
             await asyncio.gather(
                 *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
             )
             # a downstream instance reopens an input whose id a retired instance had once it
             # read that one's EndOfStream (add_inputs waits for it)
-            await asyncio.gather(
-                *(self.handles[d].add_inputs.remote(list(new)) for d in downstream)
-            )
+            await asyncio.gather(*(self.handles[d].add_inputs.remote(tails) for d in downstream))
             await asyncio.gather(
                 *(self.handles[u].add_receivers.remote(keyed_new) for u in upstream)
             )

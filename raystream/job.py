@@ -313,9 +313,9 @@ def start(
     ``from_savepoint=path`` from a savepoint; ``parallelism`` may differ from theirs.
 
     ``chaining=False`` runs every step in its own actors (operator chaining is on by default:
-    see :mod:`raystream.chaining`; ``flow.options(step, chain=False)`` for one step). A sink
-    given the parallelism of the keyed step before it runs in that step's actors and follows
-    its rescales.
+    see :mod:`raystream.chaining`; ``flow.options(step, chain=False)`` for one step). The
+    stateless steps after a keyed step (given no parallelism, they take its parallelism) and a
+    sink given its parallelism run in that step's actors and follow its rescales.
     """
     if not isinstance(flow, Dataflow):
         msg = f"expected a raystream Dataflow, got {type(flow).__name__}: {flow!r}"

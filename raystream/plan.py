@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raystream.chaining import chain_instances, plan_chains
+from raystream.chaining import (
+    chain_instances,
+    follower_parallelism,
+    plan_chains,
+    steps_following,
+)
 from raystream.dataflow import Dataflow, Step
 from raystream.keys import RoutingTable
 from raystream.runtime.instance import InstanceSpec, OutputSpec, RuntimeConfig
@@ -44,11 +49,13 @@ class PhysicalPlan:
         return [i for i, s in self.instances.items() if s.step.kind == "sink"]
 
 
-def _partitioning(up: Step, down: Step) -> str:
+def _partitioning(up: Step, down: Step, following: dict[str, str] | None = None) -> str:
     if down.is_keyed:
         return "key_group"
-    if up.parallelism == down.parallelism and not up.is_keyed:
-        # a keyed step's parallelism changes on rescale, so its outputs never forward 1:1
+    if up.parallelism == down.parallelism and not up.is_keyed and up.name not in (following or {}):
+        # a keyed step's parallelism changes on rescale, and so does that of the steps chained
+        # after it (raystream.chaining): their outputs never forward 1:1 (inside a chain,
+        # chain_instances makes each edge local)
         return "forward"
     return "rebalance"
 
@@ -63,7 +70,10 @@ def physical_plan(
 ) -> PhysicalPlan:
     """``routing``: tables to start keyed steps with instead of uniform ones (a restore from a
     checkpoint); their parallelism must be the step's."""
-    steps = flow.with_parallelism(parallelism)
+    steps = flow.with_parallelism(
+        follower_parallelism(flow.steps, parallelism, enabled=config.chaining)
+    )
+    following = steps_following(steps, enabled=config.chaining)
     ks = flow.key_space
     given = routing or {}
     routing = {
@@ -84,7 +94,7 @@ def physical_plan(
             OutputSpec(
                 step=d.name,
                 parallelism=d.parallelism or 1,
-                partitioning=_partitioning(step, d),
+                partitioning=_partitioning(step, d, following),
                 key=d.key_for(name),
                 port=d.port_for(name),
                 routing=routing.get(d.name),
@@ -94,7 +104,7 @@ def physical_plan(
         inputs: list[ChannelId] = []
         for up in step.upstream:
             up_step = steps[up]
-            part = _partitioning(up_step, step)
+            part = _partitioning(up_step, step, following)
             for j in range(up_step.parallelism or 1):
                 # forward: only the same index sends; rebalance / key_group: every sender
                 if part == "forward" and j >= p:
@@ -102,7 +112,9 @@ def physical_plan(
                 inputs.append((up, j))
         for i in range(p):
             my_inputs = tuple(
-                ch for ch in inputs if _partitioning(steps[ch[0]], step) != "forward" or ch[1] == i
+                ch
+                for ch in inputs
+                if _partitioning(steps[ch[0]], step, following) != "forward" or ch[1] == i
             )
             owned: tuple[int, ...] = ()
             state_path = None

@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from raystream.chaining import follow_keyed
+from raystream.chaining import follow_keyed, steps_following
 from raystream.checkpointing import build_manifest, manifest_routing, restore_specs
 from raystream.errors import CheckpointError, RaystreamError
 from raystream.metrics import step_totals, sum_totals
@@ -73,9 +73,12 @@ class Recovery:
                     for n, t in manifest_routing(manifest or {}).items()
                     if n not in self.parallelism_given or parallelism.get(n) == t.parallelism
                 }
+            if self.state == "recovering":  # at the job's current parallelism, every step
+                for n, p in getattr(self, "parallelism", {}).items():
+                    parallelism.setdefault(n, p)
             for n, t in routing.items():
                 parallelism[n] = t.parallelism
-            # a sink chained to a keyed step has its parallelism (raystream.chained_sinks)
+            # the steps chained after a keyed step have its parallelism (raystream.keyed_chains)
             parallelism = follow_keyed(parallelism, getattr(self, "following", {}))
         plan = physical_plan(
             self.flow, parallelism, self.config, self.origin_ns, base_dir, routing=routing
@@ -102,6 +105,7 @@ class Recovery:
         self.specs = dict(specs)
         self.routing = dict(plan.routing)
         self.parallelism = {n: s.parallelism or 1 for n, s in plan.steps.items()}
+        self.following = steps_following(plan.steps, enabled=self.config.chaining)
         if manifest is not None:
             self._epoch = max(self._epoch, int(manifest["checkpoint_id"]))
 

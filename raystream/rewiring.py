@@ -145,6 +145,16 @@ class Rewiring:
                 "insert steps there"
             )
             raise ReconfigurationError(msg)
+        keyed = getattr(self, "following", {}).get(after)
+        if keyed is not None:
+            first = next(f for f, k in self.following.items() if k == keyed)
+            msg = (
+                f"cannot insert a step after {after!r}: it runs chained in the actors of keyed "
+                f"step {keyed!r} and follows its rescales (operator chaining), so its instances "
+                f"come and go with {keyed!r}'s; start the job with flow.options({first!r}, "
+                f"chain=False) (or chaining=False) to insert steps after {after!r}"
+            )
+            raise ReconfigurationError(msg)
         name = name or (op.name if isinstance(op, Operator) else "")
         new = inserted_step(
             op, name, after, parallelism, key_by, num_key_groups=self.flow.key_space.num_key_groups

@@ -404,7 +404,7 @@ class _InstanceActor(InstanceEndpoint):
 
     async def configure(self, spec: InstanceSpec | ChainSpec) -> None:  # type: ignore[override]
         """A warm standby becomes an instance, or an operator chain (a keyed step's scale-out
-        with the sink chained to it)."""
+        with the steps chained after it)."""
         if isinstance(spec, ChainSpec):
             self._chain = Chain(spec)
             self._instance = self._chain.head

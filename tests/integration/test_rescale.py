@@ -354,6 +354,7 @@ def test_scale_in_then_out_reusing_an_index_wires_the_new_instance_and_stays_exa
         .key_by("key")
         .apply(count, name=STEP)
         .apply(slow_pass)
+        .options(chain=False)  # its own actor (one instance): the count's output queues there
         .sink(rs.sinks.collect(), name="out")
     )
     job = rs.start(flow, parallelism={STEP: 3}, **RUNTIME)

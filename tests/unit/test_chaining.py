@@ -386,15 +386,15 @@ def test_status_rows_name_the_chain() -> None:
 
 
 def test_a_sink_at_the_keyed_steps_parallelism_chains_to_it_and_follows_it() -> None:
-    from raystream.chaining import follow_keyed, sinks_following
+    from raystream.chaining import follow_keyed, steps_following
 
     flow = rs.Dataflow("keyed-sink")
     _keycount(flow, sink_parallelism=2)
     steps = flow.with_parallelism(None)
     assert not_chained_because(steps["count"], steps["out"], steps) is None
     assert plan_chains(steps) == [("source", "tag", "odd"), ("count", "out")]
-    assert sinks_following(steps) == {"out": "count"}
-    assert sinks_following(steps, enabled=False) == {}
+    assert steps_following(steps) == {"out": "count"}
+    assert steps_following(steps, enabled=False) == {}
     # the sink follows the keyed step's parallelism (a rescale, a restore, a recovery)
     assert follow_keyed({"count": 3, "out": 2, "tag": 2}, {"out": "count"}) == {
         "count": 3,
@@ -411,15 +411,6 @@ def test_a_sink_at_the_keyed_steps_parallelism_chains_to_it_and_follows_it() -> 
     assert tail.inputs == (("count", 2),) and tail.step.parallelism == 3
     # the sink is still one of the job's sinks (two-phase commit, results per instance)
     assert sorted(plan.sinks) == [("out", i) for i in range(3)]
-    # only a sink chains after a keyed step: a stateless step there does not
-    flow2 = rs.Dataflow("keyed-map")
-    flow2.source(_gen(), name="s").key_by("key").apply(count, parallelism=2).map(
-        lambda r: r, name="after"
-    ).sink(rs.sinks.collect(), name="o")
-    steps2 = flow2.with_parallelism({"after": 2})
-    assert "only a sink chains after it" in str(
-        not_chained_because(steps2["count"], steps2["after"], steps2)
-    )
     # chain=False on the sink keeps it alone
     flow.options("out", chain=False)
     assert "chain=False" in str(
@@ -493,13 +484,13 @@ def test_a_chained_keyed_step_and_sink_checkpoint_in_one_barrier_pass() -> None:
 
 
 def test_a_sink_index_that_comes_back_gets_a_new_writer_index() -> None:
-    from raystream.chained_sinks import ChainedSinks
+    from raystream.keyed_chains import KeyedChains
 
     flow = rs.Dataflow("writers")
     _keycount(flow, sink_parallelism=2)
     plan = physical_plan(flow, None, RuntimeConfig(), 0, tempfile.mkdtemp())
     ctl = SimpleNamespace(plan=plan, specs=dict(plan.instances), _sink_writers={}, _writers_used={})
-    writer = ChainedSinks._writer_for.__get__(ctl)
+    writer = KeyedChains._writer_for.__get__(ctl)
     assert writer(("out", 2)) is None  # a new index: its own
     assert writer(("out", 2)) == 3  # back after a scale-in: one no writer had
     assert writer(("out", 3)) == 4 and ctl._sink_writers == {("out", 2): 3, ("out", 3): 4}
@@ -522,7 +513,7 @@ def test_a_sink_opens_its_writer_at_its_writer_index(tmp_path: Any) -> None:
 
 
 def test_reconfigurations_refuse_to_cut_a_keyed_chain() -> None:
-    from raystream.chained_sinks import ChainedSinks
+    from raystream.keyed_chains import KeyedChains
     from raystream.rewiring import Rewiring
 
     flow = rs.Dataflow("rewire-keyed")
@@ -537,9 +528,9 @@ def test_reconfigurations_refuse_to_cut_a_keyed_chain() -> None:
     with pytest.raises(rs.ReconfigurationError, match=r"chained.*chain=False"):
         asyncio.run(Rewiring.insert(ctl, "count", keep))
     assert Rewiring.chain_of(ctl, "count") == ["count", "out"]
-    with pytest.raises(rs.ReconfigurationError, match=r"cannot move.*'out' runs chained"):
-        ChainedSinks._check_movable(
-            SimpleNamespace(following={"out": "count"}, _follower=lambda s: "out"), "count"
+    with pytest.raises(rs.ReconfigurationError, match=r"cannot move.*\['out'\] run chained"):
+        KeyedChains._check_movable(
+            SimpleNamespace(following={"out": "count"}, _followers=lambda s: ["out"]), "count"
         )
 
 
