@@ -13,11 +13,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from raystream.autoscaler.policy import ScalingContext, ScalingDecision
+from raystream.autoscaler.policy import OperatorSignals, ScalingContext, ScalingDecision
 
 from raystream.errors import ConfigError
 
 __all__ = ["DS2", "Fixed", "Schedule", "Threshold"]
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        msg = f"{name} must be a number > 0, got {value!r}"
+        raise ConfigError(msg)
 
 
 def _check_fraction(name: str, value: Any, *, low: float = 0.0, high: float = 1.0) -> None:
@@ -39,12 +45,43 @@ class DS2:
     now. Because every operator is sized at once from true rates, a rate change converges in
     one to three decisions. Operators without a measured true rate (no input in the window) are
     left as they are.
+
+    ``catch_up_s`` (off by default) also sizes for the backlog: DS2 sizes for the demand, so
+    after a step up the new instances have only their headroom over the demand to work off what
+    queued before they started. With ``catch_up_s`` an operator that cannot keep up is sized
+    for ``target input + backlog / catch_up_s``, where the backlog is the rows its upstream
+    sources are behind plus what the shortfall (target input minus what its instances process
+    now) adds during ``rescale_s``, the expected time from the decision until new instances
+    process. Once caught up the backlog term is gone and DS2 asks for the demand's size again.
     """
 
     target_utilization: float = 0.9  # plan for this fraction of an instance's true rate
+    catch_up_s: float | None = None  # work off the expected backlog within this long (None: off)
+    rescale_s: float = 0.5  # expected seconds from a decision until the new instances process
 
     def __post_init__(self) -> None:
         _check_fraction("target_utilization", self.target_utilization)
+        if self.catch_up_s is not None:
+            _check_positive("catch_up_s", self.catch_up_s)
+        if isinstance(self.rescale_s, bool) or not isinstance(self.rescale_s, (int, float)) or (
+            self.rescale_s < 0
+        ):
+            msg = f"rescale_s must be a number >= 0, got {self.rescale_s!r}"
+            raise ConfigError(msg)
+
+    def expected_backlog_rows(
+        self, target_in: float, sig: OperatorSignals, source_lag_rows: int
+    ) -> float:
+        """Rows the operator will hold when new instances start: its sources' lag plus the
+        shortfall (target input minus what its instances process now) over ``rescale_s``.
+
+        >>> DS2(catch_up_s=1.0).expected_backlog_rows(
+        ...     20_000, OperatorSignals("c", "keyed", 1, true_rate_eps=10_000), 500)
+        5500.0
+        """
+        assert sig.true_rate_eps
+        shortfall = max(0.0, target_in - sig.parallelism * sig.true_rate_eps)
+        return float(source_lag_rows) + shortfall * self.rescale_s
 
     def decide(self, ctx: ScalingContext) -> ScalingDecision:
         target_out: dict[str, float] = {}
@@ -66,12 +103,28 @@ class DS2:
                 continue
             if not sig.true_rate_eps:
                 continue
-            need = max(1, math.ceil(target_in / (sig.true_rate_eps * self.target_utilization)))
+            per_instance = sig.true_rate_eps * self.target_utilization
+            need = max(1, math.ceil(target_in / per_instance))
+            catch_up = ""
+            if self.catch_up_s is not None and need > sig.parallelism:
+                lag = sum(
+                    ctx.operators[u].lag_rows
+                    for u in ups
+                    if u in ctx.operators and not ctx.upstream.get(u, ())
+                )
+                backlog = self.expected_backlog_rows(target_in, sig, lag)
+                extra = backlog / self.catch_up_s
+                need = max(need, math.ceil((target_in + extra) / per_instance))
+                catch_up = (
+                    f" + backlog {backlog:,.0f} rows / catch-up {self.catch_up_s:g} s"
+                    if extra
+                    else ""
+                )
             want[name] = need
             why[name] = (
-                f"ds2: target input {target_in:,.0f} eps / (true rate {sig.true_rate_eps:,.0f} "
-                f"eps per instance x {self.target_utilization:g}) -> {need} "
-                f"(now {sig.parallelism}, busy {sig.busy_fraction:.0%})"
+                f"ds2: target input {target_in:,.0f} eps{catch_up} / (true rate "
+                f"{sig.true_rate_eps:,.0f} eps per instance x {self.target_utilization:g}) -> "
+                f"{need} (now {sig.parallelism}, busy {sig.busy_fraction:.0%})"
             )
         return ScalingDecision(want, why)
 

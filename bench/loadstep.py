@@ -29,8 +29,10 @@ import numpy as np
 import pyarrow as pa
 
 import raystream as rs
+from bench._latency_trace import TracedLatestCountSink, read_trace
 from bench._latest import LatestCountSink, latest_counts
 from bench.keycount import _connect_ray, _pickle_by_value, _stop
+from bench.loadstep_tail import tail_breakdown, trace_weights
 from raystream.metrics import WindowedCounter, build_timeline
 
 __all__ = ["loadstep_flow", "main"]
@@ -52,10 +54,13 @@ def slow_count_op(cost_s: float) -> Any:
     return count
 
 
-def loadstep_flow(source: Any, cost_s: float) -> rs.Dataflow:
+def loadstep_flow(source: Any, cost_s: float, trace_dir: Path | None = None) -> rs.Dataflow:
+    """``source -> key_by -> count -> latest``; with ``trace_dir`` the sink also writes every
+    row's ingest and write time there (``bench._latency_trace``)."""
     flow = rs.Dataflow("bench-loadstep", num_key_groups=128)
+    sink = LatestCountSink() if trace_dir is None else TracedLatestCountSink(folder=str(trace_dir))
     flow.source(source).key_by("key").apply(slow_count_op(cost_s), name=STEP).sink(
-        LatestCountSink(), name="latest"
+        sink, name="latest"
     )
     return flow
 
@@ -86,6 +91,7 @@ def _rescale_timing(r: dict[str, Any], refills: list[dict[str, Any]]) -> dict[st
         "strategy": r["strategy"],
         "start_s": r["start_s"],
         "prepare_phases_s": r.get("prepare_phases_s"),
+        "spawn_phases_s": r.get("spawn_phases_s"),
         "move_phases_s": r.get("move_phases_s"),
         "switch_s": r.get("switch_s"),
         "sealed_s": r.get("sealed_s"),
@@ -203,6 +209,25 @@ def _plot(path: Path, report: dict[str, Any]) -> None:
     default=DEFAULT_OUT,
     help="Writes OUT.json and OUT.png.",
 )
+@click.option(
+    "--catch-up-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="ds2 only: also size for the expected backlog, worked off within this long (the "
+    "policy's catch_up_s; default off).",
+)
+@click.option(
+    "--standby-instances",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Warm standby actors the job keeps (default: the runtime's, 2).",
+)
+@click.option(
+    "--trace/--no-trace",
+    default=False,
+    help="Keep every row's latency (OUT_trace/*.parquet) and break the high phase's tail down "
+    "by ingest time (the report's 'tail'; bench.loadstep_tail).",
+)
 def main(
     low_eps: float,
     factor: float,
@@ -221,6 +246,9 @@ def main(
     strategy: str,
     linger_ms: float,
     out: Path,
+    catch_up_s: float | None,
+    standby_instances: int | None,
+    trace: bool,
 ) -> None:
     """Step the input rate up by FACTOR and back down; record how the autoscaler follows."""
     high = low_eps * factor
@@ -229,11 +257,16 @@ def main(
     source = rs.sources.generator(
         events=events, keys=keys, seed=11, rate_eps=low_eps, rate_schedule=schedule
     )
+    trace_dir = out.with_name(out.name + "_trace") if trace else None
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        for old in trace_dir.glob("sink-*.parquet"):
+            old.unlink()
     started_ray = _connect_ray()
-    _pickle_by_value(("bench.loadstep", "bench._latest"))
+    _pickle_by_value(("bench.loadstep", "bench._latest", "bench._latency_trace"))
     try:
         job = rs.start(
-            loadstep_flow(source, cost_us / 1e6),
+            loadstep_flow(source, cost_us / 1e6, trace_dir),
             parallelism={STEP: parallelism},
             migration=strategy,
             linger_ms=linger_ms,
@@ -244,7 +277,9 @@ def main(
                 "cooldown_s": cooldown_s,
                 "stabilization_s": stabilization_s,
                 "max_parallelism": max_parallelism,
+                **({"policy_args": {"catch_up_s": catch_up_s}} if catch_up_s else {}),
             },
+            **({} if standby_instances is None else {"standby_instances": standby_instances}),
         )
         try:
             result = job.wait(timeout_s=(low_s + high_s + after_s) * 3 + 60)
@@ -341,9 +376,12 @@ def main(
             "strategy": strategy,
             "linger_ms": linger_ms,
             "initial_parallelism": parallelism,
+            "catch_up_s": catch_up_s,
+            "standby_instances": standby_instances,
         },
         "exact": exact,
         "mismatch": mismatch,
+        "origin_ns": result.origin_ns,
         "elapsed_s": result.elapsed_s,
         "offered": offered,
         "parallelism": [list(p) for p in _parallelism_timeline(parallelism, result.rescales)],
@@ -372,6 +410,16 @@ def main(
         "first_scale_out_after_step": (outs[0]["start_s"] - high_start) if outs else None,
         "scaled_out_settled_after_step": (outs[-1]["end_s"] - high_start) if outs else None,
     }
+    if trace_dir is not None:
+        t = read_trace(trace_dir)
+        report["tail"] = tail_breakdown(
+            t["ingest_ns"].to_numpy(),
+            t["written_ns"].to_numpy(),
+            t["sink_index"].to_numpy(),
+            result.origin_ns,
+            report,
+            trace_weights(t),
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
     _plot(out.with_suffix(".png"), report)
@@ -398,8 +446,21 @@ def main(
         )
         if r.get("prepare_phases_s"):
             click.echo(f"    preparation (s): {r['prepare_phases_s']}")
+        if r.get("spawn_phases_s"):
+            click.echo(f"    spawn (s): {r['spawn_phases_s']}")
         if r.get("move_phases_s"):
-            click.echo(f"    move (s from the request): {r['move_phases_s']}")
+            logs = ("fetch_log", "serve_log")
+            move = {k: v for k, v in r["move_phases_s"].items() if k not in logs}
+            click.echo(f"    move (s from the request): {move}")
+    tail = report.get("tail")
+    if tail and tail.get("buckets"):
+        click.echo(
+            f"  tail: high p99 {tail['high_p99_ms']} ms ({tail['high_over_low']}x low); top 1 % "
+            f"by ingest: "
+            + ", ".join(f"{k} {v['top_events']}" for k, v in tail["buckets"].items())
+            + f"; above 2x low: {tail['line_2x']['events_above']} events "
+            f"(p99 allows {tail['line_2x']['events_allowed_for_p99']})"
+        )
     click.echo(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     if not exact:
         raise click.ClickException("final counts differ from the generator's stream")

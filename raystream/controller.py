@@ -560,8 +560,10 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         target = rebalance(old, parallelism, kg_load)
         plan = strategy.plan(RescaleContext(step, old, target, kg_load, s))
         marks["plan"] = time.time()
+        spawn_marks: dict[str, float] = {}
+        t_spawn = time.time()
         if parallelism > old.parallelism:
-            await self._spawn(step, range(old.parallelism, parallelism))
+            await self._spawn(step, range(old.parallelism, parallelism), spawn_marks)
         marks["spawn"] = time.time()
         width = max(parallelism, old.parallelism)
         peers = {i: self.handles[self._at(step, i)] for i in range(width)}
@@ -687,6 +689,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             # the move, in seconds from the request: per instance (index order of the last
             # migration step) its switch, seal, first on-demand chunk out, last incoming
             # sub-group in and end of its part; then the whole rescale's end
+            # the spawn's parts, seconds each (cold_started: instances no warm standby was for)
+            "spawn_phases_s": _phases(t_spawn, spawn_marks),
             "move_phases_s": _move_timeline(
                 t0, marks.get("injected", marks.get("tasks_acknowledged")), stats[-width:], t1
             ),
@@ -1075,9 +1079,13 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
     def _sources_done(self) -> bool:
         return all(i in self.outcomes for i in self.plan.sources)
 
-    async def _spawn(self, step: str, indexes: range) -> None:
+    async def _spawn(
+        self, step: str, indexes: range, marks: dict[str, float] | None = None
+    ) -> None:
         """Start new instances of ``step`` (empty state, named like deployed ones) and wire them
-        to both neighbours."""
+        to both neighbours. ``marks`` gets the wall-clock end of each part: nodes chosen,
+        actors taken (warm standbys) or started, configured, answered a ping, wired."""
+        marks = {} if marks is None else marks
         from raystream.runtime.actors import (
             NAMESPACE,
             InstanceActor,
@@ -1099,6 +1107,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             step_placed=Counter(node for iid, node in live.items() if iid[0] == step),
             job_placed=Counter(live.values()),
         )
+        marks["nodes"] = time.time()
         reused: set[ChannelId] = set()
         # an index retired by an earlier scale-in comes back: let the old go (and its sink)
         for iid in [j for i in indexes for j in self._chain_ids((step, i))]:
@@ -1160,11 +1169,15 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             for m in members:
                 member_specs[m.id] = MemberHandle(handle, m.id)
             tails.append(members[-1].id if members else (step, i))
+        marks["taken"] = time.time()
+        marks["cold_started"] = float(len(indexes) - len(configuring))
         await asyncio.gather(*configuring)
+        marks["configured"] = time.time()
         self.handles.update(member_specs)
         keyed_new = dict(new)
         new.update(member_specs)
         where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
+        marks["pinged"] = time.time()
         self.nodes.update(zip(new, where, strict=True))
         # the next steps take each new chain's tail as a new input (a chained follower's input
         # is the instance before it in its actor, in its spec: nothing to add there)
@@ -1194,6 +1207,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             self.state = "failed"
             await self._stop_all()
             raise RescaleError(msg) from e
+        marks["wired"] = time.time()
         for iid in new:
             self._run(iid)
 
@@ -1345,6 +1359,20 @@ def _backlog_of(mine: list[dict[str, Any]], sources: list[dict[str, Any]]) -> di
     }
 
 
+def _phases(t0: float, marks: dict[str, float]) -> dict[str, float]:
+    """Seconds each part took, from wall-clock ends in order (counts, not times, kept as they
+    are: keys ending in ``_started``)."""
+    out: dict[str, float] = {}
+    before = t0
+    for name, at in marks.items():
+        if name.endswith("_started"):
+            out[name] = at
+            continue
+        out[name] = round(at - before, 4)
+        before = at
+    return out
+
+
 def _move_timeline(
     t0: float, injected: float | None, stats: list[dict[str, Any]], end: float
 ) -> dict[str, Any]:
@@ -1365,6 +1393,15 @@ def _move_timeline(
         "handover_rows_out": [int(st.get("handover_rows_out", 0)) for st in stats],
         "chunks_out": [int(st.get("chunks_out", 0)) for st in stats],
         "fetch_calls": [int(st.get("fetch_calls", 0)) for st in stats],
+        # per instance and serve call: new owner [made, answered, imported, urgent, sub-groups
+        # completed, handed-over rows]; old owner [came, answered, urgent] (seconds from t0)
+        "fetch_log": [
+            [[since(a), since(b), since(c), u, n, h] for a, b, c, u, n, h in st.get("fetch_log", [])]
+            for st in stats
+        ],
+        "serve_log": [
+            [[since(a), since(b), u] for a, b, u in st.get("serve_log", [])] for st in stats
+        ],
         "done": since(end),
     }
 

@@ -15,7 +15,8 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
   on-demand fetch asks for its sub-groups and then for every other sub-group of that old owner
   not asked for yet (they fill the chunk's room, at most ``RIDER_ROOM_BYTES``; what does not
   fit follows as a bulk pull), and before each call the sub-groups with records waiting here go
-  first, then the hottest. A chunk is filled in the order asked and sent in key order (one
+  first, then the hottest, by runs of consecutive sub-groups (one iterator each at the old
+  owner). A chunk is filled in the order asked and sent in key order (one
   Arrow batch per key range read, each sorted).
 * The old owner serves one chunk at a time, on-demand requests before background pulls (the
   requests queued meanwhile back to back, for up to ``SERVE_BURST_S``). Serving runs on the
@@ -172,6 +173,7 @@ class _ServeRequest:
     max_bytes: int
     arrived_at: float
     future: asyncio.Future[tuple[list[int], list[pa.RecordBatch]]]
+    arrived_wall: float = 0.0
 
 
 @dataclass
@@ -245,6 +247,11 @@ class MigrationTask:
     # new owner, per old owner: state bytes taken in and when its last chunk arrived
     pair_bytes_in: dict[int, int] = field(default_factory=dict)
     pair_last_in_wall: dict[int, float] = field(default_factory=dict)
+    # new owner, per serve call: wall-clock times it was made, answered (back on this loop) and
+    # its chunk imported, whether urgent, sub-groups completed, handed-over rows it carried
+    fetch_log: list[tuple[float, float, float, bool, int, int]] = field(default_factory=list)
+    # old owner, per serve call: wall-clock times it came and was answered, whether urgent
+    serve_log: list[tuple[float, float, bool]] = field(default_factory=list)
 
 
 class MigrationEngine:
@@ -575,18 +582,26 @@ class MigrationEngine:
             by_owner.setdefault(task.incoming[g], []).append(g)
         for owner, gs in by_owner.items():
             if on_demand:
-                # the owner's other sub-groups not asked for yet ride along, hottest first, in
-                # the room the chunk has left (one call instead of one per sub-group later)
+                # the owner's other sub-groups not asked for yet ride along, hottest run first,
+                # in the room the chunk has left (one call instead of one per sub-group later)
                 riders = self._riders(task, owner) if task.policy.background != "none" else []
                 task.requested.update(riders)
-                self._spawn(self._fetch(task, owner, self._hot_first(task, gs), riders=riders))
+                self._spawn(self._fetch(task, owner, self._hot_runs(task, gs), riders=riders))
                 continue
             self._pull(task, owner, gs)
 
     def _riders(self, task: MigrationTask, owner: int) -> list[int]:
-        return self._hot_first(
+        return self._hot_runs(
             task, [g for g, o in task.incoming.items() if o == owner and g not in task.requested]
         )
+
+    def _hot_runs(self, task: MigrationTask, groups: list[int]) -> list[int]:
+        """``groups`` as runs of consecutive sub-groups of one key group (key order inside a
+        run), the run with the hottest member first (records waiting here count first; see
+        :meth:`_hot_first`): the old owner reads a run with one RocksDB iterator, not one per
+        sub-group (an on-demand chunk with its riders is often a whole move's state)."""
+        ranked = self._hot_first(task, groups)
+        return [g for run in contiguous_runs(ranked, self.sub_groups) for g in run]
 
     def _pending_first(self, groups: list[int]) -> list[int]:
         """Sub-groups with records waiting here first; otherwise in the order given."""
@@ -639,7 +654,7 @@ class MigrationEngine:
             if not first:
                 # a bulk pull keeps its key-ordered runs, those with records waiting here first
                 remaining = (
-                    self._hot_first(task, remaining) if urgent else self._pending_first(remaining)
+                    self._hot_runs(task, remaining) if urgent else self._pending_first(remaining)
                 )
             await slots.acquire(urgent)
             try:
@@ -649,8 +664,10 @@ class MigrationEngine:
                 if first and riders:  # the records waiting here need only the first groups
                     room = min(room, RIDER_ROOM_BYTES)
                 t0 = time.perf_counter()
+                made_wall = time.time()
                 done, chunks = await self.fetcher(owner, task.epoch, remaining, room, urgent)
                 t1 = time.perf_counter()
+                back_wall = time.time()
                 task.fetch_rtt_ms.append((t1 - t0) * 1000)
                 handed: dict[int, list[pa.RecordBatch]] = {}
                 for chunk in chunks:
@@ -663,6 +680,10 @@ class MigrationEngine:
                     task.pair_bytes_in[owner] = task.pair_bytes_in.get(owner, 0) + chunk.nbytes
                     task.pair_last_in_wall[owner] = time.time()
                 task.import_s += time.perf_counter() - t1
+                handed_rows = sum(p.num_rows for ps in handed.values() for p in ps)
+                task.fetch_log.append(
+                    (made_wall, back_wall, time.time(), urgent, len(done), handed_rows)
+                )
             finally:
                 slots.release()
             if not done and not chunks:
@@ -754,7 +775,9 @@ class MigrationEngine:
             msg = f"a fetch must allow chunks of >= 1 byte, got max_bytes={max_bytes}"
             raise StateError(msg)
         loop = asyncio.get_running_loop()
-        req = _ServeRequest(urgent, list(groups), max_bytes, time.monotonic(), loop.create_future())
+        req = _ServeRequest(
+            urgent, list(groups), max_bytes, time.monotonic(), loop.create_future(), time.time()
+        )
         heapq.heappush(task.serve_queue, (0 if urgent else 1, next(self._serve_seq), req))
         server = task.server
         if server is None or server.done() or server.get_loop() is not loop:
@@ -805,6 +828,7 @@ class MigrationEngine:
                 req.future.set_result(self._serve_chunk(task, req.groups, req.max_bytes))
             except Exception as e:  # noqa: BLE001 - the requester's call fails with it
                 req.future.set_exception(e)
+            task.serve_log.append((req.arrived_wall, time.time(), req.urgent))
             if queue and time.monotonic() - burst_from < SERVE_BURST_S:
                 continue  # requests queued while records ran: serve them together
             await asyncio.sleep(0)  # records, and new (urgent) requests, between bursts
@@ -931,6 +955,8 @@ class MigrationEngine:
             "ready_wall": t.ready_wall,
             "pair_bytes_in": dict(t.pair_bytes_in),
             "pair_last_in_wall": dict(t.pair_last_in_wall),
+            "fetch_log": list(t.fetch_log),
+            "serve_log": list(t.serve_log),
             "finished_wall": t.finished_wall,
             "duration_s": (t.finished_at - t.activated_at)
             if t.finished_at and t.activated_at

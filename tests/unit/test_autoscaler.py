@@ -9,6 +9,7 @@ import logging
 import math
 import sys
 import types
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,36 @@ def test_ds2_uses_the_observed_rate_of_an_unthrottled_source() -> None:
     }
     d = DS2(target_utilization=1.0).decide(ctx(ops, upstream={"src": (), "count": ("src",)}))
     assert d.parallelism == {"count": 3}
+
+
+def test_ds2_catch_up_sizes_for_the_backlog_the_rescale_leaves_and_only_when_scaling_out() -> None:
+    # 20k asked, 1 instance of 10k: 10k/s short; over rescale_s=0.5 that is 5,000 rows, plus
+    # the source's 1,000 rows of lag = 6,000 rows to work off in catch_up_s=0.5 -> +12k eps:
+    # (20k + 12k) / (10k * 0.9) = 3.56 -> 4 (DS2 alone: 20k / 9k = 2.2 -> 3)
+    base = pipeline(20_000, 1, CAPACITY_EPS)
+    ops = dict(base.operators)
+    ops["src"] = replace(ops["src"], lag_rows=1_000)
+    lagging = ctx(ops)
+    assert DS2().decide(lagging).parallelism == {"count": 3}
+    d = DS2(catch_up_s=0.5).decide(lagging)
+    assert d.parallelism == {"count": 4}
+    assert "backlog 6,000 rows / catch-up 0.5 s" in d.reason("count")
+    # a longer catch-up asks for less: (20k + 6k) / 9k = 2.9 -> 3
+    assert DS2(catch_up_s=1.0).decide(lagging).parallelism == {"count": 3}
+    # no scale-out needed (enough instances for the demand): the backlog changes nothing,
+    # and a scale-in is sized for the demand alone
+    assert DS2(catch_up_s=0.5).decide(pipeline(20_000, 3, CAPACITY_EPS)).parallelism == {
+        "count": 3
+    }
+    assert DS2(catch_up_s=0.5).decide(pipeline(8_000, 4, CAPACITY_EPS)).parallelism == {
+        "count": 1
+    }
+
+
+@pytest.mark.parametrize("bad", [{"catch_up_s": 0}, {"catch_up_s": -1}, {"rescale_s": -0.1}])
+def test_ds2_rejects_a_bad_catch_up(bad: dict[str, float]) -> None:
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        DS2(**bad)
 
 
 def test_ds2_rejects_a_bad_utilization() -> None:

@@ -390,12 +390,14 @@ def test_fetch_policy_replace_keeps_validation() -> None:
 
 
 @pytest.mark.parametrize("chunk_bytes", [1 << 20, 2_000])
-def test_an_on_demand_fetch_brings_the_owners_other_sub_groups_hottest_first(
+def test_an_on_demand_fetch_brings_the_owners_other_sub_groups_hottest_run_first(
     tmp_path: Path, chunk_bytes: int
 ) -> None:
     """A record of one missing sub-group fetches it first and, in the room left in the same
-    chunk, the owner's other sub-groups not asked for yet, hottest first; what does not fit
-    follows in background pulls. Every row arrives once, each chunk's rows in key order."""
+    chunk, the owner's other sub-groups not asked for yet, by runs of consecutive sub-groups of
+    one key group (one RocksDB iterator each), the run with the hottest member first; what does
+    not fit follows in background pulls. Every row arrives once, each chunk's rows in key
+    order."""
     rows = _rows(range(NUM_KEY_GROUPS), per_sub_group=20, value_bytes=60, seed=13)
     policy = FetchPolicy(
         on_demand=True,
@@ -411,6 +413,14 @@ def test_an_on_demand_fetch_brings_the_owners_other_sub_groups_hottest_first(
     heat = {g: float(h) for g, h in zip(moving, rng.permutation(len(moving)), strict=True)}
     wanted = min(moving, key=lambda g: heat[g])  # the coldest: only its record makes it first
     chunks: list[pa.RecordBatch] = []
+    reads: list[tuple[int, int, int]] = []  # the old owner's export_run calls: (kg, first, last)
+    export_run = pair.old_db.export_run
+
+    def counted(kg: int, first: int, last: int, *args: Any, **kw: Any) -> Any:
+        reads.append((kg, first, last))
+        return export_run(kg, first, last, *args, **kw)
+
+    pair.old_db.export_run = counted  # type: ignore[method-assign]
 
     async def go() -> list[pa.RecordBatch]:
         pair.prepare(heat=heat)
@@ -438,10 +448,13 @@ def test_an_on_demand_fetch_brings_the_owners_other_sub_groups_hottest_first(
     assert [b.num_rows for b in released] == [2]  # the buffered record, after its state
     first = pair.calls[0]
     others = sorted((g for g in moving if g != wanted), key=lambda g: -heat[g])
-    assert first["urgent"] and first["groups"] == [wanted, *others], first
+    runs_of_others = [g for r in contiguous_runs(others, SUB_GROUPS) for g in r]
+    assert first["urgent"] and first["groups"] == [wanted, *runs_of_others], first
     assert wanted in first["done"]
     if chunk_bytes >= sum(len(k) + len(v) + 8 for k, v in rows.items()):
         assert len(pair.calls) == 1 and sorted(first["done"]) == moving  # one call moved all
+        # read with one iterator per key group (and the wanted one's own), not per sub-group
+        assert len(reads) <= NUM_KEY_GROUPS // 2 + 2, reads
     else:
         # what did not fit came in background pulls: one sequence of calls per background
         # slot (2: one of the 3 is kept for on-demand fetches), each dealt key-ordered runs
