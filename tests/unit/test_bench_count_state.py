@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from bench import count_state
+from tests._bench import put_bench_on_path
+
+put_bench_on_path()
+
+from bench import count_state  # noqa: E402
 
 
 def test_count_state_writes_runs_with_exact_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

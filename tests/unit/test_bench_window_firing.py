@@ -4,7 +4,12 @@ of its key groups once, against a numpy count of the windows that closed."""
 from __future__ import annotations
 
 import numpy as np
-from bench.window_firing import instance_bids, run_once
+
+from tests._bench import put_bench_on_path
+
+put_bench_on_path()
+
+from bench.window_firing import instance_bids, run_once  # noqa: E402
 
 
 def _closed_windows(auction: np.ndarray, t: np.ndarray, watermark: int) -> int:

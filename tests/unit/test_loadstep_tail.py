@@ -5,8 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench._latency_trace import row_weights
-from bench.loadstep_tail import step_from_ingest, tail_breakdown, tail_figures
+from tests._bench import put_bench_on_path
+
+put_bench_on_path()
+
+from bench._latency_trace import row_weights  # noqa: E402
+from bench.loadstep_tail import step_from_ingest, tail_breakdown, tail_figures  # noqa: E402
 
 ORIGIN = 1_000_000_000_000
 

@@ -6,7 +6,12 @@ import click
 import numpy as np
 import pytest
 
-from bench.nexmark.pool import pool
+
+from tests._bench import put_bench_on_path
+
+put_bench_on_path()
+
+from bench.nexmark.pool import pool  # noqa: E402
 
 
 def _report(values: list[float]) -> dict:
