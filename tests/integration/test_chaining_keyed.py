@@ -17,28 +17,17 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
+from tests._chain_ops import parity_tagger
 
 from ._helpers import running_count, stop_on_error, wait_checkpoints
 from ._rescale_helpers import UntilGate, prefix_counts
 
 KEYS = 2_000
 AFTER_GATE_ROWS = 4_000
-
-
-def _tag(version: int) -> Any:
-    @rs.map_batches(name="tag")
-    def tag(batch: pa.RecordBatch) -> pa.RecordBatch:
-        even = pc.equal(pc.bit_wise_and(batch["count"], 1), 0)
-        return batch.append_column("even", even).append_column(
-            "version", pa.array([version] * batch.num_rows, pa.int64())
-        )
-
-    return tag
 
 
 @rs.filter
@@ -67,7 +56,7 @@ def _flow(
         flow.source(UntilGate(gen, gate, after_rows=AFTER_GATE_ROWS))
         .key_by("key")
         .apply(running_count, name="count", parallelism=2)
-        .apply(_tag(1))
+        .apply(parity_tagger(1, "tag"))
         .apply(even)
     )
     if keyed_after:  # a second keyed step reads the chain's tails by key group
@@ -132,7 +121,7 @@ def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) ->
             wait_checkpoints(job, at3["checkpoints"]["completed"] + 1)
             recount2 = job.rescale("recount", 2)
             # the chained tag's function is replaced at a barrier; chains started later run it
-            replaced = job.replace("tag", _tag(2))
+            replaced = job.replace("tag", parity_tagger(2, "tag"))
             to1 = job.rescale("count", 1)
             at1 = job.status()
             # index 1 comes back: the sink takes the new tail once the retired one ended there

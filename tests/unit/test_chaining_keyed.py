@@ -28,6 +28,7 @@ from raystream.chaining import (
 from raystream.keyed_chains import KeyedChains
 from raystream.plan import physical_plan
 from raystream.reconfigurations import Reconfigurations
+from tests._chain_ops import parity_tagger
 from raystream.runtime.chain import ChainSpec
 from raystream.runtime.instance import RuntimeConfig
 from raystream.runtime.local import run_local
@@ -324,17 +325,6 @@ def test_keyed_count_with_chained_map_filter_and_sink_matches_counter(chaining: 
         last[k] = c
 
 
-def _tag_version(version: int) -> Any:
-    @rs.map_batches(name="fmt")
-    def fmt_v(batch: pa.RecordBatch) -> pa.RecordBatch:
-        even = pc.equal(pc.bit_wise_and(batch["count"], 1), 0)
-        return batch.append_column("even", even).append_column(
-            "version", pa.array([version] * batch.num_rows, pa.int64())
-        )
-
-    return fmt_v
-
-
 def test_a_replace_barrier_swaps_a_followers_function_inside_the_chain() -> None:
     """count -> fmt -> keep -> sink as one chain (records pushed to its head): a replace barrier
     for fmt passes count and reaches fmt in order, so every row before it went through the old
@@ -345,7 +335,7 @@ def test_a_replace_barrier_swaps_a_followers_function_inside_the_chain() -> None
 
     flow = rs.Dataflow("keyed-chain-replace")
     flow.source(_gen(), name="src").options(chain=False).key_by("key").apply(count).apply(
-        _tag_version(1)
+        parity_tagger(1, "fmt")
     ).apply(keep).sink(rs.sinks.collect(), name="out")
     plan = physical_plan(flow, None, RuntimeConfig(), 0, tempfile.mkdtemp())
     ids = plan.chains[("count", 0)]
@@ -353,7 +343,7 @@ def test_a_replace_barrier_swaps_a_followers_function_inside_the_chain() -> None
     chain = Chain(ChainSpec(tuple(plan.instances[i] for i in ids)))
     events: list[tuple[str, Any]] = []
     chain.connect(lambda r, p: None, lambda event, info: events.append((event, info)))
-    new_step, migrations = check_replacement(plan.steps["fmt"], _tag_version(2))
+    new_step, migrations = check_replacement(plan.steps["fmt"], parity_tagger(2, "fmt"))
     keys = _gen().generate_all()
     half = keys.num_rows // 2
 
