@@ -72,6 +72,15 @@ def _options() -> Options:
     return opts
 
 
+def _open(path: str | Path, **kwargs: object) -> Rdict:
+    """Open (or create) the RocksDB in ``path`` with :func:`_options`. The options go in for the
+    default column family too: given only DB options, rocksdict reopens an existing DB with the
+    column-family options it loads from the DB's OPTIONS file, which cannot hold a block cache
+    (so a reopened DB, e.g. a prefilled or restored one, got an 8 MB one)."""
+    opts = _options()
+    return Rdict(str(path), opts, column_families={"default": opts}, **kwargs)
+
+
 # RocksDB's cache of SST blocks, per instance (it fills as blocks are read): the part of a hot
 # Zipf head that the write-back cache does not hold stays in it (1M keys x 1 KB, 2 -> 4: see
 # bench/results/compare_1gb_meces_bc256.md against compare_1gb_meces_base.md)
@@ -174,7 +183,7 @@ class RocksStateBackend:
         self._ingested = 0  # SST files ingested (names them)
         self.bytes_restored = 0  # bytes copied in by restore_key_groups
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = Rdict(str(self.path), _options())
+        self._db = _open(self.path)
         # Names checkpoint files of this DB in shared storage: SST names are unique within a DB.
         self.uid = _db_uid(self.path)
         self._write_opt = WriteOptions()
@@ -775,7 +784,7 @@ def snapshot_chunks(
     if not (snapshot_dir / "CURRENT").exists():
         msg = f"{snapshot_dir} is not a raystream state snapshot (no RocksDB CURRENT file)"
         raise StateError(msg)
-    src = Rdict(str(snapshot_dir), _options(), access_type=AccessType.read_only())
+    src = _open(snapshot_dir, access_type=AccessType.read_only())
     try:
         reader = RocksStateBackend.__new__(RocksStateBackend)
         reader._db = src  # noqa: SLF001 - a read-only view for export_ranges
