@@ -111,6 +111,7 @@ def run_once(
         proc.backend.flush_cache()
         cpu = time.process_time() - cpu0
         wall = time.perf_counter() - wall0
+        db_reads = getattr(proc.backend, "db_reads", None)  # (older checkouts do not count)
         distinct, expected = np.unique(keys.to_numpy(), return_counts=True)
         state = proc.states.vectorised()
         got = _counts(state.get(KeySet.of(pa.array(distinct), ks)), value_bytes)
@@ -126,6 +127,8 @@ def run_once(
         # wall time of one batch's process (a write to RocksDB inside it shows here)
         "batch_ms_median": round(float(np.median(batch_s)) * 1e3, 2),
         "batch_ms_max": round(float(batch_s.max()) * 1e3, 2),
+        # keys read from RocksDB (write-back cache misses) per event
+        "db_reads_per_event": None if db_reads is None else round(db_reads / events, 4),
         "keys": len(distinct),
         "wrong_counts": wrong,
     }
@@ -202,7 +205,8 @@ def main(
         click.echo(
             f"rep {i + 1}: {run['cpu_s_per_m_events']:.3f} CPU-s per M events "
             f"({run['events']:,} events, {run['batches']} batches, {run['keys']:,} keys, "
-            f"{run['wrong_counts']} wrong counts; batch median {run['batch_ms_median']} ms, "
+            f"{run['wrong_counts']} wrong counts; {run['db_reads_per_event']} RocksDB reads per "
+            f"event; batch median {run['batch_ms_median']} ms, "
             f"max {run['batch_ms_max']} ms)"
         )
     per_m = [r["cpu_s_per_m_events"] for r in runs]
