@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
+from rocksdict import IngestExternalFileOptions, SstFileWriter
 
 import raystream as rs
 from raystream.keys import RoutingTable
 from raystream.state.layout import encode_keys
-from raystream.state.rocks import RocksStateBackend
+from raystream.state.rocks import RocksStateBackend, state_db_options
 
 __all__ = ["COUNT_BYTES", "count_with_payload", "initial_values", "prefill_state"]
 
@@ -118,7 +118,7 @@ def prefill_state(
                     init = initial_values(len(rows), value_bytes, rng)
                     width = COUNT_BYTES + value_bytes
                     values = codec.encode_many(init.view(f"V{width}").ravel().tolist())
-                writer = SstFileWriter(Options(raw_mode=True))
+                writer = SstFileWriter(state_db_options())  # the DB's block size
                 file = str(staging / f"prefill-{start // sst_rows:05d}.sst")
                 writer.open(file)
                 for i, v in zip(part.tolist(), values, strict=True):

@@ -88,7 +88,7 @@ def _open(path: str | Path, **kwargs: object) -> Rdict:
 # RocksDB's data block size (RocksDB's default is 4 KiB): a point read of a 1 KB value from a
 # 500 MB DB, mostly past the block cache, cost 2.9 us with 1 KiB blocks against 4.6 us with 4 KiB
 # (a key-count's reads replayed; see bench.count_state --value-bytes 1024 --prefill)
-BLOCK_BYTES = 4096
+BLOCK_BYTES = 1024
 
 # RocksDB's cache of SST blocks, per instance (it fills as blocks are read): the part of a hot
 # Zipf head that the write-back cache does not hold stays in it (1M keys x 1 KB, 2 -> 4: see
