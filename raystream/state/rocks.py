@@ -57,19 +57,20 @@ def chunk_payload_bytes(key: bytes, value: bytes) -> int:
     return len(key) + len(value) + ROW_OVERHEAD
 
 
-def state_db_options() -> Options:
+def state_db_options(block_bytes: int = 0) -> Options:
     """Options for point reads and writes of whole batches of keys, many of them new: bloom
     filters in SST files and in the memtable make a read of a key that is not there cheap (a
     key-count reads every key of a batch, new ones included); small data blocks
     (``BLOCK_BYTES``) make a point read read little. SST files written for a state DB
-    (``SstFileWriter``) take these options too: the block size is the file's."""
+    (``SstFileWriter``) take these options too: the block size is the file's. ``block_bytes``:
+    another data block size (0: ``BLOCK_BYTES``), for comparisons (bench.state_reads)."""
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
     opts.increase_parallelism(2)
     table = BlockBasedOptions()
     table.set_bloom_filter(10, False)  # 10 bits per key, full (not block-based) filters
     table.set_block_cache(Cache(BLOCK_CACHE_BYTES))
-    table.set_block_size(BLOCK_BYTES)
+    table.set_block_size(block_bytes or BLOCK_BYTES)
     opts.set_block_based_table_factory(table)
     opts.set_memtable_whole_key_filtering(True)
     opts.set_memtable_prefix_bloom_ratio(0.05)  # of the write buffer, for the memtable's filter
@@ -85,9 +86,9 @@ def _open(path: str | Path, **kwargs: object) -> Rdict:
     return Rdict(str(path), opts, column_families={"default": opts}, **kwargs)
 
 
-# RocksDB's data block size (RocksDB's default is 4 KiB): a point read of a 1 KB value from a
-# 500 MB DB, mostly past the block cache, cost 2.9 us with 1 KiB blocks against 4.6 us with 4 KiB
-# (a key-count's reads replayed; see bench.count_state --value-bytes 1024 --prefill)
+# RocksDB's data block size (RocksDB's default is 4 KiB): the 1 GB key-count's reads of 1 KB
+# values past its write-back cache, replayed on a cold block cache, cost less CPU per key with
+# 1 KiB blocks (bench/results/state_reads_1gb.json: python -m bench.state_reads)
 BLOCK_BYTES = 1024
 
 # RocksDB's cache of SST blocks, per instance (it fills as blocks are read): the part of a hot
