@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
+from rocksdict import IngestExternalFileOptions, SstFileWriter
 
 import raystream as rs
 from raystream.keys import RoutingTable
 from raystream.state.layout import encode_keys
-from raystream.state.rocks import RocksStateBackend
+from raystream.state.rocks import RocksStateBackend, state_db_options
 
 __all__ = ["COUNT_BYTES", "count_with_payload", "initial_values", "prefill_state"]
 
@@ -82,11 +82,13 @@ def prefill_state(
     value_bytes: int | None,
     *,
     sst_rows: int = 65_536,
+    instances: list[int] | None = None,
 ) -> dict[str, Any]:
     """Write count 0 (and the first payload) for key ids ``0 .. keys-1`` into the RocksDB of
     each instance of ``step`` under ``state_dir`` (where ``rs.start(state_dir=...)`` opens it),
-    each instance getting the keys of the key groups the uniform routing gives it. Returns what
-    was written (rows, bytes, seconds)."""
+    each instance getting the keys of the key groups the uniform routing gives it
+    (``instances``: only these instances' DBs, e.g. ``[0]``; default all). Returns what was
+    written (rows, bytes, seconds)."""
     t0 = time.perf_counter()
     spec = flow.steps[step].state
     state_spec = spec[""] if isinstance(spec, dict) else spec
@@ -97,7 +99,7 @@ def prefill_state(
     owners = RoutingTable.uniform(ks.num_key_groups, parallelism).owners[kg]
     rng = np.random.default_rng(0x9A710AD)
     total_rows = total_bytes = 0
-    for index in range(parallelism):
+    for index in range(parallelism) if instances is None else instances:
         mine = np.flatnonzero(owners == index)
         enc = encode_keys(kg[mine], sg[mine], STATE_ID, all_keys.take(pa.array(mine)))
         order = sorted(range(len(enc)), key=enc.__getitem__)  # RocksDB (bytewise) order
@@ -116,7 +118,7 @@ def prefill_state(
                     init = initial_values(len(rows), value_bytes, rng)
                     width = COUNT_BYTES + value_bytes
                     values = codec.encode_many(init.view(f"V{width}").ravel().tolist())
-                writer = SstFileWriter(Options(raw_mode=True))
+                writer = SstFileWriter(state_db_options())  # the DB's block size
                 file = str(staging / f"prefill-{start // sst_rows:05d}.sst")
                 writer.open(file)
                 for i, v in zip(part.tolist(), values, strict=True):

@@ -22,6 +22,7 @@ the comparison.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 import raystream as rs
+from bench._payload import COUNT_BYTES, prefill_state
 from bench.keycount import keycount_flow
 from raystream.runtime.processors import KeyedProcessor
 from raystream.state.handles import KeySet
@@ -41,10 +43,17 @@ from raystream.state.handles import KeySet
 __all__ = ["main", "run_once"]
 
 
-def _share(events: int, keys: int, zipf: float, instances: int, batch_rows: int) -> Any:
-    """The count step, its key space, instance 0's key groups and its batches."""
+def _share(
+    events: int,
+    keys: int,
+    zipf: float,
+    instances: int,
+    batch_rows: int,
+    value_bytes: int | None = None,
+) -> Any:
+    """The flow, the count step, its key space, instance 0's key groups and its batches."""
     gen = rs.sources.generator(events=events, keys=keys, zipf=zipf, seed=0)
-    flow = keycount_flow(gen, "vectorised")
+    flow = keycount_flow(gen, "vectorised", value_bytes=value_bytes)
     step, ks = flow.steps["count"], flow.key_space
     groups = ks.num_key_groups // instances  # instance 0 holds key groups [0, groups)
     reader = gen.open(0, 1)
@@ -54,12 +63,43 @@ def _share(events: int, keys: int, zipf: float, instances: int, batch_rows: int)
         parts.append(b.filter(pa.array(kg < groups)))
     table = pa.Table.from_batches(parts).combine_chunks()
     owned = [g * ks.sub_groups + s for g in range(groups) for s in range(ks.sub_groups)]
-    return step, ks, owned, table.to_batches(max_chunksize=batch_rows), table.column("key")
+    batches = table.to_batches(max_chunksize=batch_rows)
+    return flow, step, ks, owned, batches, table.column("key")
 
 
-def run_once(share: Any, folder: Path, cache_entries: int = 500_000) -> dict[str, Any]:
-    step, ks, owned, batches, keys = share
-    proc = KeyedProcessor(step, ks, folder / "count", owned, track=True, cache_entries=cache_entries)
+def _counts(got: Any, value_bytes: int | None) -> np.ndarray:
+    """The counts read back: an int state's array as it is; a payload state's values (8-byte
+    little-endian count, then ``value_bytes`` of payload) decoded from their first 8 bytes,
+    -1 for a value that is missing or not that long (so it counts as wrong)."""
+    if isinstance(got, np.ndarray):
+        return got
+    width = COUNT_BYTES + (value_bytes or 0)
+    return np.array(
+        [
+            int.from_bytes(v[:COUNT_BYTES], "little") if v is not None and len(v) == width else -1
+            for v in got
+        ],
+        np.int64,
+    )
+
+
+def run_once(
+    share: Any,
+    folder: Path,
+    cache_entries: int = 500_000,
+    cache_bytes: int = 64 << 20,
+    prefilled: Path | None = None,
+    value_bytes: int | None = None,
+) -> dict[str, Any]:
+    """One timed pass; ``prefilled``: a RocksDB folder copied in as instance 0's state first;
+    ``value_bytes``: the payload each value must carry (the check)."""
+    _, step, ks, owned, batches, keys = share
+    path = folder / "count" / "0"
+    if prefilled is not None:
+        shutil.copytree(prefilled, path)
+    proc = KeyedProcessor(
+        step, ks, path, owned, track=True, cache_entries=cache_entries, cache_bytes=cache_bytes
+    )
     try:
         events = sum(b.num_rows for b in batches)
         batch_s = np.empty(len(batches))
@@ -71,10 +111,11 @@ def run_once(share: Any, folder: Path, cache_entries: int = 500_000) -> dict[str
         proc.backend.flush_cache()
         cpu = time.process_time() - cpu0
         wall = time.perf_counter() - wall0
+        db_reads = getattr(proc.backend, "db_reads", None)  # (older checkouts do not count)
         distinct, expected = np.unique(keys.to_numpy(), return_counts=True)
         state = proc.states.vectorised()
-        got = state.get(KeySet.of(pa.array(distinct), ks))
-        wrong = int((np.asarray(got) != expected).sum())
+        got = _counts(state.get(KeySet.of(pa.array(distinct), ks)), value_bytes)
+        wrong = int((got != expected).sum())
     finally:
         proc.backend.close()
     return {
@@ -86,6 +127,8 @@ def run_once(share: Any, folder: Path, cache_entries: int = 500_000) -> dict[str
         # wall time of one batch's process (a write to RocksDB inside it shows here)
         "batch_ms_median": round(float(np.median(batch_s)) * 1e3, 2),
         "batch_ms_max": round(float(batch_s.max()) * 1e3, 2),
+        # keys read from RocksDB (write-back cache misses) per event
+        "db_reads_per_event": None if db_reads is None else round(db_reads / events, 4),
         "keys": len(distinct),
         "wrong_counts": wrong,
     }
@@ -106,6 +149,27 @@ def run_once(share: Any, folder: Path, cache_entries: int = 500_000) -> dict[str
     help="the write-back cache's bound (RuntimeConfig.state_cache_entries); under the share's "
     "distinct keys, the cache evicts",
 )
+@click.option(
+    "--cache-bytes",
+    type=click.IntRange(min=1),
+    default=64 << 20,
+    show_default=True,
+    help="the write-back cache's bound in bytes of keys and values "
+    "(RuntimeConfig.state_cache_bytes)",
+)
+@click.option(
+    "--value-bytes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="each key's state: an 8-byte count and this many bytes of payload, all read and "
+    "rewritten per batch (bench._payload.count_with_payload); default: the int count",
+)
+@click.option(
+    "--prefill",
+    is_flag=True,
+    help="write instance 0's state for all --keys keys first (count 0: bench._payload."
+    "prefill_state), once, and copy it in before each repeat (not timed)",
+)
 def main(
     name: str,
     events: int,
@@ -115,18 +179,34 @@ def main(
     batch_rows: int,
     repeats: int,
     cache_entries: int,
+    cache_bytes: int,
+    value_bytes: int | None,
+    prefill: bool,
 ) -> None:
     """Time the count step over instance 0's share of the generator's events."""
-    share = _share(events, keys, zipf, instances, batch_rows)
+    share = _share(events, keys, zipf, instances, batch_rows, value_bytes)
     runs = []
-    for i in range(repeats):
-        with tempfile.TemporaryDirectory(prefix="raystream-count-state-") as tmp:
-            run = run_once(share, Path(tmp), cache_entries)
-        runs.append(run)
+    with tempfile.TemporaryDirectory(prefix="raystream-count-prefill-") as template:
+        filled = None
+        if prefill:
+            t0 = time.perf_counter()
+            info = prefill_state(
+                template, share[0], "count", instances, keys, "int", value_bytes, instances=[0]
+            )
+            filled = Path(template) / "count" / "0"
+            click.echo(
+                f"prefilled {info['rows']:,} keys, {info['bytes'] / 1e6:,.0f} MB "
+                f"in {time.perf_counter() - t0:.1f} s"
+            )
+        for i in range(repeats):
+            with tempfile.TemporaryDirectory(prefix="raystream-count-state-") as tmp:
+                run = run_once(share, Path(tmp), cache_entries, cache_bytes, filled, value_bytes)
+            runs.append(run)
         click.echo(
             f"rep {i + 1}: {run['cpu_s_per_m_events']:.3f} CPU-s per M events "
             f"({run['events']:,} events, {run['batches']} batches, {run['keys']:,} keys, "
-            f"{run['wrong_counts']} wrong counts; batch median {run['batch_ms_median']} ms, "
+            f"{run['wrong_counts']} wrong counts; {run['db_reads_per_event']} RocksDB reads per "
+            f"event; batch median {run['batch_ms_median']} ms, "
             f"max {run['batch_ms_max']} ms)"
         )
     per_m = [r["cpu_s_per_m_events"] for r in runs]
@@ -142,6 +222,9 @@ def main(
             "instances": instances,
             "batch_rows": batch_rows,
             "cache_entries": cache_entries,
+            "cache_bytes": cache_bytes,
+            "value_bytes": value_bytes,
+            "prefill": prefill,
         },
         "cpu_s_per_m_events": {
             "median": statistics.median(per_m),

@@ -44,6 +44,7 @@ __all__ = [
     "chunk_payload_bytes",
     "read_snapshot_key_groups",
     "snapshot_chunks",
+    "state_db_options",
 ]
 
 STATE_CHUNK_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary())])
@@ -56,21 +57,39 @@ def chunk_payload_bytes(key: bytes, value: bytes) -> int:
     return len(key) + len(value) + ROW_OVERHEAD
 
 
-def _options() -> Options:
+def state_db_options(block_bytes: int = 0) -> Options:
     """Options for point reads and writes of whole batches of keys, many of them new: bloom
     filters in SST files and in the memtable make a read of a key that is not there cheap (a
-    key-count reads every key of a batch, new ones included)."""
+    key-count reads every key of a batch, new ones included); small data blocks
+    (``BLOCK_BYTES``) make a point read read little. SST files written for a state DB
+    (``SstFileWriter``) take these options too: the block size is the file's. ``block_bytes``:
+    another data block size (0: ``BLOCK_BYTES``), for comparisons (bench.state_reads)."""
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
     opts.increase_parallelism(2)
     table = BlockBasedOptions()
     table.set_bloom_filter(10, False)  # 10 bits per key, full (not block-based) filters
     table.set_block_cache(Cache(BLOCK_CACHE_BYTES))
+    table.set_block_size(block_bytes or BLOCK_BYTES)
     opts.set_block_based_table_factory(table)
     opts.set_memtable_whole_key_filtering(True)
     opts.set_memtable_prefix_bloom_ratio(0.05)  # of the write buffer, for the memtable's filter
     return opts
 
+
+def _open(path: str | Path, **kwargs: object) -> Rdict:
+    """Open (or create) the RocksDB in ``path`` with :func:`state_db_options`. The options go in
+    for the default column family too: given only DB options, rocksdict reopens an existing DB
+    with the column-family options it loads from the DB's OPTIONS file, which cannot hold a
+    block cache (so a reopened DB, e.g. a prefilled or restored one, got an 8 MB one)."""
+    opts = state_db_options()
+    return Rdict(str(path), opts, column_families={"default": opts}, **kwargs)
+
+
+# RocksDB's data block size (RocksDB's default is 4 KiB): the 1 GB key-count's reads of 1 KB
+# values past its write-back cache, replayed on a cold block cache, cost less CPU per key with
+# 1 KiB blocks (bench/results/state_reads_1gb.json: python -m bench.state_reads)
+BLOCK_BYTES = 1024
 
 # RocksDB's cache of SST blocks, per instance (it fills as blocks are read): the part of a hot
 # Zipf head that the write-back cache does not hold stays in it (1M keys x 1 KB, 2 -> 4: see
@@ -173,8 +192,9 @@ class RocksStateBackend:
         self._cache_added = 0
         self._ingested = 0  # SST files ingested (names them)
         self.bytes_restored = 0  # bytes copied in by restore_key_groups
+        self.db_reads = 0  # keys multi_get read from RocksDB (not found in the write-back cache)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = Rdict(str(self.path), _options())
+        self._db = _open(self.path)
         # Names checkpoint files of this DB in shared storage: SST names are unique within a DB.
         self.uid = _db_uid(self.path)
         self._write_opt = WriteOptions()
@@ -189,15 +209,23 @@ class RocksStateBackend:
         if not keys:
             return []
         if not self.cache_entries:
+            self.db_reads += len(keys)
             return self._db.get(keys)  # type: ignore[no-any-return]
         # whole-list operations in C (map, compress): no Python-level loop per key
         n = len(keys)
-        values = list(map(self._cache.get, keys, itertools.repeat(_MISS, n)))
+        cache = self._cache
+        values = list(map(cache.get, keys, itertools.repeat(_MISS, n)))
         missing = list(map(operator.is_, values, itertools.repeat(_MISS, n)))
+        if not all(missing):  # the hits move to the end: the cache's order is recency
+            hits = list(map(operator.not_, missing))
+            held = list(itertools.compress(keys, hits))
+            collections.deque(map(cache.pop, held, itertools.repeat(None)), maxlen=0)
+            cache.update(zip(held, itertools.compress(values, hits)))
         if any(missing):
             asked = list(itertools.compress(keys, missing))
             wanted = sorted(asked)  # cheap if keys come sorted
             fetched = self._db.get(wanted)
+            self.db_reads += len(wanted)
             self._cache.update(zip(wanted, fetched, strict=True))  # misses cached too (None)
             if wanted != asked:  # keys did not come sorted: fetched values in asked order
                 fetched = list(map(dict(zip(wanted, fetched, strict=True)).__getitem__, asked))
@@ -246,6 +274,8 @@ class RocksStateBackend:
             self._tracked.update(keys)
             self._tracked.update(deletes)
         if self.cache_entries:
+            # written keys move to the end (order is recency: the oldest entries leave first)
+            collections.deque(map(self._cache.pop, keys, itertools.repeat(None)), maxlen=0)
             self._cache.update(zip(keys, values, strict=True))
             self._dirty.update(zip(keys, values, strict=True))
             self._cache_added += sum(map(len, keys)) + sum(map(len, values))
@@ -294,11 +324,12 @@ class RocksStateBackend:
 
     def _bound(self) -> None:
         """Keep the cache bounded without long stalls: dirty entries go to RocksDB in small sorted
-        batches once ``max_dirty`` are dirty; when full, the oldest entries (dicts keep insertion
-        order) are evicted down to a small slice under ``cache_entries``, the dirty ones among
-        them written first (the other dirty entries stay dirty). In bytes:
-        once the bytes put in since the last measurement pass ``cache_bytes``, the cache is
-        measured, and if it holds more than half of ``cache_bytes`` the oldest entries go until
+        batches once ``max_dirty`` are dirty; when full, the least recently used entries (the
+        cache's order: :meth:`multi_get` hits and :meth:`write` move keys to its end) are evicted
+        down to a small slice under ``cache_entries``, the dirty ones among them written first
+        (the other dirty entries stay dirty). In bytes: once the bytes put in since the last
+        measurement pass ``cache_bytes``, the cache is measured, and if it holds more than half
+        of ``cache_bytes`` the least recently used entries go until
         it holds half (so a measurement, O(entries), comes at most once per half bound written).
         While a checkpoint is taken in a thread, dirty entries wait in the cache, up to its
         bounds plus ``PENDING_SNAPSHOT_SLACK`` (then the write waits for the checkpoint)."""
@@ -618,7 +649,7 @@ class RocksStateBackend:
         folder.mkdir(exist_ok=True)
         self._ingested += 1
         file = folder / f"{self._ingested}.sst"
-        writer = SstFileWriter(options=_options())
+        writer = SstFileWriter(options=state_db_options())
         writer.open(str(file))
         try:
             for k, v in zip(keys, values, strict=True):
@@ -775,7 +806,7 @@ def snapshot_chunks(
     if not (snapshot_dir / "CURRENT").exists():
         msg = f"{snapshot_dir} is not a raystream state snapshot (no RocksDB CURRENT file)"
         raise StateError(msg)
-    src = Rdict(str(snapshot_dir), _options(), access_type=AccessType.read_only())
+    src = _open(snapshot_dir, access_type=AccessType.read_only())
     try:
         reader = RocksStateBackend.__new__(RocksStateBackend)
         reader._db = src  # noqa: SLF001 - a read-only view for export_ranges

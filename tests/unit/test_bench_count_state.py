@@ -46,3 +46,17 @@ def test_a_wrong_count_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyP
     result = CliRunner().invoke(count_state.main, args)
     assert result.exit_code == 1
     assert json.loads((tmp_path / "bench" / "results" / "t.json").read_text())["runs"][0]["wrong_counts"] > 0
+
+
+def test_payload_counts_over_a_prefilled_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--value-bytes --prefill: the payload count over instance 0's prefilled keys; the counts
+    (the values' first 8 bytes) are checked, and every value still has its whole payload."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    args = ["--name", "p", "--events", "20000", "--keys", "3000", "--batch-rows", "700",
+            "--repeats", "1", "--value-bytes", "64", "--prefill"]
+    result = CliRunner().invoke(count_state.main, args)
+    assert result.exit_code == 0, result.output
+    out = json.loads((tmp_path / "bench" / "results" / "p.json").read_text())
+    assert out["config"]["value_bytes"] == 64 and out["config"]["prefill"] is True
+    assert out["runs"][0]["wrong_counts"] == 0 and out["runs"][0]["events"] > 0

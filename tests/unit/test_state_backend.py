@@ -379,3 +379,21 @@ def test_a_full_write_back_cache_writes_small_slices_of_its_oldest_dirty_entries
         assert all_rows(b) == expected
     finally:
         b.close()
+
+
+def test_a_reopened_db_keeps_its_table_options(tmp_path: Path) -> None:
+    """A DB opened again (prefilled, restored, moved) gets the block cache and bloom filters of
+    a new one, not the defaults rocksdict would load from the DB's OPTIONS file (8 MB cache)."""
+    from raystream.state.rocks import BLOCK_CACHE_BYTES
+
+    path = tmp_path / "db" / "r"
+    first = RocksStateBackend(path, cache_entries=0)
+    assert first._db.property_int_value("rocksdb.block-cache-capacity") == BLOCK_CACHE_BYTES
+    first.write([b"k"], [b"v"])
+    first.close()
+    again = RocksStateBackend(path, cache_entries=0)
+    try:
+        assert again._db.property_int_value("rocksdb.block-cache-capacity") == BLOCK_CACHE_BYTES
+        assert again.get(b"k") == b"v"
+    finally:
+        again.close()

@@ -235,3 +235,32 @@ def test_a_pending_checkpoint_lets_the_cache_overshoot_before_a_write_waits(tmp_
     assert got[: len(first)] == [(1).to_bytes(8, "little")] * len(first)
     assert got[len(first) :] == [None] * (len(everything) - len(first))
     ck.close()
+
+
+@pytest.mark.parametrize("touch", ["read", "write"])
+def test_a_full_cache_evicts_the_least_recently_used(tmp_path: Path, touch: str) -> None:
+    """The cache's order is recency: keys read (hits) or written move to the end, so a hot key
+    read or rewritten every batch stays cached when the cache fills, and the keys evicted are
+    the ones untouched longest; only they are read from RocksDB again (``db_reads``)."""
+    b = RocksStateBackend(tmp_path / "db", cache_entries=1_000)
+    try:
+        old = [encode_one(1, 0, 1, i) for i in range(600)]
+        b.write(old, [b"o"] * 600)
+        hot = old[:50]  # the first written: a FIFO cache would evict them first
+        if touch == "read":
+            assert b.multi_get(hot) == [b"o"] * 50
+        else:
+            b.write(hot, [b"h"] * 50)
+        new = [encode_one(2, 0, 1, i) for i in range(500)]
+        b.write(new, [b"n"] * 500)  # 1,100 > 1,000: 115 leave
+        gone = 1_100 - 1_000 + 1_000 // rocks.DIRTY_SLICE_FRACTION
+        reads = b.db_reads
+        want = b"o" if touch == "read" else b"h"
+        assert b.multi_get(hot) == [want] * 50
+        assert b.multi_get(new) == [b"n"] * 500
+        assert b.multi_get(old[50 + gone :]) == [b"o"] * (550 - gone)
+        assert b.db_reads == reads  # all still cached
+        assert b.multi_get(old[50 : 50 + gone]) == [b"o"] * gone
+        assert b.db_reads == reads + gone  # the least recently used left, written first
+    finally:
+        b.close()
