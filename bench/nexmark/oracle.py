@@ -126,6 +126,45 @@ SQL: dict[str, str] = {
         SELECT bidder, COUNT(*) AS bid_count, MIN(t) AS starttime, MAX(t) + 10000 AS endtime
         FROM S GROUP BY bidder, session
     """,
+    "q14": """
+        SELECT auction, bidder,
+               CAST(CAST(price AS DECIMAL(20, 0)) * 0.908 AS DECIMAL(23, 3)) AS price,
+               price * 908 AS price_milli,
+               CASE
+                   WHEN hour(dateTime) >= 8 AND hour(dateTime) <= 18 THEN 'dayTime'
+                   WHEN hour(dateTime) <= 6 OR hour(dateTime) >= 20 THEN 'nightTime'
+                   ELSE 'otherTime'
+               END AS bidTimeType,
+               dateTime, extra,
+               coalesce(length(extra) - length(replace(extra, 'c', '')), 0) AS c_counts
+        FROM bid
+        WHERE 0.908 * price > 1000000 AND 0.908 * price < 50000000
+    """,
+    "q21": """
+        WITH B AS (
+            SELECT auction, bidder, price, channel,
+                   CASE WHEN regexp_matches(url, '(&|^)channel_id=([^&]*)')
+                        THEN regexp_extract(url, '(&|^)channel_id=([^&]*)', 2) END AS found
+            FROM bid
+        )
+        SELECT auction, bidder, price, channel,
+               CASE
+                   WHEN lower(channel) = 'apple' THEN '0'
+                   WHEN lower(channel) = 'google' THEN '1'
+                   WHEN lower(channel) = 'facebook' THEN '2'
+                   WHEN lower(channel) = 'baidu' THEN '3'
+                   ELSE found
+               END AS channel_id
+        FROM B
+        WHERE found IS NOT NULL OR lower(channel) IN ('apple', 'google', 'facebook', 'baidu')
+    """,
+    "q22": """
+        SELECT auction, bidder, price, channel,
+               string_split(url, '/')[4] AS dir1,
+               string_split(url, '/')[5] AS dir2,
+               string_split(url, '/')[6] AS dir3
+        FROM bid
+    """,
 }
 
 QUERIES = tuple(SQL)
@@ -141,6 +180,9 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "q8": ("stime", "id"),
     "q9": ("id",),
     "q11": ("bidder", "starttime"),
+    "q14": ("auction", "bidder", "price_milli", "dateTime", "extra"),
+    "q21": ("auction", "bidder", "price", "channel", "channel_id"),
+    "q22": ("auction", "bidder", "price", "channel", "dir1", "dir2", "dir3"),
 }
 
 SCHEMA: dict[str, pa.Schema] = {
@@ -203,6 +245,38 @@ SCHEMA: dict[str, pa.Schema] = {
             ("bid_count", pa.int64()),
             ("starttime", pa.int64()),
             ("endtime", pa.int64()),
+        ]
+    ),
+    "q14": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.decimal128(23, 3)),
+            ("price_milli", pa.int64()),
+            ("bidTimeType", pa.string()),
+            ("dateTime", pa.timestamp("ms")),
+            ("extra", pa.string()),
+            ("c_counts", pa.int64()),
+        ]
+    ),
+    "q21": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("channel", pa.string()),
+            ("channel_id", pa.string()),
+        ]
+    ),
+    "q22": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("channel", pa.string()),
+            ("dir1", pa.string()),
+            ("dir2", pa.string()),
+            ("dir3", pa.string()),
         ]
     ),
 }

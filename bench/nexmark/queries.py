@@ -33,23 +33,17 @@ from raystream.operators import windows
 
 import raystream as rs
 from bench.nexmark import oracle
+from bench.nexmark.projections import q14_price_range, q21_channel_id, q22_url_dirs
+from bench.nexmark.columns import KIND, META, VERSION
+from bench.nexmark.columns import carry_meta as _carry_meta
+from bench.nexmark.columns import ms as _ms
+from bench.nexmark.columns import ts as _ts
+from bench.nexmark.columns import with_meta as _with_meta
 from raystream.upsert import final_table, to_changes
 
 __all__ = ["QUERIES", "SINK", "Query", "build_flow", "final_result", "result_rows"]
 
 SINK = "result"
-VERSION = "_version"
-KIND = "_kind"  # Flink's RowKind of a change: "+I" (insert or update) or "-D" (delete)
-META = ("event_time", "ingest_ts")
-
-
-def _with_meta(batch: pa.RecordBatch, columns: dict[str, pa.Array]) -> pa.RecordBatch:
-    """``columns`` plus the runtime's event_time / ingest_ts columns of ``batch`` (same rows)."""
-    out = dict(columns)
-    for col in META:
-        if col in batch.schema.names:
-            out[col] = batch.column(col)
-    return pa.RecordBatch.from_pydict(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,17 +100,6 @@ def q2_selection(batch: pa.RecordBatch) -> pa.RecordBatch | None:
 
 # --------------------------------------------------------------------------------------------
 # small vectorised pieces
-
-
-def _ms(column: pa.Array) -> np.ndarray:
-    """int64 ms since the epoch of a timestamp[ms] (or int64) column."""
-    if pa.types.is_timestamp(column.type):
-        column = column.cast(pa.int64())
-    return column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-
-
-def _ts(ms: Any) -> pa.Array:
-    return pa.array(np.asarray(ms, dtype=np.int64), pa.int64()).cast(pa.timestamp("ms"))
 
 
 def _select(
@@ -350,15 +333,6 @@ def auction_winner(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
     }
     _carry_meta(batch, idx, out)
     return pa.RecordBatch.from_pydict(out)
-
-
-def _carry_meta(batch: rs.KeyedBatch, idx: np.ndarray, out: dict[str, Any]) -> None:
-    """The changed keys' oldest ingest_ts and newest event_time of this batch."""
-    names = batch.records.schema.names
-    if "ingest_ts" in names:
-        out["ingest_ts"] = pa.array(batch.reduce("ingest_ts", "min")[idx], pa.int64())
-    if "event_time" in names:
-        out["event_time"] = pa.array(batch.reduce("event_time", "max")[idx], pa.int64())
 
 
 def _winners(inputs: dict[str, rs.Stream], prefix: str, parallel_name: str) -> rs.Stream:
@@ -991,6 +965,27 @@ QUERIES: dict[str, Query] = {
         finish=_columnwise(_q11_finish),
         # [starttime, endtime] closes when the watermark reaches endtime = last bid + 10 s
         window_end=_column("endtime", 1),
+    ),
+    "q14": Query(
+        "q14",
+        ("bid",),
+        _stateless("q14", q14_price_range),
+        "q14",
+        columns=(("bid", ("auction", "bidder", "price", "dateTime", "extra")),),
+    ),
+    "q21": Query(
+        "q21",
+        ("bid",),
+        _stateless("q21", q21_channel_id),
+        "q21",
+        columns=(("bid", ("auction", "bidder", "price", "channel", "url", "dateTime")),),
+    ),
+    "q22": Query(
+        "q22",
+        ("bid",),
+        _stateless("q22", q22_url_dirs),
+        "q22",
+        columns=(("bid", ("auction", "bidder", "price", "channel", "url", "dateTime")),),
     ),
 }
 

@@ -23,6 +23,8 @@ oracle = import_bench("bench.nexmark.oracle")
 queries = import_bench("bench.nexmark.queries")
 
 BUILT = sorted(queries.QUERIES, key=lambda q: int(q[1:]))
+# q14 and later have their own hand-made inputs (test_nexmark_more.py)
+CORNERS = [q for q in BUILT if int(q[1:]) <= 11]
 T = 1_600_000_000_000
 
 
@@ -111,7 +113,7 @@ def in_time_order(tables: dict[str, pa.Table]) -> dict[str, pa.Table]:
 
 
 @pytest.mark.parametrize("parallelism", [1, 3])
-@pytest.mark.parametrize("query", BUILT)
+@pytest.mark.parametrize("query", CORNERS)
 def test_corner_cases_equal_the_oracle(query: str, parallelism: int, tmp_path: Path) -> None:
     tables = in_time_order(corner_tables())
     want = oracle.run(query, tables)
