@@ -126,6 +126,53 @@ SQL: dict[str, str] = {
         SELECT bidder, COUNT(*) AS bid_count, MIN(t) AS starttime, MAX(t) + 10000 AS endtime
         FROM S GROUP BY bidder, session
     """,
+    "q15": """
+        SELECT strftime(dateTime, '%Y-%m-%d') AS day,
+               count(*) AS total_bids,
+               count(*) FILTER (WHERE price < 10000) AS rank1_bids,
+               count(*) FILTER (WHERE price >= 10000 AND price < 1000000) AS rank2_bids,
+               count(*) FILTER (WHERE price >= 1000000) AS rank3_bids,
+               count(DISTINCT bidder) AS total_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price < 10000) AS rank1_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price >= 10000 AND price < 1000000)
+                   AS rank2_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price >= 1000000) AS rank3_bidders,
+               count(DISTINCT auction) AS total_auctions,
+               count(DISTINCT auction) FILTER (WHERE price < 10000) AS rank1_auctions,
+               count(DISTINCT auction) FILTER (WHERE price >= 10000 AND price < 1000000)
+                   AS rank2_auctions,
+               count(DISTINCT auction) FILTER (WHERE price >= 1000000) AS rank3_auctions
+        FROM bid GROUP BY strftime(dateTime, '%Y-%m-%d')
+    """,
+    "q16": """
+        SELECT channel, strftime(dateTime, '%Y-%m-%d') AS day,
+               max(strftime(dateTime, '%H:%M')) AS minute,
+               count(*) AS total_bids,
+               count(*) FILTER (WHERE price < 10000) AS rank1_bids,
+               count(*) FILTER (WHERE price >= 10000 AND price < 1000000) AS rank2_bids,
+               count(*) FILTER (WHERE price >= 1000000) AS rank3_bids,
+               count(DISTINCT bidder) AS total_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price < 10000) AS rank1_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price >= 10000 AND price < 1000000)
+                   AS rank2_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price >= 1000000) AS rank3_bidders,
+               count(DISTINCT auction) AS total_auctions,
+               count(DISTINCT auction) FILTER (WHERE price < 10000) AS rank1_auctions,
+               count(DISTINCT auction) FILTER (WHERE price >= 10000 AND price < 1000000)
+                   AS rank2_auctions,
+               count(DISTINCT auction) FILTER (WHERE price >= 1000000) AS rank3_auctions
+        FROM bid GROUP BY channel, strftime(dateTime, '%Y-%m-%d')
+    """,
+    "q17": """
+        SELECT auction, strftime(dateTime, '%Y-%m-%d') AS day,
+               count(*) AS total_bids,
+               count(*) FILTER (WHERE price < 10000) AS rank1_bids,
+               count(*) FILTER (WHERE price >= 10000 AND price < 1000000) AS rank2_bids,
+               count(*) FILTER (WHERE price >= 1000000) AS rank3_bids,
+               min(price) AS min_price, max(price) AS max_price,
+               sum(price) // count(*) AS avg_price, sum(price) AS sum_price
+        FROM bid GROUP BY auction, strftime(dateTime, '%Y-%m-%d')
+    """,
     "q14": """
         SELECT auction, bidder,
                CAST(CAST(price AS DECIMAL(20, 0)) * 0.908 AS DECIMAL(23, 3)) AS price,
@@ -180,6 +227,9 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "q8": ("stime", "id"),
     "q9": ("id",),
     "q11": ("bidder", "starttime"),
+    "q15": ("day",),
+    "q16": ("channel", "day"),
+    "q17": ("auction", "day"),
     "q14": ("auction", "bidder", "price_milli", "dateTime", "extra"),
     "q21": ("auction", "bidder", "price", "channel", "channel_id"),
     "q22": ("auction", "bidder", "price", "channel", "dir1", "dir2", "dir3"),
@@ -245,6 +295,56 @@ SCHEMA: dict[str, pa.Schema] = {
             ("bid_count", pa.int64()),
             ("starttime", pa.int64()),
             ("endtime", pa.int64()),
+        ]
+    ),
+    "q15": pa.schema(
+        [
+            ("day", pa.string()),
+            ("total_bids", pa.int64()),
+            ("rank1_bids", pa.int64()),
+            ("rank2_bids", pa.int64()),
+            ("rank3_bids", pa.int64()),
+            ("total_bidders", pa.int64()),
+            ("rank1_bidders", pa.int64()),
+            ("rank2_bidders", pa.int64()),
+            ("rank3_bidders", pa.int64()),
+            ("total_auctions", pa.int64()),
+            ("rank1_auctions", pa.int64()),
+            ("rank2_auctions", pa.int64()),
+            ("rank3_auctions", pa.int64()),
+        ]
+    ),
+    "q16": pa.schema(
+        [
+            ("channel", pa.string()),
+            ("day", pa.string()),
+            ("minute", pa.string()),
+            ("total_bids", pa.int64()),
+            ("rank1_bids", pa.int64()),
+            ("rank2_bids", pa.int64()),
+            ("rank3_bids", pa.int64()),
+            ("total_bidders", pa.int64()),
+            ("rank1_bidders", pa.int64()),
+            ("rank2_bidders", pa.int64()),
+            ("rank3_bidders", pa.int64()),
+            ("total_auctions", pa.int64()),
+            ("rank1_auctions", pa.int64()),
+            ("rank2_auctions", pa.int64()),
+            ("rank3_auctions", pa.int64()),
+        ]
+    ),
+    "q17": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("day", pa.string()),
+            ("total_bids", pa.int64()),
+            ("rank1_bids", pa.int64()),
+            ("rank2_bids", pa.int64()),
+            ("rank3_bids", pa.int64()),
+            ("min_price", pa.int64()),
+            ("max_price", pa.int64()),
+            ("avg_price", pa.int64()),
+            ("sum_price", pa.int64()),
         ]
     ),
     "q14": pa.schema(

@@ -33,6 +33,7 @@ from raystream.operators import windows
 
 import raystream as rs
 from bench.nexmark import oracle
+from bench.nexmark.daily import build_q15, build_q16, build_q17
 from bench.nexmark.projections import q14_price_range, q21_channel_id, q22_url_dirs
 from bench.nexmark.columns import KIND, META, VERSION
 from bench.nexmark.columns import carry_meta as _carry_meta
@@ -972,6 +973,36 @@ QUERIES: dict[str, Query] = {
         _stateless("q14", q14_price_range),
         "q14",
         columns=(("bid", ("auction", "bidder", "price", "dateTime", "extra")),),
+    ),
+    "q15": Query(
+        "q15",
+        ("bid",),
+        build_q15,
+        "q15",
+        keyed=True,
+        updating=True,
+        key=("day",),
+        columns=(("bid", ("auction", "bidder", "price", "dateTime")),),
+    ),
+    "q16": Query(
+        "q16",
+        ("bid",),
+        build_q16,
+        "q16",
+        keyed=True,
+        updating=True,
+        key=("channel", "day"),
+        columns=(("bid", ("auction", "bidder", "price", "channel", "dateTime")),),
+    ),
+    "q17": Query(
+        "q17",
+        ("bid",),
+        build_q17,
+        "q17",
+        keyed=True,
+        updating=True,
+        key=("auction", "day"),
+        columns=(("bid", ("auction", "price", "dateTime")),),
     ),
     "q21": Query(
         "q21",

@@ -173,9 +173,65 @@ def test_q22_oracle_by_hand() -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# q15, q16, q17: per day (and channel, and auction); ranks at 10,000 and 1,000,000
+
+
+def daily_input() -> dict[str, pa.Table]:
+    rows = [  # bidder, auction, price, t, channel
+        (1, 1, 9_999, DAY0 + 1000, "A"),  # rank 1
+        (1, 1, 10_000, DAY0 + 2000, "A"),  # rank 2: bidder 1 and auction 1 again, another rank
+        (2, 1, 999_999, DAY0 + 24 * H - 60_000, "B"),  # rank 2 again, at 23:59
+        (2, 2, 1_000_000, DAY0 + 24 * H - 1, "x|y"),  # rank 3, the day's last ms
+        (1, 2, 5, DAY0 + 24 * H, "A"),  # the next day
+        (1, 2, 5, DAY0 + 24 * H + 1, "A"),  # the same bidder, auction and rank
+    ]
+    return tables(
+        bid_table(
+            [{"bidder": b, "auction": a, "price": p, "t": t, "channel": c}
+             for b, a, p, t, c in rows]
+        )
+    )  # fmt: skip
+
+
+def test_q15_oracle_by_hand() -> None:
+    got = oracle.run("q15", daily_input()).to_pylist()
+    assert [tuple(r.values()) for r in got] == [
+        ("2020-09-13", 4, 1, 2, 1, 2, 1, 2, 1, 2, 1, 1, 1),
+        ("2020-09-14", 2, 2, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0),
+    ]
+
+
+def test_q16_oracle_by_hand() -> None:
+    got = oracle.run("q16", daily_input()).to_pylist()
+    assert [(r["channel"], r["day"], r["minute"], r["total_bids"], r["total_bidders"],
+             r["rank2_bidders"]) for r in got] == [
+        ("A", "2020-09-13", "00:00", 2, 1, 1),
+        ("A", "2020-09-14", "00:00", 2, 1, 0),
+        ("B", "2020-09-13", "23:59", 1, 1, 1),
+        ("x|y", "2020-09-13", "23:59", 1, 1, 0),
+    ]  # fmt: skip
+
+
+def test_q17_oracle_by_hand() -> None:
+    got = oracle.run("q17", daily_input()).to_pylist()
+    assert [tuple(r.values()) for r in got] == [
+        (1, "2020-09-13", 3, 1, 2, 0, 9_999, 999_999, 339_999, 1_019_998),  # 339,999.33
+        (2, "2020-09-13", 1, 0, 0, 1, 1_000_000, 1_000_000, 1_000_000, 1_000_000),
+        (2, "2020-09-14", 2, 2, 0, 0, 5, 5, 5, 10),
+    ]
+
+
+# ------------------------------------------------------------------------------------------
 # every new query's dataflow against the oracle on its hand-made input
 
-INPUTS = {"q14": q14_input, "q21": q21_input, "q22": q22_input}
+INPUTS = {
+    "q14": q14_input,
+    "q15": daily_input,
+    "q16": daily_input,
+    "q17": daily_input,
+    "q21": q21_input,
+    "q22": q22_input,
+}
 
 
 @pytest.mark.parametrize("parallelism", [1, 3])
