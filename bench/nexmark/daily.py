@@ -135,7 +135,9 @@ def _q17_groups(batch: pa.RecordBatch) -> pa.RecordBatch:
     day = day_strings(ms(batch.column("dateTime")))
     auction = batch.column("auction")
     key = pc.binary_join_element_wise(auction.cast(pa.string()), day, "|")
-    return with_meta(batch, {"g": key, "auction": auction, "day": day, "price": batch.column("price")})
+    return with_meta(
+        batch, {"g": key, "auction": auction, "day": day, "price": batch.column("price")}
+    )
 
 
 def build_q17(inputs: dict[str, rs.Stream]) -> rs.Stream:
@@ -322,5 +324,3 @@ def build_q15(inputs: dict[str, rs.Stream]) -> rs.Stream:
 
 def build_q16(inputs: dict[str, rs.Stream]) -> rs.Stream:
     return _daily(inputs, "q16", with_channel=True)
-
-

@@ -173,6 +173,34 @@ SQL: dict[str, str] = {
                sum(price) // count(*) AS avg_price, sum(price) AS sum_price
         FROM bid GROUP BY auction, strftime(dateTime, '%Y-%m-%d')
     """,
+    "q18": """
+        SELECT auction, bidder, price, channel, url, dateTime, extra
+        FROM (
+            SELECT *, ROW_NUMBER() OVER (
+                PARTITION BY bidder, auction
+                ORDER BY dateTime DESC, price DESC, channel DESC NULLS LAST,
+                         url DESC NULLS LAST, extra DESC NULLS LAST) AS rank_number
+            FROM bid)
+        WHERE rank_number <= 1
+    """,
+    "q19": """
+        SELECT auction, bidder, price, channel, url, dateTime, extra, rank_number
+        FROM (
+            SELECT *, ROW_NUMBER() OVER (
+                PARTITION BY auction
+                ORDER BY price DESC, dateTime ASC, bidder ASC, channel ASC NULLS LAST,
+                         url ASC NULLS LAST, extra ASC NULLS LAST) AS rank_number
+            FROM bid)
+        WHERE rank_number <= 10
+    """,
+    "q20": """
+        SELECT auction, bidder, price, channel, url, B.dateTime AS bid_dateTime,
+               B.extra AS bid_extra, itemName, description, initialBid, reserve,
+               A.dateTime AS auction_dateTime, expires, seller, category,
+               A.extra AS auction_extra
+        FROM bid AS B INNER JOIN auction AS A ON B.auction = A.id
+        WHERE A.category = 10
+    """,
     "q14": """
         SELECT auction, bidder,
                CAST(CAST(price AS DECIMAL(20, 0)) * 0.908 AS DECIMAL(23, 3)) AS price,
@@ -230,6 +258,9 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "q15": ("day",),
     "q16": ("channel", "day"),
     "q17": ("auction", "day"),
+    "q18": ("bidder", "auction"),
+    "q19": ("auction", "rank_number"),
+    "q20": ("auction", "bid_dateTime", "bidder", "price", "channel", "url", "bid_extra"),
     "q14": ("auction", "bidder", "price_milli", "dateTime", "extra"),
     "q21": ("auction", "bidder", "price", "channel", "channel_id"),
     "q22": ("auction", "bidder", "price", "channel", "dir1", "dir2", "dir3"),
@@ -345,6 +376,49 @@ SCHEMA: dict[str, pa.Schema] = {
             ("max_price", pa.int64()),
             ("avg_price", pa.int64()),
             ("sum_price", pa.int64()),
+        ]
+    ),
+    "q18": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("channel", pa.string()),
+            ("url", pa.string()),
+            ("dateTime", pa.timestamp("ms")),
+            ("extra", pa.string()),
+        ]
+    ),
+    "q19": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("channel", pa.string()),
+            ("url", pa.string()),
+            ("dateTime", pa.timestamp("ms")),
+            ("extra", pa.string()),
+            ("rank_number", pa.int64()),
+        ]
+    ),
+    "q20": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("channel", pa.string()),
+            ("url", pa.string()),
+            ("bid_dateTime", pa.timestamp("ms")),
+            ("bid_extra", pa.string()),
+            ("itemName", pa.string()),
+            ("description", pa.string()),
+            ("initialBid", pa.int64()),
+            ("reserve", pa.int64()),
+            ("auction_dateTime", pa.timestamp("ms")),
+            ("expires", pa.timestamp("ms")),
+            ("seller", pa.int64()),
+            ("category", pa.int64()),
+            ("auction_extra", pa.string()),
         ]
     ),
     "q14": pa.schema(

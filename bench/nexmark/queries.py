@@ -34,7 +34,9 @@ from raystream.operators import windows
 import raystream as rs
 from bench.nexmark import oracle
 from bench.nexmark.daily import build_q15, build_q16, build_q17
+from bench.nexmark.category_join import build_q20
 from bench.nexmark.projections import q14_price_range, q21_channel_id, q22_url_dirs
+from bench.nexmark.ranking import build_q18, build_q19
 from bench.nexmark.columns import KIND, META, VERSION
 from bench.nexmark.columns import carry_meta as _carry_meta
 from bench.nexmark.columns import ms as _ms
@@ -1004,6 +1006,25 @@ QUERIES: dict[str, Query] = {
         key=("auction", "day"),
         columns=(("bid", ("auction", "price", "dateTime")),),
     ),
+    "q18": Query(
+        "q18",
+        ("bid",),
+        build_q18,
+        "q18",
+        keyed=True,
+        updating=True,
+        key=("bidder", "auction"),
+    ),
+    "q19": Query(
+        "q19",
+        ("bid",),
+        build_q19,
+        "q19",
+        keyed=True,
+        updating=True,
+        key=("auction", "rank_number"),
+    ),
+    "q20": Query("q20", ("auction", "bid"), build_q20, "q20", keyed=True),
     "q21": Query(
         "q21",
         ("bid",),

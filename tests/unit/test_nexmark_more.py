@@ -60,9 +60,18 @@ def tables(bids: pa.Table, auctions: pa.Table | None = None) -> dict[str, pa.Tab
     }
 
 
-def run_query(query: str, data: dict[str, pa.Table], parallelism: int, tmp: Path) -> pa.Table:
+def run_query(
+    query: str,
+    data: dict[str, pa.Table],
+    parallelism: int,
+    tmp: Path,
+    rates: dict[str, float] | None = None,
+) -> pa.Table:
+    """``query`` over ``data`` in one process; ``rates``: tables replayed at so many rows/s
+    (the others as fast as they go)."""
     spec = queries.QUERIES[query]
-    sources = {t: rs.sources.from_table(data[t]) for t in spec.tables}
+    rates = rates or {}
+    sources = {t: rs.sources.from_table(data[t], rate_eps=rates.get(t, 0)) for t in spec.tables}
     flow, spec = queries.build_flow(query, sources, rs.sinks.collect())
     config = rs.RuntimeConfig(batch_rows=4, source_batch_rows=4)  # many small batches
     out = asyncio.run(run_local(flow, {spec.step: parallelism}, state_dir=str(tmp), config=config))
@@ -222,6 +231,116 @@ def test_q17_oracle_by_hand() -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# q18: the last bid per (bidder, auction); q19: the top ten per auction; q20: category 10 join
+
+
+def q18_input() -> dict[str, pa.Table]:
+    rows = [  # bidder, auction, price, t, channel, extra
+        (1, 1, 5, 1000, "A", "a"),
+        (1, 1, 3, 2000, "A", "b"),  # later: the last, although cheaper
+        (1, 2, 5, 1000, "A", "a"),
+        (1, 2, 7, 1000, "A", "a"),  # the same time: the higher price
+        (2, 1, 4, 1000, "A", "x"),
+        (2, 1, 4, 1000, "B", "x"),  # time and price tied: the larger channel
+        (2, 2, 4, 1000, "A", None),
+        (2, 2, 4, 1000, "A", ""),  # all else tied: "" beats null (nulls last)
+    ]
+    return tables(
+        bid_table(
+            [{"bidder": b, "auction": a, "price": p, "t": DAY0 + t, "channel": c, "extra": e}
+             for b, a, p, t, c, e in rows]
+        )
+    )  # fmt: skip
+
+
+def test_q18_oracle_by_hand() -> None:
+    got = [
+        (r["bidder"], r["auction"], r["price"], r["channel"], r["extra"])
+        for r in oracle.run("q18", q18_input()).to_pylist()
+    ]
+    assert got == [
+        (1, 1, 3, "A", "b"),
+        (1, 2, 7, "A", "a"),
+        (2, 1, 4, "B", "x"),
+        (2, 2, 4, "A", ""),
+    ]
+
+
+def q19_input() -> dict[str, pa.Table]:
+    rows = [(1, 100, 10), (2, 100, 5), (3, 100, 5)]  # bidder, price, t: ties on price
+    rows += [(b, p, 20) for b, p in zip([4, 6, 7, 8, 9, 10, 11, 12, 13], range(90, 0, -10))]
+    rows += [(5, 95, 30)]  # a late high bid pushes the ranks below it down
+    bids = [{"auction": 1, "bidder": b, "price": p, "t": DAY0 + t} for b, p, t in rows]
+    bids += [{"auction": 2, "bidder": 1, "price": 7, "t": DAY0}]
+    return tables(bid_table(bids))
+
+
+def test_q19_oracle_by_hand() -> None:
+    got = [
+        (r["auction"], r["rank_number"], r["price"], r["bidder"])
+        for r in oracle.run("q19", q19_input()).to_pylist()
+    ]
+    top = [(100, 2), (100, 3), (100, 1), (95, 5), (90, 4), (80, 6), (70, 7), (60, 8), (50, 9),
+           (40, 10)]  # fmt: skip
+    assert got == [(1, r + 1, p, b) for r, (p, b) in enumerate(top)] + [(2, 1, 7, 1)]
+
+
+def q20_input() -> dict[str, pa.Table]:
+    auctions = auction_table(
+        [
+            {"id": 1, "category": 10, "t": DAY0 + 1000, "itemName": "one"},
+            {"id": 2, "category": 11, "t": DAY0 + 1000},  # another category: its bids dropped
+            {"id": 3, "category": 10, "t": DAY0 + 5000, "itemName": "three"},  # after a bid
+            {"id": 4, "category": 10, "t": DAY0 + 6000},  # no bids
+        ]
+    )
+    bids = bid_table(
+        [
+            {"auction": 1, "bidder": 1, "t": DAY0 + 1500},
+            {"auction": 1, "bidder": 2, "t": DAY0 + 2500},
+            {"auction": 2, "bidder": 3, "t": DAY0 + 1500},
+            {"auction": 3, "bidder": 4, "t": DAY0 + 2000},  # waits for its auction
+            {"auction": 3, "bidder": 5, "t": DAY0 + 6000},
+            {"auction": 9, "bidder": 6, "t": DAY0 + 100},  # its auction never comes
+        ]
+    )
+    return tables(bids, auctions)
+
+
+def test_q20_oracle_by_hand() -> None:
+    got = [
+        (r["auction"], r["bidder"], r["itemName"])
+        for r in oracle.run("q20", q20_input()).to_pylist()
+    ]
+    assert got == [(1, 1, "one"), (1, 2, "one"), (3, 4, "three"), (3, 5, "three")]
+
+
+@pytest.mark.parametrize("slow", ["auction", "bid"])
+def test_q20_bids_before_and_after_their_auctions(slow: str, tmp_path: Path) -> None:
+    """One table replayed slowly (20 rows/s): bids reach the join before their auction (they
+    wait; those of another category are dropped then), or after it (joined on arrival)."""
+    data = in_time_order(q20_input())
+    want = oracle.run("q20", data)
+    got = run_query("q20", data, 2, tmp_path, rates={slow: 20})
+    assert got.equals(want), (got.to_pylist(), want.to_pylist())
+
+
+@pytest.mark.parametrize("query", ["q18", "q19"])
+def test_ties_in_either_arrival_order_equal_the_oracle(query: str, tmp_path: Path) -> None:
+    """Rows tied on the query's ORDER BY arrive in both orders: the same result (the tie-break
+    does not depend on arrival)."""
+    data = (q18_input if query == "q18" else q19_input)()
+    want = oracle.run(query, data)
+    for name, bids in (
+        ("fwd", data["bid"]),
+        ("rev", data["bid"].take(list(range(data["bid"].num_rows))[::-1])),
+    ):
+        arrived = dict(data, bid=bids.sort_by([("dateTime", "ascending")]))
+        got = run_query(query, arrived, 2, tmp_path / name)
+        assert got.equals(want), (name, got.to_pylist(), want.to_pylist())
+
+
+# ------------------------------------------------------------------------------------------
 # every new query's dataflow against the oracle on its hand-made input
 
 INPUTS = {
@@ -229,6 +348,9 @@ INPUTS = {
     "q15": daily_input,
     "q16": daily_input,
     "q17": daily_input,
+    "q18": q18_input,
+    "q19": q19_input,
+    "q20": q20_input,
     "q21": q21_input,
     "q22": q22_input,
 }
