@@ -27,11 +27,13 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from bench.nexmark import side_input
 from bench.nexmark.generator import SCHEMAS, NexmarkTables
 
 __all__ = ["QUERIES", "SORT_KEYS", "SQL", "canonical", "load_tables", "run", "run_all"]
 
 TABLES = ("person", "auction", "bid")
+SIDE_INPUT = "side_input"  # q13's bounded side input: side_input.csv
 
 SQL: dict[str, str] = {
     "q0": """
@@ -201,6 +203,10 @@ SQL: dict[str, str] = {
         FROM bid AS B INNER JOIN auction AS A ON B.auction = A.id
         WHERE A.category = 10
     """,
+    "q13": """
+        SELECT B.auction, B.bidder, B.price, B.dateTime, S.value
+        FROM bid AS B JOIN side_input AS S ON B.auction % 10000 = S.key
+    """,
     "q14": """
         SELECT auction, bidder,
                CAST(CAST(price AS DECIMAL(20, 0)) * 0.908 AS DECIMAL(23, 3)) AS price,
@@ -261,6 +267,7 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "q18": ("bidder", "auction"),
     "q19": ("auction", "rank_number"),
     "q20": ("auction", "bid_dateTime", "bidder", "price", "channel", "url", "bid_extra"),
+    "q13": ("auction", "bidder", "price", "dateTime", "value"),
     "q14": ("auction", "bidder", "price_milli", "dateTime", "extra"),
     "q21": ("auction", "bidder", "price", "channel", "channel_id"),
     "q22": ("auction", "bidder", "price", "channel", "dir1", "dir2", "dir3"),
@@ -421,6 +428,15 @@ SCHEMA: dict[str, pa.Schema] = {
             ("auction_extra", pa.string()),
         ]
     ),
+    "q13": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("dateTime", pa.timestamp("ms")),
+            ("value", pa.string()),
+        ]
+    ),
     "q14": pa.schema(
         [
             ("auction", pa.int64()),
@@ -459,12 +475,17 @@ SCHEMA: dict[str, pa.Schema] = {
 def load_tables(
     source: NexmarkTables | Mapping[str, pa.Table] | str | os.PathLike[str],
 ) -> dict[str, pa.Table]:
-    """The three tables from generated tables, a mapping, or a directory of the Parquet files
-    (a missing table is empty)."""
+    """The three tables and q13's side input from generated tables (with the side input
+    ``write_parquet`` writes beside them), a mapping, or a directory of the Parquet files and
+    ``side_input.csv`` (a missing table is empty)."""
     if isinstance(source, NexmarkTables):
-        return {t: source.table(t) for t in TABLES}
+        out = {t: source.table(t) for t in TABLES}
+        out[SIDE_INPUT] = side_input.side_input_table()  # what write_parquet writes beside them
+        return out
     if isinstance(source, Mapping):
-        return {t: source.get(t, SCHEMAS[t].empty_table()) for t in TABLES}
+        out = {t: source.get(t, SCHEMAS[t].empty_table()) for t in TABLES}
+        out[SIDE_INPUT] = source.get(SIDE_INPUT, side_input.SCHEMA.empty_table())
+        return out
     import pyarrow.parquet as pq
 
     base = Path(source)
@@ -472,6 +493,10 @@ def load_tables(
     for t in TABLES:
         path = base / f"{t}.parquet"
         out[t] = pq.read_table(path) if path.exists() else SCHEMAS[t].empty_table()
+    csv = base / f"{SIDE_INPUT}.csv"
+    out[SIDE_INPUT] = (
+        side_input.read_side_input(csv) if csv.exists() else side_input.SCHEMA.empty_table()
+    )
     return out
 
 

@@ -37,6 +37,7 @@ from bench.nexmark.daily import build_q15, build_q16, build_q17
 from bench.nexmark.category_join import build_q20
 from bench.nexmark.projections import q14_price_range, q21_channel_id, q22_url_dirs
 from bench.nexmark.ranking import build_q18, build_q19
+from bench.nexmark.side_input import build_q13
 from bench.nexmark.columns import KIND, META, VERSION
 from bench.nexmark.columns import carry_meta as _carry_meta
 from bench.nexmark.columns import ms as _ms
@@ -879,8 +880,9 @@ class Query:
     rescale, when keyed) applies to, whether its result is updating (then its rows are changes
     ordered per ``key`` of the result by ``_version``, with a ``_kind`` column if ``deletes``),
     ``columns``: the columns it reads of each table (its sources project the others away),
-    ``finish``: sink rows -> the result's columns (row by row), and for windowed queries
-    ``window_end``: result rows -> the end (ms, exclusive) of the window each belongs to."""
+    ``finish``: sink rows -> the result's columns (row by row), for windowed queries
+    ``window_end``: result rows -> the end (ms, exclusive) of the window each belongs to, and
+    ``side_inputs``: files the query reads beside its tables (given as paths in ``sources``)."""
 
     name: str
     tables: tuple[str, ...]
@@ -894,6 +896,7 @@ class Query:
     columns: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (table, columns read); () all
     finish: Callable[[pa.Table], pa.Table] | None = None
     window_end: Callable[[pa.Table], pa.Array] | None = None
+    side_inputs: tuple[str, ...] = ()  # files read by a step (q13): ``sources[name]``, a path
 
 
 def _stateless(
@@ -968,6 +971,14 @@ QUERIES: dict[str, Query] = {
         finish=_columnwise(_q11_finish),
         # [starttime, endtime] closes when the watermark reaches endtime = last bid + 10 s
         window_end=_column("endtime", 1),
+    ),
+    "q13": Query(
+        "q13",
+        ("bid",),
+        build_q13,
+        "q13",
+        columns=(("bid", ("auction", "bidder", "price", "dateTime")),),
+        side_inputs=("side_input",),
     ),
     "q14": Query(
         "q14",
@@ -1052,7 +1063,8 @@ def build_flow(
     name: str | None = None,
     extra_sinks: Mapping[str, Any] | None = None,
 ) -> tuple[rs.Dataflow, Query]:
-    """The dataflow of ``query`` over ``sources`` (table name -> raystream source), ending in
+    """The dataflow of ``query`` over ``sources`` (table name -> raystream source; a side
+    input's name -> its file's path), ending in
     ``sink`` (step name :data:`SINK`) and in each of ``extra_sinks`` (step name -> sink). Each
     source's event time is its ``dateTime`` column, with watermarks ``max_out_of_orderness_ms``
     behind the largest seen."""
@@ -1060,12 +1072,15 @@ def build_flow(
         msg = f"query {query!r} is not built as a raystream dataflow; built: {sorted(QUERIES)}"
         raise KeyError(msg)
     spec = QUERIES[query]
-    missing = [t for t in spec.tables if t not in sources]
+    missing = [t for t in (*spec.tables, *spec.side_inputs) if t not in sources]
     if missing:
-        msg = f"{query} reads tables {list(spec.tables)}; no source given for {missing}"
+        msg = (
+            f"{query} reads tables {list(spec.tables)} and side inputs "
+            f"{list(spec.side_inputs)}; nothing given for {missing}"
+        )
         raise rs.ConfigError(msg)
     flow = rs.Dataflow(name or f"nexmark-{query}", num_key_groups=num_key_groups)
-    inputs: dict[str, rs.Stream] = {}
+    inputs: dict[str, Any] = {name: sources[name] for name in spec.side_inputs}  # paths
     for table in spec.tables:
         inputs[table] = flow.source(
             sources[table],

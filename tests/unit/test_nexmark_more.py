@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pytest
 
 import raystream as rs
@@ -21,6 +22,7 @@ from tests._bench import import_bench
 gen = import_bench("bench.nexmark.generator")
 oracle = import_bench("bench.nexmark.oracle")
 queries = import_bench("bench.nexmark.queries")
+side_input = import_bench("bench.nexmark.side_input")
 
 DAY0 = 1_599_955_200_000  # 2020-09-13 00:00:00 UTC
 H = 3_600_000
@@ -71,7 +73,12 @@ def run_query(
     (the others as fast as they go)."""
     spec = queries.QUERIES[query]
     rates = rates or {}
-    sources = {t: rs.sources.from_table(data[t], rate_eps=rates.get(t, 0)) for t in spec.tables}
+    sources: dict[str, Any] = {
+        t: rs.sources.from_table(data[t], rate_eps=rates.get(t, 0)) for t in spec.tables
+    }
+    for f in spec.side_inputs:  # q13: a file, written from the side input table
+        sources[f] = tmp / f"{f}.csv"
+        pacsv.write_csv(data[f], sources[f], pacsv.WriteOptions(include_header=False))
     flow, spec = queries.build_flow(query, sources, rs.sinks.collect())
     config = rs.RuntimeConfig(batch_rows=4, source_batch_rows=4)  # many small batches
     out = asyncio.run(run_local(flow, {spec.step: parallelism}, state_dir=str(tmp), config=config))
@@ -82,7 +89,45 @@ def run_query(
 
 
 def in_time_order(data: dict[str, pa.Table]) -> dict[str, pa.Table]:
-    return {k: t.sort_by([("dateTime", "ascending")]) for k, t in data.items()}
+    return {
+        k: t.sort_by([("dateTime", "ascending")]) if "dateTime" in t.schema.names else t
+        for k, t in data.items()
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# q13: bids joined with a side input file on auction % 10,000
+
+
+def q13_input() -> dict[str, pa.Table]:
+    side = pa.table(
+        {"key": [0, 1, 5, 5, 9_999], "value": ["zero", "one", "five", "cinq", ""]},
+        schema=side_input.SCHEMA,
+    )  # key 5 twice: both join; an empty value is a value
+    auctions = [1, 10_001, 5, 2, 19_999, 0, 20_000]
+    data = tables(bid_table([{"auction": a, "t": DAY0 + i} for i, a in enumerate(auctions)]))
+    data["side_input"] = side
+    return data
+
+
+def test_q13_oracle_by_hand() -> None:
+    got = [(r["auction"], r["value"]) for r in oracle.run("q13", q13_input()).to_pylist()]
+    assert got == [
+        (0, "zero"),
+        (1, "one"),
+        (5, "cinq"),
+        (5, "five"),
+        (10_001, "one"),
+        (19_999, ""),
+        (20_000, "zero"),
+    ]  # auction 2: no key 2
+
+
+def test_side_input_file_round_trip(tmp_path: Path) -> None:
+    """The generated side input: the reference's lines ``i,i``, read back as (i, "i")."""
+    path = side_input.write_side_input(tmp_path / "side_input.csv", rows=3)
+    assert path.read_text() == "0,0\n1,1\n2,2\n"
+    assert side_input.read_side_input(path).equals(side_input.side_input_table(3))
 
 
 # ------------------------------------------------------------------------------------------
@@ -344,6 +389,7 @@ def test_ties_in_either_arrival_order_equal_the_oracle(query: str, tmp_path: Pat
 # every new query's dataflow against the oracle on its hand-made input
 
 INPUTS = {
+    "q13": q13_input,
     "q14": q14_input,
     "q15": daily_input,
     "q16": daily_input,
