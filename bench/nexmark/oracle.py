@@ -203,6 +203,21 @@ SQL: dict[str, str] = {
         FROM bid AS B INNER JOIN auction AS A ON B.auction = A.id
         WHERE A.category = 10
     """,
+    "q6": """
+        WITH W AS (
+            SELECT A.id, A.seller, B.price, B.dateTime,
+                   ROW_NUMBER() OVER (PARTITION BY A.id, A.seller
+                                      ORDER BY B.price DESC, B.dateTime ASC, B.bidder ASC)
+                   AS rownum
+            FROM auction A, bid B
+            WHERE A.id = B.auction AND B.dateTime BETWEEN A.dateTime AND A.expires
+        )
+        SELECT seller, id,
+               CAST(SUM(price) OVER w // COUNT(*) OVER w AS BIGINT) AS avg_price
+        FROM W WHERE rownum = 1
+        WINDOW w AS (PARTITION BY seller ORDER BY dateTime, id
+                     ROWS BETWEEN 10 PRECEDING AND CURRENT ROW)
+    """,
     "q13": """
         SELECT B.auction, B.bidder, B.price, B.dateTime, S.value
         FROM bid AS B JOIN side_input AS S ON B.auction % 10000 = S.key
@@ -267,6 +282,7 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "q18": ("bidder", "auction"),
     "q19": ("auction", "rank_number"),
     "q20": ("auction", "bid_dateTime", "bidder", "price", "channel", "url", "bid_extra"),
+    "q6": ("id",),
     "q13": ("auction", "bidder", "price", "dateTime", "value"),
     "q14": ("auction", "bidder", "price_milli", "dateTime", "extra"),
     "q21": ("auction", "bidder", "price", "channel", "channel_id"),
@@ -428,6 +444,7 @@ SCHEMA: dict[str, pa.Schema] = {
             ("auction_extra", pa.string()),
         ]
     ),
+    "q6": pa.schema([("seller", pa.int64()), ("id", pa.int64()), ("avg_price", pa.int64())]),
     "q13": pa.schema(
         [
             ("auction", pa.int64()),

@@ -37,6 +37,7 @@ from bench.nexmark.daily import build_q15, build_q16, build_q17
 from bench.nexmark.category_join import build_q20
 from bench.nexmark.projections import q14_price_range, q21_channel_id, q22_url_dirs
 from bench.nexmark.ranking import build_q18, build_q19
+from bench.nexmark.seller_average import seller_average
 from bench.nexmark.side_input import build_q13
 from bench.nexmark.columns import KIND, META, VERSION
 from bench.nexmark.columns import carry_meta as _carry_meta
@@ -410,6 +411,15 @@ def category_average(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
 def _q4(inputs: dict[str, rs.Stream]) -> rs.Stream:
     winners = _winners(inputs, "q4", "q4")
     return winners.key_by("category").apply(category_average, name="q4_average")
+
+
+# --------------------------------------------------------------------------------------------
+# q6: per seller, the average winning price of an auction and the 10 before it (updating)
+
+
+def _q6(inputs: dict[str, rs.Stream]) -> rs.Stream:
+    winners = _winners(inputs, "q6", "q6")
+    return winners.key_by("seller").apply(seller_average, name="q6_average")
 
 
 # --------------------------------------------------------------------------------------------
@@ -946,6 +956,7 @@ QUERIES: dict[str, Query] = {
         finish=_columnwise(_q5_finish),
         window_end=_column("window_end"),
     ),
+    "q6": Query("q6", ("auction", "bid"), _q6, "q6", keyed=True, updating=True, key=("id",)),
     "q7": Query(
         "q7", ("bid",), _q7, "q7", keyed=True, windowed=True, window_end=_column("window_end")
     ),

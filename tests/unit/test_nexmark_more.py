@@ -96,6 +96,29 @@ def in_time_order(data: dict[str, pa.Table]) -> dict[str, pa.Table]:
 
 
 # ------------------------------------------------------------------------------------------
+# q6: per seller, the average winning price of an auction and the 10 before it
+
+
+def q6_input() -> dict[str, pa.Table]:
+    auctions = [{"id": k, "seller": 1, "t": DAY0, "e": DAY0 + 100_000} for k in range(1, 13)]
+    auctions += [{"id": 20, "seller": 2, "t": DAY0, "e": DAY0 + 100_000}]  # no bids: no row
+    bids = [{"auction": k, "price": 10 * k, "t": DAY0 + 1000 * k} for k in range(1, 13)]
+    bids += [
+        {"auction": 3, "price": 1000, "t": DAY0 + 50_000},  # 3's winner, now the latest one
+        {"auction": 2, "price": 10**6, "t": DAY0 + 200_000},  # after 2 expired: not counted
+    ]
+    return tables(bid_table(bids), auction_table(auctions))
+
+
+def test_q6_oracle_by_hand() -> None:
+    got = [(r["id"], r["avg_price"]) for r in oracle.run("q6", q6_input()).to_pylist()]
+    # winners by time: 1, 2, 4, ..., 12 (10 x id), then 3 (1000); 11 rows at most
+    by_time = [(1, 10), (2, 15), (4, 23), (5, 30), (6, 36), (7, 41), (8, 47), (9, 52), (10, 57),
+               (11, 63), (12, 68), (3, 158)]  # fmt: skip
+    assert got == sorted(by_time)
+
+
+# ------------------------------------------------------------------------------------------
 # q13: bids joined with a side input file on auction % 10,000
 
 
@@ -389,6 +412,7 @@ def test_ties_in_either_arrival_order_equal_the_oracle(query: str, tmp_path: Pat
 # every new query's dataflow against the oracle on its hand-made input
 
 INPUTS = {
+    "q6": q6_input,
     "q13": q13_input,
     "q14": q14_input,
     "q15": daily_input,

@@ -191,7 +191,7 @@ def test_out_of_order_input_equals_the_oracle(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--query", "q6"], "'q6' is not one of"),
+        (["--query", "q12"], "'q12' is not one of"),
         (["--query", "q1", "--rescale", "3@1"], "no keyed step to rescale"),
         (["--query", "q9", "--rescale", "x"], "expected P@T"),
         (["--query", "q9", "--parallelism", "200"], "at most 128"),
