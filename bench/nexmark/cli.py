@@ -163,6 +163,7 @@ def _pickle_by_value() -> None:
         "bench.nexmark.ranking",
         "bench.nexmark.category_join",
         "bench.nexmark.side_input",
+        "bench.nexmark.seller_average",
     ):
         module = sys.modules.get(name)
         if module is not None:
