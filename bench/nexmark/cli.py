@@ -157,6 +157,13 @@ def _pickle_by_value() -> None:
         "bench.nexmark.cli",
         "bench.nexmark.oracle",
         "bench.nexmark.lag",
+        "bench.nexmark.columns",
+        "bench.nexmark.projections",
+        "bench.nexmark.daily",
+        "bench.nexmark.ranking",
+        "bench.nexmark.category_join",
+        "bench.nexmark.side_input",
+        "bench.nexmark.seller_average",
     ):
         module = sys.modules.get(name)
         if module is not None:
@@ -415,8 +422,10 @@ def main(
         raise click.BadParameter(msg, param_hint="'--rescale'")
     if input_dir is not None:
         missing = [t for t in spec.tables if not (input_dir / f"{t}.parquet").is_file()]
+        missing += [f for f in spec.side_inputs if not (input_dir / f"{f}.csv").is_file()]
         if missing:
-            msg = f"{str(input_dir)!r} has no {', '.join(f'{t}.parquet' for t in missing)}"
+            names = [f"{t}.csv" if t in spec.side_inputs else f"{t}.parquet" for t in missing]
+            msg = f"{str(input_dir)!r} has no {', '.join(names)}"
             raise click.BadParameter(msg, param_hint="'--input'")
     tmp: str | None = None
     started_ray = False
@@ -437,6 +446,7 @@ def main(
             replay_rate_eps=replay_rate,
             columns=dict(spec.columns),
         )
+        sources.update({f: data / f"{f}.csv" for f in spec.side_inputs})
         written: Any = None
         if output is not None:
             make = UpsertResultSink if spec.updating else PartFileSink

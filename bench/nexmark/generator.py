@@ -535,7 +535,8 @@ def write_parquet(
     config: NexmarkConfig, out_dir: str | os.PathLike[str], *, row_group_rows: int = 262_144
 ) -> dict[str, Path]:
     """Write ``person.parquet``, ``auction.parquet``, ``bid.parquet`` under ``out_dir`` chunk by
-    chunk (bounded memory); files appear atomically (renamed when complete)."""
+    chunk (bounded memory); files appear atomically (renamed when complete). Also q13's side
+    input, ``side_input.csv`` (the same for every config)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = ("person", "auction", "bid")
@@ -551,6 +552,9 @@ def write_parquet(
         for t in names:
             paths[t] = out / f"{t}.parquet"
             os.replace(tmp[t], paths[t])
+        from bench.nexmark.side_input import write_side_input  # q13's bounded side input
+
+        paths["side_input"] = write_side_input(out / "side_input.csv")
         return paths
     except BaseException:
         for w in writers.values():

@@ -27,11 +27,13 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from bench.nexmark import side_input
 from bench.nexmark.generator import SCHEMAS, NexmarkTables
 
 __all__ = ["QUERIES", "SORT_KEYS", "SQL", "canonical", "load_tables", "run", "run_all"]
 
 TABLES = ("person", "auction", "bid")
+SIDE_INPUT = "side_input"  # q13's bounded side input: side_input.csv
 
 SQL: dict[str, str] = {
     "q0": """
@@ -126,6 +128,139 @@ SQL: dict[str, str] = {
         SELECT bidder, COUNT(*) AS bid_count, MIN(t) AS starttime, MAX(t) + 10000 AS endtime
         FROM S GROUP BY bidder, session
     """,
+    "q15": """
+        SELECT strftime(dateTime, '%Y-%m-%d') AS day,
+               count(*) AS total_bids,
+               count(*) FILTER (WHERE price < 10000) AS rank1_bids,
+               count(*) FILTER (WHERE price >= 10000 AND price < 1000000) AS rank2_bids,
+               count(*) FILTER (WHERE price >= 1000000) AS rank3_bids,
+               count(DISTINCT bidder) AS total_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price < 10000) AS rank1_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price >= 10000 AND price < 1000000)
+                   AS rank2_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price >= 1000000) AS rank3_bidders,
+               count(DISTINCT auction) AS total_auctions,
+               count(DISTINCT auction) FILTER (WHERE price < 10000) AS rank1_auctions,
+               count(DISTINCT auction) FILTER (WHERE price >= 10000 AND price < 1000000)
+                   AS rank2_auctions,
+               count(DISTINCT auction) FILTER (WHERE price >= 1000000) AS rank3_auctions
+        FROM bid GROUP BY strftime(dateTime, '%Y-%m-%d')
+    """,
+    "q16": """
+        SELECT channel, strftime(dateTime, '%Y-%m-%d') AS day,
+               max(strftime(dateTime, '%H:%M')) AS minute,
+               count(*) AS total_bids,
+               count(*) FILTER (WHERE price < 10000) AS rank1_bids,
+               count(*) FILTER (WHERE price >= 10000 AND price < 1000000) AS rank2_bids,
+               count(*) FILTER (WHERE price >= 1000000) AS rank3_bids,
+               count(DISTINCT bidder) AS total_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price < 10000) AS rank1_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price >= 10000 AND price < 1000000)
+                   AS rank2_bidders,
+               count(DISTINCT bidder) FILTER (WHERE price >= 1000000) AS rank3_bidders,
+               count(DISTINCT auction) AS total_auctions,
+               count(DISTINCT auction) FILTER (WHERE price < 10000) AS rank1_auctions,
+               count(DISTINCT auction) FILTER (WHERE price >= 10000 AND price < 1000000)
+                   AS rank2_auctions,
+               count(DISTINCT auction) FILTER (WHERE price >= 1000000) AS rank3_auctions
+        FROM bid GROUP BY channel, strftime(dateTime, '%Y-%m-%d')
+    """,
+    "q17": """
+        SELECT auction, strftime(dateTime, '%Y-%m-%d') AS day,
+               count(*) AS total_bids,
+               count(*) FILTER (WHERE price < 10000) AS rank1_bids,
+               count(*) FILTER (WHERE price >= 10000 AND price < 1000000) AS rank2_bids,
+               count(*) FILTER (WHERE price >= 1000000) AS rank3_bids,
+               min(price) AS min_price, max(price) AS max_price,
+               sum(price) // count(*) AS avg_price, sum(price) AS sum_price
+        FROM bid GROUP BY auction, strftime(dateTime, '%Y-%m-%d')
+    """,
+    "q18": """
+        SELECT auction, bidder, price, channel, url, dateTime, extra
+        FROM (
+            SELECT *, ROW_NUMBER() OVER (
+                PARTITION BY bidder, auction
+                ORDER BY dateTime DESC, price DESC, channel DESC NULLS LAST,
+                         url DESC NULLS LAST, extra DESC NULLS LAST) AS rank_number
+            FROM bid)
+        WHERE rank_number <= 1
+    """,
+    "q19": """
+        SELECT auction, bidder, price, channel, url, dateTime, extra, rank_number
+        FROM (
+            SELECT *, ROW_NUMBER() OVER (
+                PARTITION BY auction
+                ORDER BY price DESC, dateTime ASC, bidder ASC, channel ASC NULLS LAST,
+                         url ASC NULLS LAST, extra ASC NULLS LAST) AS rank_number
+            FROM bid)
+        WHERE rank_number <= 10
+    """,
+    "q20": """
+        SELECT auction, bidder, price, channel, url, B.dateTime AS bid_dateTime,
+               B.extra AS bid_extra, itemName, description, initialBid, reserve,
+               A.dateTime AS auction_dateTime, expires, seller, category,
+               A.extra AS auction_extra
+        FROM bid AS B INNER JOIN auction AS A ON B.auction = A.id
+        WHERE A.category = 10
+    """,
+    "q6": """
+        WITH W AS (
+            SELECT A.id, A.seller, B.price, B.dateTime,
+                   ROW_NUMBER() OVER (PARTITION BY A.id, A.seller
+                                      ORDER BY B.price DESC, B.dateTime ASC, B.bidder ASC)
+                   AS rownum
+            FROM auction A, bid B
+            WHERE A.id = B.auction AND B.dateTime BETWEEN A.dateTime AND A.expires
+        )
+        SELECT seller, id,
+               CAST(SUM(price) OVER w // COUNT(*) OVER w AS BIGINT) AS avg_price
+        FROM W WHERE rownum = 1
+        WINDOW w AS (PARTITION BY seller ORDER BY dateTime, id
+                     ROWS BETWEEN 10 PRECEDING AND CURRENT ROW)
+    """,
+    "q13": """
+        SELECT B.auction, B.bidder, B.price, B.dateTime, S.value
+        FROM bid AS B JOIN side_input AS S ON B.auction % 10000 = S.key
+    """,
+    "q14": """
+        SELECT auction, bidder,
+               CAST(CAST(price AS DECIMAL(20, 0)) * 0.908 AS DECIMAL(23, 3)) AS price,
+               price * 908 AS price_milli,
+               CASE
+                   WHEN hour(dateTime) >= 8 AND hour(dateTime) <= 18 THEN 'dayTime'
+                   WHEN hour(dateTime) <= 6 OR hour(dateTime) >= 20 THEN 'nightTime'
+                   ELSE 'otherTime'
+               END AS bidTimeType,
+               dateTime, extra,
+               coalesce(length(extra) - length(replace(extra, 'c', '')), 0) AS c_counts
+        FROM bid
+        WHERE 0.908 * price > 1000000 AND 0.908 * price < 50000000
+    """,
+    "q21": """
+        WITH B AS (
+            SELECT auction, bidder, price, channel,
+                   CASE WHEN regexp_matches(url, '(&|^)channel_id=([^&]*)')
+                        THEN regexp_extract(url, '(&|^)channel_id=([^&]*)', 2) END AS found
+            FROM bid
+        )
+        SELECT auction, bidder, price, channel,
+               CASE
+                   WHEN lower(channel) = 'apple' THEN '0'
+                   WHEN lower(channel) = 'google' THEN '1'
+                   WHEN lower(channel) = 'facebook' THEN '2'
+                   WHEN lower(channel) = 'baidu' THEN '3'
+                   ELSE found
+               END AS channel_id
+        FROM B
+        WHERE found IS NOT NULL OR lower(channel) IN ('apple', 'google', 'facebook', 'baidu')
+    """,
+    "q22": """
+        SELECT auction, bidder, price, channel,
+               string_split(url, '/')[4] AS dir1,
+               string_split(url, '/')[5] AS dir2,
+               string_split(url, '/')[6] AS dir3
+        FROM bid
+    """,
 }
 
 QUERIES = tuple(SQL)
@@ -141,6 +276,17 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "q8": ("stime", "id"),
     "q9": ("id",),
     "q11": ("bidder", "starttime"),
+    "q15": ("day",),
+    "q16": ("channel", "day"),
+    "q17": ("auction", "day"),
+    "q18": ("bidder", "auction"),
+    "q19": ("auction", "rank_number"),
+    "q20": ("auction", "bid_dateTime", "bidder", "price", "channel", "url", "bid_extra"),
+    "q6": ("id",),
+    "q13": ("auction", "bidder", "price", "dateTime", "value"),
+    "q14": ("auction", "bidder", "price_milli", "dateTime", "extra"),
+    "q21": ("auction", "bidder", "price", "channel", "channel_id"),
+    "q22": ("auction", "bidder", "price", "channel", "dir1", "dir2", "dir3"),
 }
 
 SCHEMA: dict[str, pa.Schema] = {
@@ -205,18 +351,158 @@ SCHEMA: dict[str, pa.Schema] = {
             ("endtime", pa.int64()),
         ]
     ),
+    "q15": pa.schema(
+        [
+            ("day", pa.string()),
+            ("total_bids", pa.int64()),
+            ("rank1_bids", pa.int64()),
+            ("rank2_bids", pa.int64()),
+            ("rank3_bids", pa.int64()),
+            ("total_bidders", pa.int64()),
+            ("rank1_bidders", pa.int64()),
+            ("rank2_bidders", pa.int64()),
+            ("rank3_bidders", pa.int64()),
+            ("total_auctions", pa.int64()),
+            ("rank1_auctions", pa.int64()),
+            ("rank2_auctions", pa.int64()),
+            ("rank3_auctions", pa.int64()),
+        ]
+    ),
+    "q16": pa.schema(
+        [
+            ("channel", pa.string()),
+            ("day", pa.string()),
+            ("minute", pa.string()),
+            ("total_bids", pa.int64()),
+            ("rank1_bids", pa.int64()),
+            ("rank2_bids", pa.int64()),
+            ("rank3_bids", pa.int64()),
+            ("total_bidders", pa.int64()),
+            ("rank1_bidders", pa.int64()),
+            ("rank2_bidders", pa.int64()),
+            ("rank3_bidders", pa.int64()),
+            ("total_auctions", pa.int64()),
+            ("rank1_auctions", pa.int64()),
+            ("rank2_auctions", pa.int64()),
+            ("rank3_auctions", pa.int64()),
+        ]
+    ),
+    "q17": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("day", pa.string()),
+            ("total_bids", pa.int64()),
+            ("rank1_bids", pa.int64()),
+            ("rank2_bids", pa.int64()),
+            ("rank3_bids", pa.int64()),
+            ("min_price", pa.int64()),
+            ("max_price", pa.int64()),
+            ("avg_price", pa.int64()),
+            ("sum_price", pa.int64()),
+        ]
+    ),
+    "q18": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("channel", pa.string()),
+            ("url", pa.string()),
+            ("dateTime", pa.timestamp("ms")),
+            ("extra", pa.string()),
+        ]
+    ),
+    "q19": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("channel", pa.string()),
+            ("url", pa.string()),
+            ("dateTime", pa.timestamp("ms")),
+            ("extra", pa.string()),
+            ("rank_number", pa.int64()),
+        ]
+    ),
+    "q20": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("channel", pa.string()),
+            ("url", pa.string()),
+            ("bid_dateTime", pa.timestamp("ms")),
+            ("bid_extra", pa.string()),
+            ("itemName", pa.string()),
+            ("description", pa.string()),
+            ("initialBid", pa.int64()),
+            ("reserve", pa.int64()),
+            ("auction_dateTime", pa.timestamp("ms")),
+            ("expires", pa.timestamp("ms")),
+            ("seller", pa.int64()),
+            ("category", pa.int64()),
+            ("auction_extra", pa.string()),
+        ]
+    ),
+    "q6": pa.schema([("seller", pa.int64()), ("id", pa.int64()), ("avg_price", pa.int64())]),
+    "q13": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("dateTime", pa.timestamp("ms")),
+            ("value", pa.string()),
+        ]
+    ),
+    "q14": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.decimal128(23, 3)),
+            ("price_milli", pa.int64()),
+            ("bidTimeType", pa.string()),
+            ("dateTime", pa.timestamp("ms")),
+            ("extra", pa.string()),
+            ("c_counts", pa.int64()),
+        ]
+    ),
+    "q21": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("channel", pa.string()),
+            ("channel_id", pa.string()),
+        ]
+    ),
+    "q22": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("channel", pa.string()),
+            ("dir1", pa.string()),
+            ("dir2", pa.string()),
+            ("dir3", pa.string()),
+        ]
+    ),
 }
 
 
 def load_tables(
     source: NexmarkTables | Mapping[str, pa.Table] | str | os.PathLike[str],
 ) -> dict[str, pa.Table]:
-    """The three tables from generated tables, a mapping, or a directory of the Parquet files
-    (a missing table is empty)."""
+    """The three tables and q13's side input from generated tables (with the side input
+    ``write_parquet`` writes beside them), a mapping, or a directory of the Parquet files and
+    ``side_input.csv`` (a missing table is empty)."""
     if isinstance(source, NexmarkTables):
-        return {t: source.table(t) for t in TABLES}
+        out = {t: source.table(t) for t in TABLES}
+        out[SIDE_INPUT] = side_input.side_input_table()  # what write_parquet writes beside them
+        return out
     if isinstance(source, Mapping):
-        return {t: source.get(t, SCHEMAS[t].empty_table()) for t in TABLES}
+        out = {t: source.get(t, SCHEMAS[t].empty_table()) for t in TABLES}
+        out[SIDE_INPUT] = source.get(SIDE_INPUT, side_input.SCHEMA.empty_table())
+        return out
     import pyarrow.parquet as pq
 
     base = Path(source)
@@ -224,6 +510,10 @@ def load_tables(
     for t in TABLES:
         path = base / f"{t}.parquet"
         out[t] = pq.read_table(path) if path.exists() else SCHEMAS[t].empty_table()
+    csv = base / f"{SIDE_INPUT}.csv"
+    out[SIDE_INPUT] = (
+        side_input.read_side_input(csv) if csv.exists() else side_input.SCHEMA.empty_table()
+    )
     return out
 
 

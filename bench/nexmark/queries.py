@@ -33,23 +33,22 @@ from raystream.operators import windows
 
 import raystream as rs
 from bench.nexmark import oracle
+from bench.nexmark.daily import build_q15, build_q16, build_q17
+from bench.nexmark.category_join import build_q20
+from bench.nexmark.projections import q14_price_range, q21_channel_id, q22_url_dirs
+from bench.nexmark.ranking import build_q18, build_q19
+from bench.nexmark.seller_average import seller_average
+from bench.nexmark.side_input import build_q13
+from bench.nexmark.columns import KIND, META, VERSION
+from bench.nexmark.columns import carry_meta as _carry_meta
+from bench.nexmark.columns import ms as _ms
+from bench.nexmark.columns import ts as _ts
+from bench.nexmark.columns import with_meta as _with_meta
 from raystream.upsert import final_table, to_changes
 
 __all__ = ["QUERIES", "SINK", "Query", "build_flow", "final_result", "result_rows"]
 
 SINK = "result"
-VERSION = "_version"
-KIND = "_kind"  # Flink's RowKind of a change: "+I" (insert or update) or "-D" (delete)
-META = ("event_time", "ingest_ts")
-
-
-def _with_meta(batch: pa.RecordBatch, columns: dict[str, pa.Array]) -> pa.RecordBatch:
-    """``columns`` plus the runtime's event_time / ingest_ts columns of ``batch`` (same rows)."""
-    out = dict(columns)
-    for col in META:
-        if col in batch.schema.names:
-            out[col] = batch.column(col)
-    return pa.RecordBatch.from_pydict(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,17 +105,6 @@ def q2_selection(batch: pa.RecordBatch) -> pa.RecordBatch | None:
 
 # --------------------------------------------------------------------------------------------
 # small vectorised pieces
-
-
-def _ms(column: pa.Array) -> np.ndarray:
-    """int64 ms since the epoch of a timestamp[ms] (or int64) column."""
-    if pa.types.is_timestamp(column.type):
-        column = column.cast(pa.int64())
-    return column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-
-
-def _ts(ms: Any) -> pa.Array:
-    return pa.array(np.asarray(ms, dtype=np.int64), pa.int64()).cast(pa.timestamp("ms"))
 
 
 def _select(
@@ -352,15 +340,6 @@ def auction_winner(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch | None:
     return pa.RecordBatch.from_pydict(out)
 
 
-def _carry_meta(batch: rs.KeyedBatch, idx: np.ndarray, out: dict[str, Any]) -> None:
-    """The changed keys' oldest ingest_ts and newest event_time of this batch."""
-    names = batch.records.schema.names
-    if "ingest_ts" in names:
-        out["ingest_ts"] = pa.array(batch.reduce("ingest_ts", "min")[idx], pa.int64())
-    if "event_time" in names:
-        out["event_time"] = pa.array(batch.reduce("event_time", "max")[idx], pa.int64())
-
-
 def _winners(inputs: dict[str, rs.Stream], prefix: str, parallel_name: str) -> rs.Stream:
     def auction_cols(batch: pa.RecordBatch) -> pa.RecordBatch:
         return _with_meta(
@@ -432,6 +411,15 @@ def category_average(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
 def _q4(inputs: dict[str, rs.Stream]) -> rs.Stream:
     winners = _winners(inputs, "q4", "q4")
     return winners.key_by("category").apply(category_average, name="q4_average")
+
+
+# --------------------------------------------------------------------------------------------
+# q6: per seller, the average winning price of an auction and the 10 before it (updating)
+
+
+def _q6(inputs: dict[str, rs.Stream]) -> rs.Stream:
+    winners = _winners(inputs, "q6", "q6")
+    return winners.key_by("seller").apply(seller_average, name="q6_average")
 
 
 # --------------------------------------------------------------------------------------------
@@ -902,8 +890,9 @@ class Query:
     rescale, when keyed) applies to, whether its result is updating (then its rows are changes
     ordered per ``key`` of the result by ``_version``, with a ``_kind`` column if ``deletes``),
     ``columns``: the columns it reads of each table (its sources project the others away),
-    ``finish``: sink rows -> the result's columns (row by row), and for windowed queries
-    ``window_end``: result rows -> the end (ms, exclusive) of the window each belongs to."""
+    ``finish``: sink rows -> the result's columns (row by row), for windowed queries
+    ``window_end``: result rows -> the end (ms, exclusive) of the window each belongs to, and
+    ``side_inputs``: files the query reads beside its tables (given as paths in ``sources``)."""
 
     name: str
     tables: tuple[str, ...]
@@ -917,6 +906,7 @@ class Query:
     columns: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (table, columns read); () all
     finish: Callable[[pa.Table], pa.Table] | None = None
     window_end: Callable[[pa.Table], pa.Array] | None = None
+    side_inputs: tuple[str, ...] = ()  # files read by a step (q13): ``sources[name]``, a path
 
 
 def _stateless(
@@ -966,6 +956,7 @@ QUERIES: dict[str, Query] = {
         finish=_columnwise(_q5_finish),
         window_end=_column("window_end"),
     ),
+    "q6": Query("q6", ("auction", "bid"), _q6, "q6", keyed=True, updating=True, key=("id",)),
     "q7": Query(
         "q7", ("bid",), _q7, "q7", keyed=True, windowed=True, window_end=_column("window_end")
     ),
@@ -992,6 +983,84 @@ QUERIES: dict[str, Query] = {
         # [starttime, endtime] closes when the watermark reaches endtime = last bid + 10 s
         window_end=_column("endtime", 1),
     ),
+    "q13": Query(
+        "q13",
+        ("bid",),
+        build_q13,
+        "q13",
+        columns=(("bid", ("auction", "bidder", "price", "dateTime")),),
+        side_inputs=("side_input",),
+    ),
+    "q14": Query(
+        "q14",
+        ("bid",),
+        _stateless("q14", q14_price_range),
+        "q14",
+        columns=(("bid", ("auction", "bidder", "price", "dateTime", "extra")),),
+    ),
+    "q15": Query(
+        "q15",
+        ("bid",),
+        build_q15,
+        "q15",
+        keyed=True,
+        updating=True,
+        key=("day",),
+        columns=(("bid", ("auction", "bidder", "price", "dateTime")),),
+    ),
+    "q16": Query(
+        "q16",
+        ("bid",),
+        build_q16,
+        "q16",
+        keyed=True,
+        updating=True,
+        key=("channel", "day"),
+        columns=(("bid", ("auction", "bidder", "price", "channel", "dateTime")),),
+    ),
+    "q17": Query(
+        "q17",
+        ("bid",),
+        build_q17,
+        "q17",
+        keyed=True,
+        updating=True,
+        key=("auction", "day"),
+        columns=(("bid", ("auction", "price", "dateTime")),),
+    ),
+    "q18": Query(
+        "q18",
+        ("bid",),
+        build_q18,
+        "q18",
+        keyed=True,
+        updating=True,
+        key=("bidder", "auction"),
+    ),
+    "q19": Query(
+        "q19",
+        ("bid",),
+        build_q19,
+        "q19",
+        keyed=True,
+        updating=True,
+        key=("auction", "rank_number"),
+    ),
+    "q20": Query("q20", ("auction", "bid"), build_q20, "q20", keyed=True),
+    "q21": Query(
+        "q21",
+        ("bid",),
+        _stateless("q21", q21_channel_id),
+        "q21",
+        columns=(("bid", ("auction", "bidder", "price", "channel", "url", "dateTime")),),
+    ),
+    "q22": Query(
+        "q22",
+        ("bid",),
+        _stateless("q22", q22_url_dirs),
+        "q22",
+        columns=(("bid", ("auction", "bidder", "price", "channel", "url", "dateTime")),),
+    ),
 }
 
 
@@ -1005,7 +1074,8 @@ def build_flow(
     name: str | None = None,
     extra_sinks: Mapping[str, Any] | None = None,
 ) -> tuple[rs.Dataflow, Query]:
-    """The dataflow of ``query`` over ``sources`` (table name -> raystream source), ending in
+    """The dataflow of ``query`` over ``sources`` (table name -> raystream source; a side
+    input's name -> its file's path), ending in
     ``sink`` (step name :data:`SINK`) and in each of ``extra_sinks`` (step name -> sink). Each
     source's event time is its ``dateTime`` column, with watermarks ``max_out_of_orderness_ms``
     behind the largest seen."""
@@ -1013,12 +1083,15 @@ def build_flow(
         msg = f"query {query!r} is not built as a raystream dataflow; built: {sorted(QUERIES)}"
         raise KeyError(msg)
     spec = QUERIES[query]
-    missing = [t for t in spec.tables if t not in sources]
+    missing = [t for t in (*spec.tables, *spec.side_inputs) if t not in sources]
     if missing:
-        msg = f"{query} reads tables {list(spec.tables)}; no source given for {missing}"
+        msg = (
+            f"{query} reads tables {list(spec.tables)} and side inputs "
+            f"{list(spec.side_inputs)}; nothing given for {missing}"
+        )
         raise rs.ConfigError(msg)
     flow = rs.Dataflow(name or f"nexmark-{query}", num_key_groups=num_key_groups)
-    inputs: dict[str, rs.Stream] = {}
+    inputs: dict[str, Any] = {name: sources[name] for name in spec.side_inputs}  # paths
     for table in spec.tables:
         inputs[table] = flow.source(
             sources[table],

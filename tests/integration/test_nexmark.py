@@ -1,7 +1,7 @@
 """NEXMark queries as raystream dataflows against the DuckDB oracle (bench/nexmark).
 
-Every built query runs at parallelism 3 over a small generated input (Parquet files, one
-source per table); every stateful one once more with a live rescale under meces. The final
+q0-q5, q7-q9 and q11 run at parallelism 3 over a small generated input (Parquet files, one
+source per table); every stateful query with a live rescale under meces. The final
 result must equal the oracle's exactly (same rows, same types).
 """
 
@@ -24,6 +24,11 @@ cli = import_bench("bench.nexmark.cli")
 
 BUILT = sorted(queries.QUERIES, key=lambda q: int(q[1:]))
 STATEFUL = [q for q in BUILT if queries.QUERIES[q].keyed]
+# The suite's Ray time is budgeted: these run once more at parallelism 3 below; the other
+# stateful queries (q6, q15-q20) run on Ray only across the live rescale (2 then 3 instances),
+# the other stateless ones (q13, q14, q21, q22) only in one process (tests/unit/test_nexmark_more.py,
+# test_nexmark_queries.py)
+PLAIN = [q for q in ("q0", "q1", "q2", "q3", "q4", "q5", "q7", "q8", "q9", "q11") if q in BUILT]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,7 +36,18 @@ def _ship_bench() -> None:
     """Ray workers cannot import bench/ (not installed): its modules travel by value."""
     from ray import cloudpickle
 
-    for name in ("bench.nexmark.queries", "bench.nexmark.cli", "bench.nexmark.oracle"):
+    for name in (
+        "bench.nexmark.queries",
+        "bench.nexmark.cli",
+        "bench.nexmark.oracle",
+        "bench.nexmark.columns",
+        "bench.nexmark.projections",
+        "bench.nexmark.daily",
+        "bench.nexmark.ranking",
+        "bench.nexmark.category_join",
+        "bench.nexmark.side_input",
+        "bench.nexmark.seller_average",
+    ):
         cloudpickle.register_pickle_by_value(sys.modules[name])
 
 
@@ -58,7 +74,7 @@ def _run(query: str, data: Path, parallelism: int, **kw: Any) -> Any:
 
 # parallelism 3 (every query also runs at 2 -> 3 below; 1 instance adds a job start, not a check)
 @pytest.mark.parametrize("parallelism", [3])
-@pytest.mark.parametrize("query", BUILT)
+@pytest.mark.parametrize("query", PLAIN)
 def test_query_equals_oracle(query: str, parallelism: int, data: Path, expected: Any) -> None:
     result = _run(query, data, parallelism, batch_rows=4096, linger_ms=2)
     got = queries.final_result(query, result.table(queries.SINK))

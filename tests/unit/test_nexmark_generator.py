@@ -224,7 +224,9 @@ def test_write_parquet_round_trips(tmp_path: Path) -> None:
         "auction.parquet",
         "bid.parquet",
         "person.parquet",
+        "side_input.csv",  # q13's, the same for every config
     ]
+    assert paths.pop("side_input").read_text().startswith("0,0\n1,1\n")
     whole = gen.generate(config)
     for name, path in paths.items():
         table = pq.read_table(path)

@@ -245,5 +245,5 @@ def test_empty_input_gives_empty_results_with_the_schema() -> None:
 
 
 def test_unknown_query() -> None:
-    with pytest.raises(KeyError, match="q6"):
-        oracle.run("q6", {})
+    with pytest.raises(KeyError, match="q12"):
+        oracle.run("q12", {})
