@@ -475,6 +475,9 @@ class Stream:
         if not (hasattr(sink, "open") and callable(sink.open)):
             msg = f"sink() expects a sink such as rs.sinks.collect(), got {type(sink).__name__}: {sink!r}"
             raise DataflowDefinitionError(msg)
+        check = getattr(sink, "check_schema", None)
+        if callable(check) and self.schema is not None:  # e.g. partition columns, before the job
+            check(self.schema)
         step_name = name or f"sink_{sum(1 for s in self._flow.steps.values() if s.kind == 'sink')}"
         self._flow._add(
             Step(

@@ -26,6 +26,7 @@ atomically; ``publish`` is then one rename.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import tempfile
@@ -220,3 +221,34 @@ class PartStore:
         """Drop the local staging folder of a remote store."""
         if not self.local:
             shutil.rmtree(self.stage_dir, ignore_errors=True)
+
+    # ---- sub-folders (partitioned output) ---------------------------------------------
+    def child(self, folder: str) -> PartStore:
+        """The store of sub-folder ``folder`` (a relative path with ``/``): same filesystem,
+        its own staging folder on a remote store. Create it with :meth:`ensure_folder`."""
+        sub = copy.copy(self)
+        sub.root = self._abs(folder.replace("/", os.sep) if self.local else folder)
+        sub.uri = self.display(folder)
+        sub.stage_dir = sub.root if self.local else tempfile.mkdtemp(prefix="raystream-parquet-")
+        return sub
+
+    def folders(self, depth: int) -> list[str]:
+        """The relative paths (``a/b``) of the folders exactly ``depth`` levels below this one."""
+        if self.local:
+            found = []
+            for here, dirs, _ in os.walk(self.root):
+                rel = os.path.relpath(here, self.root)
+                level = 0 if rel == "." else rel.count(os.sep) + 1
+                if level == depth:
+                    found.append(rel.replace(os.sep, "/"))
+                    dirs.clear()
+            return sorted(found)
+        sel = pafs.FileSelector(self.root, allow_not_found=True, recursive=True)
+        found = []
+        for info in self.fs.get_file_info(sel):
+            if info.type != pafs.FileType.Directory:
+                continue
+            rel = info.path[len(self.root) :].strip("/")
+            if rel and rel.count("/") + 1 == depth:
+                found.append(rel)
+        return sorted(found)

@@ -40,6 +40,11 @@ import pyarrow.parquet as pq
 
 from raystream.errors import CheckpointError, ConfigError, SchemaError
 from raystream.part_store import PartStore, check_uri, redact
+from raystream.partitioned_sink import (
+    PartitionedParquetWriter,
+    check_partition_names,
+    check_partition_schema,
+)
 from raystream.upsert import UpsertWriter, check_upsert_spec
 
 __all__ = [
@@ -330,6 +335,8 @@ class ParquetSink:
     max_file_bytes: int | None = None
     max_file_s: float | None = None
     filesystem: pafs.FileSystem | None = field(default=None, compare=False)  # not hashable
+    partition_by: tuple[str, ...] = ()
+    max_open_partitions: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
@@ -371,6 +378,33 @@ class ParquetSink:
         else:
             msg = f"parquet sink mode must be 'append' or 'upsert', got {self.mode!r}"
             raise ConfigError(msg)
+        self._check_partitioning(where)
+
+    def _check_partitioning(self, where: str) -> None:
+        cols = self.partition_by
+        if isinstance(cols, str) or not isinstance(cols, (tuple, list)):
+            msg = f"{where}: partition_by expects a list of column names, got {cols!r}"
+            raise ConfigError(msg)
+        cols = tuple(cols)
+        object.__setattr__(self, "partition_by", cols)
+        check_partition_names(cols, where)
+        if cols and self.mode == "upsert":
+            msg = (
+                f"{where}: partition_by is not supported with mode='upsert' (a key's changes "
+                "must stay in one folder for read_upsert); partition an append sink, or upsert "
+                "into one folder per partition value"
+            )
+            raise ConfigError(msg)
+        cap = self.max_open_partitions
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+            msg = f"parquet sink max_open_partitions must be an int >= 1, got {cap!r}"
+            raise ConfigError(msg)
+
+    def check_schema(self, schema: pa.Schema) -> None:
+        """:class:`SchemaError` if the stream's ``schema`` cannot be written (with
+        ``partition_by``: a partition column missing, or of a type that cannot name a folder)."""
+        if self.partition_by:
+            check_partition_schema(schema, self.partition_by, self.describe())
 
     def check_writable(self) -> None:
         """Create the output folder if missing and check it can be written (at the job's start):
@@ -389,6 +423,16 @@ class ParquetSink:
         except BaseException:
             store.close()
             raise
+        if self.partition_by:
+            size, age = self.max_file_bytes, self.max_file_s
+            return PartitionedParquetWriter(
+                store,
+                index,
+                self.partition_by,
+                self.max_open_partitions,
+                lambda sub: _ParquetWriter(sub, index, size, age, rolling=True),
+                redact(self.describe()),
+            )
         writer = _ParquetWriter(store, index, self.max_file_bytes, self.max_file_s)
         if self.mode == "append":
             return writer
@@ -410,6 +454,10 @@ class ParquetSink:
         )
         if self.filesystem is not None:
             roll += f", filesystem={type(self.filesystem).__name__}"
+        if self.partition_by:
+            roll += f", partition_by={list(self.partition_by)!r}"
+            if self.max_open_partitions != 64:
+                roll += f", max_open_partitions={self.max_open_partitions!r}"
         path = redact(self.path)
         if self.mode == "append":
             return f"parquet({path!r}{roll})"
@@ -435,13 +483,15 @@ class _ParquetWriter:
         index: int,
         max_file_bytes: int | None = None,
         max_file_s: float | None = None,
+        *,
+        rolling: bool = False,
     ) -> None:
         self._store = store
         self._dir = store.uri
         self._index = index
         self._max_bytes = max_file_bytes
         self._max_s = max_file_s
-        self._rolling = max_file_bytes is not None or max_file_s is not None
+        self._rolling = rolling or max_file_bytes is not None or max_file_s is not None
         self._rolled: list[tuple[int, int]] = []  # (roll number, rows): hidden, not pre-committed
         self._roll_no = 0  # the number of the open part
         self._part_started = 0.0  # monotonic time of the open part's first batch
@@ -769,6 +819,8 @@ def parquet(
     max_file_bytes: int | None = None,
     max_file_s: float | None = None,
     filesystem: pafs.FileSystem | None = None,
+    partition_by: Sequence[str] = (),
+    max_open_partitions: int = 64,
 ) -> ParquetSink:
     """Write Parquet: ``path`` is a directory (a local path, or any ``pyarrow.fs`` URI:
     ``s3://bucket/out``, ``gs://bucket/out``, ``hdfs://host:port/out``, ``file:///abs/out``; or a
@@ -787,6 +839,18 @@ def parquet(
     the same family (int32 for int64, large_string for string, ...), which is cast safely;
     other columns or types raise :class:`SchemaError`. An instance that got no batch writes no
     file (empty parts at checkpoints are skipped too). ``close()`` returns a :class:`WrittenFile`.
+
+    ``partition_by=["dt", "hm"]`` writes Hive-style folders ``path/dt=<value>/hm=<value>/``
+    holding the parts of the rows with those values, without the partition columns (read them
+    back with ``pyarrow.dataset.dataset(path, partitioning="hive")`` or DuckDB
+    ``read_parquet('path/**/*.parquet', hive_partitioning=true)``). Partition columns must be
+    string, integer, boolean or date columns; null and empty values go to
+    ``__HIVE_DEFAULT_PARTITION__``, and the characters Hive escapes (``/``, ``:``, ``=``, ``%``,
+    ...) are written as ``%XX`` (see :mod:`raystream.partitioned_sink`). Each instance keeps
+    one open part per folder and at most ``max_open_partitions`` open at once (the least
+    recently written is closed and published by the next checkpoint); checkpoints publish
+    every folder's parts exactly once, as without partitions. Part names always carry a roll
+    number (``-r{n:04d}``). Not with ``mode="upsert"``.
 
     ``max_file_bytes`` / ``max_file_s`` roll part files by size or age (see
     :class:`ParquetSink`); rolled parts are published by the checkpoint after them, exactly once.
@@ -816,6 +880,8 @@ def parquet(
         max_file_bytes=max_file_bytes,
         max_file_s=max_file_s,
         filesystem=filesystem,
+        partition_by=tuple(partition_by) if not isinstance(partition_by, str) else partition_by,  # type: ignore[arg-type]
+        max_open_partitions=max_open_partitions,
     )
 
 
