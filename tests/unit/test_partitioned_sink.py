@@ -155,7 +155,8 @@ def test_restore_publishes_the_checkpoint_and_drops_the_rest(tmp_path: Path) -> 
     """Crash after checkpoint 2 was pre-committed (not committed), with parts of checkpoint 3
     pending and open parts, some closed by the cap: restoring checkpoint 2 and replaying what
     came after it gives every row exactly once."""
-    batches = [batch(s, n=400, days=2, minutes=6) for s in range(6)]
+    # after checkpoint 2 come new days: folders that checkpoint 2 does not list
+    batches = [batch(s, n=400, days=2 if s < 3 else 4, minutes=6) for s in range(6)]
     first = sink(tmp_path, max_open_partitions=3).open(0, 1)
     first.write(batches[0])
     first.pre_commit(1)
