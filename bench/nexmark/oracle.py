@@ -10,6 +10,8 @@ Each query follows the Flink SQL text of the nexmark/nexmark repository
   written (so a bid exactly at ``window_end`` with the previous window's top price matches);
 * q9 keeps, per auction, the bid of the highest price, ties broken by the earliest
   ``dateTime`` (as written), and then by the smallest ``bidder`` so the answer is unique;
+* q10's ``DATE_FORMAT(dateTime, 'yyyy-MM-dd')`` / ``'HH:mm'`` format the timestamp as it is
+  (UTC, no zone), as ``strftime`` does;
 * q11 sessions per bidder: a bid within 10 s (inclusive) of the session's previous bid joins
   it (Flink merges session windows ``[t, t + gap)`` that touch); ``endtime`` is the last bid's
   time + 10 s.
@@ -30,7 +32,16 @@ import pyarrow as pa
 from bench.nexmark import side_input
 from bench.nexmark.generator import SCHEMAS, NexmarkTables
 
-__all__ = ["QUERIES", "SORT_KEYS", "SQL", "canonical", "load_tables", "run", "run_all"]
+__all__ = [
+    "QUERIES",
+    "SORT_KEYS",
+    "SQL",
+    "canonical",
+    "load_tables",
+    "read_partitioned",
+    "run",
+    "run_all",
+]
 
 TABLES = ("person", "auction", "bid")
 SIDE_INPUT = "side_input"  # q13's bounded side input: side_input.csv
@@ -254,6 +265,11 @@ SQL: dict[str, str] = {
         FROM B
         WHERE found IS NOT NULL OR lower(channel) IN ('apple', 'google', 'facebook', 'baidu')
     """,
+    "q10": """
+        SELECT auction, bidder, price, dateTime, extra,
+               strftime(dateTime, '%Y-%m-%d') AS dt, strftime(dateTime, '%H:%M') AS hm
+        FROM bid
+    """,
     "q22": """
         SELECT auction, bidder, price, channel,
                string_split(url, '/')[4] AS dir1,
@@ -287,9 +303,21 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "q14": ("auction", "bidder", "price_milli", "dateTime", "extra"),
     "q21": ("auction", "bidder", "price", "channel", "channel_id"),
     "q22": ("auction", "bidder", "price", "channel", "dir1", "dir2", "dir3"),
+    "q10": ("auction", "bidder", "price", "dateTime", "extra"),
 }
 
 SCHEMA: dict[str, pa.Schema] = {
+    "q10": pa.schema(
+        [
+            ("auction", pa.int64()),
+            ("bidder", pa.int64()),
+            ("price", pa.int64()),
+            ("dateTime", pa.timestamp("ms")),
+            ("extra", pa.string()),
+            ("dt", pa.string()),
+            ("hm", pa.string()),
+        ]
+    ),
     "q0": pa.schema(
         [
             ("auction", pa.int64()),
@@ -551,3 +579,17 @@ def run_all(
 ) -> dict[str, pa.Table]:
     tables = load_tables(source)
     return {q: run(q, tables) for q in SQL}
+
+
+def read_partitioned(
+    query: str, path: str | os.PathLike[str], partition_by: tuple[str, ...]
+) -> pa.Table:
+    """The rows of a Hive-partitioned output folder (q10's ``path/dt=.../hm=.../*.parquet``),
+    read with ``pyarrow.dataset`` (the partition columns from the folder names, typed as in
+    :data:`SCHEMA`), canonical."""
+    import pyarrow.dataset as ds
+
+    schema = SCHEMA[query]
+    part = ds.partitioning(pa.schema([schema.field(c) for c in partition_by]), flavor="hive")
+    table = ds.dataset(os.fspath(path), format="parquet", partitioning=part).to_table()
+    return canonical(query, table)

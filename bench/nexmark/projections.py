@@ -8,6 +8,9 @@
 * q21: the channel id of a bid: ``'0'``..``'3'`` for the channels apple, google, facebook, baidu
   (case-insensitive), else ``REGEXP_EXTRACT(url, '(&|^)channel_id=([^&]*)', 2)``; bids with
   neither are dropped.
+* q10: every bid (q0's columns) with ``dt`` = ``DATE_FORMAT(dateTime, 'yyyy-MM-dd')`` and
+  ``hm`` = ``DATE_FORMAT(dateTime, 'HH:mm')``, the partition columns of its file sink; each
+  distinct minute of a batch is formatted once and spread to its rows with ``take``.
 * q22: ``SPLIT_INDEX(url, '/', i)`` for i = 3, 4, 5: the i-th (from 0) of the pieces of the URL
   between ``/`` (empty pieces kept), null where the URL has fewer pieces.
 
@@ -26,6 +29,7 @@ __all__ = [
     "HOT_CHANNEL_IDS",
     "bid_time_type",
     "decimal_milli",
+    "q10_partition_columns",
     "q14_price_range",
     "q21_channel_id",
     "q22_url_dirs",
@@ -34,6 +38,25 @@ __all__ = [
 
 _PRICE_TYPE = pa.decimal128(23, 3)
 _HOUR_MS = 3_600_000
+_MINUTE_MS = 60_000
+_Q10_COLUMNS = ("auction", "bidder", "price", "dateTime", "extra")
+
+
+def q10_partition_columns(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """q10: the bid's columns plus ``dt`` (``yyyy-MM-dd``) and ``hm`` (``HH:mm``) of its
+    ``dateTime`` (UTC; null for a null ``dateTime``)."""
+    times = batch.column("dateTime")
+    out = {c: batch.column(c) for c in _Q10_COLUMNS}
+    if times.null_count == 0 and len(times):
+        minutes, rows = np.unique(ms(times) // _MINUTE_MS, return_inverse=True)
+        starts = pa.array(minutes * _MINUTE_MS, pa.int64()).cast(pa.timestamp("ms"))
+        take = pa.array(rows.astype(np.int32, copy=False))
+        out["dt"] = pc.strftime(starts, "%Y-%m-%d").take(take)
+        out["hm"] = pc.strftime(starts, "%H:%M").take(take)
+    else:  # nulls (or no rows): format every row
+        out["dt"] = pc.strftime(times, "%Y-%m-%d")
+        out["hm"] = pc.strftime(times, "%H:%M")
+    return with_meta(batch, out)
 
 
 def decimal_milli(milli: pa.Array) -> pa.Array:

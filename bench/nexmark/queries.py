@@ -35,7 +35,12 @@ import raystream as rs
 from bench.nexmark import oracle
 from bench.nexmark.daily import build_q15, build_q16, build_q17
 from bench.nexmark.category_join import build_q20
-from bench.nexmark.projections import q14_price_range, q21_channel_id, q22_url_dirs
+from bench.nexmark.projections import (
+    q10_partition_columns,
+    q14_price_range,
+    q21_channel_id,
+    q22_url_dirs,
+)
 from bench.nexmark.ranking import build_q18, build_q19
 from bench.nexmark.seller_average import seller_average
 from bench.nexmark.side_input import build_q13
@@ -907,6 +912,7 @@ class Query:
     finish: Callable[[pa.Table], pa.Table] | None = None
     window_end: Callable[[pa.Table], pa.Array] | None = None
     side_inputs: tuple[str, ...] = ()  # files read by a step (q13): ``sources[name]``, a path
+    partition_by: tuple[str, ...] = ()  # q10: the result's folder columns in a Parquet sink
 
 
 def _stateless(
@@ -971,6 +977,14 @@ QUERIES: dict[str, Query] = {
         window_end=_column("stime", 10_000),
     ),
     "q9": Query("q9", ("auction", "bid"), _q9, "q9", keyed=True, updating=True, key=("id",)),
+    "q10": Query(
+        "q10",
+        ("bid",),
+        _stateless("q10", q10_partition_columns),
+        "q10",
+        columns=(("bid", _Q0_COLS),),
+        partition_by=("dt", "hm"),
+    ),
     "q11": Query(
         "q11",
         ("bid",),

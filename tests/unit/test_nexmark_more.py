@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pytest
 
@@ -225,6 +226,66 @@ def test_q21_oracle_by_hand() -> None:
 # q22: the URL's first three directories
 
 
+# q10: every bid with its dt / hm partition columns, written to Hive-style folders
+
+
+def q10_input() -> dict[str, pa.Table]:
+    times = [DAY0 - 1, DAY0, DAY0 + 59_999, DAY0 + 60_000, DAY0 + 21 * H + 5, DAY0 + 21 * H + 7]
+    return tables(bid_table([{"auction": i, "t": t} for i, t in enumerate(times)]))
+
+
+def test_q10_oracle_by_hand() -> None:
+    got = [(r["auction"], r["dt"], r["hm"]) for r in oracle.run("q10", q10_input()).to_pylist()]
+    assert got == [
+        (0, "2020-09-12", "23:59"),
+        (1, "2020-09-13", "00:00"),
+        (2, "2020-09-13", "00:00"),
+        (3, "2020-09-13", "00:01"),
+        (4, "2020-09-13", "21:00"),
+        (5, "2020-09-13", "21:00"),
+    ]
+
+
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_q10_partitioned_files_equal_the_oracle(parallelism: int, tmp_path: Path) -> None:
+    """Generated bids out of order through q10 into the benchmark's partitioned Parquet sink;
+    the folders read back with hive partitioning equal DuckDB's q10 over the bids, and every
+    file sits in the folder of its rows' dateTime."""
+    cli = import_bench("bench.nexmark.cli")
+    bids = gen.generate(gen.NexmarkConfig(events=3000, rate_eps=20)).bid  # 150 s of events
+    ms = bids.column("dateTime").cast(pa.int64()).to_numpy()
+    bids = bids.take(pa.array(gen.bounded_delay_order(ms, 2_000, seed=parallelism)))
+    data = tables(bids)
+    out = tmp_path / "out"
+    flow, spec = queries.build_flow(
+        "q10",
+        {"bid": rs.sources.from_table(data["bid"])},
+        cli.PartFileSink(str(out), "q10"),
+        max_out_of_orderness_ms=2_000,
+    )
+    config = rs.RuntimeConfig(batch_rows=64, source_batch_rows=64)
+    asyncio.run(
+        run_local(
+            flow,
+            {spec.step: parallelism, queries.SINK: parallelism},
+            state_dir=str(tmp_path / "state"),
+            config=config,
+        )
+    )
+    want = oracle.run("q10", data)
+    assert len(set(want.column("hm").to_pylist())) > 3  # several minute folders
+    got = oracle.read_partitioned("q10", out, ("dt", "hm"))
+    assert got.equals(want), (got.num_rows, want.num_rows)
+    import pyarrow.parquet as pq
+
+    for part in out.glob("*/*/*.parquet"):
+        dt_dir, hm_dir = part.parent.parent.name, part.parent.name
+        assert "dt" not in pq.read_schema(part).names
+        times = pq.read_table(part).column("dateTime")
+        assert dt_dir == "dt=" + pc.strftime(pc.min(times), "%Y-%m-%d").as_py()
+        assert hm_dir == "hm=" + pc.strftime(pc.max(times), "%H:%M").as_py().replace(":", "%3A")
+
+
 def q22_input() -> dict[str, pa.Table]:
     urls = [
         "https://www.nexmark.com/abc/de/f_g/item.htm?query=1",
@@ -423,6 +484,7 @@ INPUTS = {
     "q20": q20_input,
     "q21": q21_input,
     "q22": q22_input,
+    "q10": q10_input,
 }
 
 
