@@ -870,6 +870,11 @@ def parquet(
         >>> w.write(pa.record_batch({"key": [1, 2]}))
         >>> w.close().rows
         2
+        >>> out = tempfile.mkdtemp()
+        >>> w = parquet(out, partition_by=["dt"]).open(0, 1)
+        >>> w.write(pa.record_batch({"dt": ["2015-07-15", "2015-07-16"], "v": [1, 2]}))
+        >>> [os.path.relpath(p, out) for p in w.close().paths]
+        ['dt=2015-07-15/part-00000-r0000.parquet', 'dt=2015-07-16/part-00000-r0000.parquet']
     """
     return ParquetSink(
         path=os.fspath(path),
