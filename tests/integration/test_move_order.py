@@ -30,7 +30,9 @@ from ._helpers import finished_after_gate
 from ._rescale_helpers import RUNTIME, UntilGate, prefix_counts
 
 STEP = "count"
-SLOW_S = 0.02  # per batch at the slow step: a backlog builds up in front of it
+# per row at the slow step (batches queued at it are read as one: a cost per batch would not do):
+# slower than the count step's output, so a backlog stays in front of it
+SLOW_S_PER_ROW = 0.0003
 
 
 @rs.keyed_batches(state=rs.ValueState(int, default=0))
@@ -42,7 +44,7 @@ def count_added(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
 
 @rs.map_batches
 def slow(batch: pa.RecordBatch) -> pa.RecordBatch:
-    time.sleep(SLOW_S)
+    time.sleep(SLOW_S_PER_ROW * batch.num_rows)
     return batch
 
 
