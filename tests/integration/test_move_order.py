@@ -32,7 +32,7 @@ from ._rescale_helpers import RUNTIME, UntilGate, prefix_counts
 STEP = "count"
 # per row at the slow step (batches queued at it are read as one: a cost per batch would not do):
 # slower than the count step's output, so a backlog stays in front of it
-SLOW_S_PER_ROW = 0.0003
+SLOW_S_PER_ROW = 0.001
 
 
 @rs.keyed_batches(state=rs.ValueState(int, default=0))
