@@ -1,12 +1,12 @@
-"""Per-key order downstream of a keyed step whose instances move, with a slow step after it.
+"""Per-key order downstream of a keyed step whose instances move, with a stalled step after it.
 
 A key-count step emits, per key and batch, the key's new count and the records it added; one
-slow stateless instance reads what every count instance sends and passes it to the sink. The
-slow step keeps a backlog, so when an instance of the count step is moved (a new actor) or the
-step is rescaled (existing instances take over key groups), the old owner's last outputs are still
-queued at the slow step when the new owner sends its first: the slow step must read the old
-owner's outputs of a moving key first. Neither owner waits for the other; the slow step holds the
-new owner's channel until it has read the old owner's fence (raystream.runtime.channels).
+stateless instance reads what every count instance sends and passes it to the sink. While an
+instance of the count step is moved (a new actor) or the step is rescaled (existing instances
+take over key groups), that step reads nothing: the old owner's last outputs are all still queued
+in front of it when the new owner sends its first, and it must read the old owner's outputs of a
+moving key first. Neither owner waits for the other: the step holds the new owner's channel until
+it has read the old owner's fence (raystream.runtime.channels).
 
 The oracle, per key in the order the sink received the rows: each count is the previous one plus
 the records the row says it added (no output read out of order, lost or doubled), and the last
@@ -16,6 +16,7 @@ count is the key's events in the generator's own stream (plain Python, nothing o
 from __future__ import annotations
 
 import collections
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,7 @@ from ._helpers import finished_after_gate
 from ._rescale_helpers import RUNTIME, UntilGate, prefix_counts
 
 STEP = "count"
-# per row at the slow step (batches queued at it are read as one: a cost per batch would not do):
-# slower than the count step's output, so a backlog stays in front of it
-SLOW_S_PER_ROW = 0.001
+STALL_MAX_S = 30.0  # the slow step never stalls longer than this, whatever the test does
 
 
 @rs.keyed_batches(state=rs.ValueState(int, default=0))
@@ -42,19 +41,26 @@ def count_added(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
     return batch.output({"count": new, "added": batch.counts})
 
 
-@rs.map_batches
-def slow(batch: pa.RecordBatch) -> pa.RecordBatch:
-    time.sleep(SLOW_S_PER_ROW * batch.num_rows)
-    return batch
+def stalling(flag: str) -> Any:
+    """A pass-through that reads nothing more while the file ``flag`` exists: the old owner's
+    outputs from before its seal stay queued in front of it while the new owner starts."""
+
+    def slow(batch: pa.RecordBatch) -> pa.RecordBatch:
+        deadline = time.monotonic() + STALL_MAX_S
+        while os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return batch
+
+    return rs.map_batches(slow, name="slow")
 
 
-def _flow(name: str, gen: Any, gate: str) -> rs.Dataflow:
+def _flow(name: str, gen: Any, gate: str, flag: str) -> rs.Dataflow:
     flow = rs.Dataflow(name, num_key_groups=32, sub_groups=8)
     (
         flow.source(UntilGate(gen, gate, after_rows=5_000))
         .key_by("key")
         .apply(count_added, name=STEP)
-        .apply(slow, name="slow", parallelism=1)
+        .apply(stalling(flag), name="slow", parallelism=1)
         .sink(rs.sinks.collect(), name="out")
     )
     flow.options("slow", chain=False)  # its own actor: fed by every count instance
@@ -87,42 +93,53 @@ def _gen(seed: int) -> Any:
     )
 
 
+def _stalled(flag: Path, change: Any) -> Any:
+    """Run ``change()`` while the slow step reads nothing (a moment first: it is inside a batch
+    and its inbox fills up); it reads on after ``change`` returned."""
+    flag.touch()
+    try:
+        time.sleep(0.3)
+        return change()
+    finally:
+        flag.unlink()
+
+
 def test_moved_instances_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path) -> None:
     gen = _gen(11)
-    gate = str(tmp_path / "gate")
-    job = rs.start(_flow("move-order", gen, gate), parallelism={STEP: 2}, **RUNTIME)
+    gate, flag = str(tmp_path / "gate"), tmp_path / "stall"
+    job = rs.start(_flow("move-order", gen, gate, str(flag)), parallelism={STEP: 2}, **RUNTIME)
     moves = []
     try:
         time.sleep(2.0)
         node = ray.get_runtime_context().get_node_id()
         for index in (0, 1, 0):
-            moves.append(job.move(STEP, index, node))
+            moves.append(_stalled(flag, lambda i=index: job.move(STEP, i, node)))
             time.sleep(0.5)
     finally:
         Path(gate).touch()
     result, events = finished_after_gate(job, gate)
     assert [m["kind"] for m in moves] == ["move"] * 3
     check_order_and_counts(result.table("out"), prefix_counts(gen, events))
-    slow_metrics = result.step_metrics("slow")
-    # the slow step held a new owner's channel for an old owner's fence at least once: the
+    # the slow step held the new owner's channel for the old owner's fence at every move: the
     # case this test is about happened
-    assert sum(m.get("fence_holds", 0) for m in slow_metrics) >= 1, slow_metrics
+    (slow,) = result.step_metrics("slow")
+    assert slow.get("fence_holds", 0) == 3, slow
 
 
 def test_rescaled_steps_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path) -> None:
     gen = _gen(12)
-    gate = str(tmp_path / "gate")
-    job = rs.start(_flow("rescale-order", gen, gate), parallelism={STEP: 2}, **RUNTIME)
+    gate, flag = str(tmp_path / "gate"), tmp_path / "stall"
+    job = rs.start(_flow("rescale-order", gen, gate, str(flag)), parallelism={STEP: 2}, **RUNTIME)
     done = []
     try:
         time.sleep(2.0)
         for to in (3, 2, 3):
-            done.append(job.rescale(STEP, to, "meces"))
+            done.append(_stalled(flag, lambda to=to: job.rescale(STEP, to, "meces")))
             time.sleep(0.5)
     finally:
         Path(gate).touch()
     result, events = finished_after_gate(job, gate)
     assert [d["to"] for d in done] == [3, 2, 3]
     check_order_and_counts(result.table("out"), prefix_counts(gen, events))
-    slow_metrics = result.step_metrics("slow")
-    assert sum(m.get("fence_holds", 0) for m in slow_metrics) >= 1, slow_metrics
+    (slow,) = result.step_metrics("slow")
+    assert slow.get("fence_holds", 0) >= 3, slow  # each rescale's new owners: one or more
