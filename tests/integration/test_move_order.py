@@ -1,10 +1,10 @@
-"""Per-key order downstream of a keyed step whose instances move, with a stalled step after it.
+"""Per-key order downstream of a keyed step whose instances move, with a slow step after it.
 
 A key-count step emits, per key and batch, the key's new count and the records it added; one
 stateless instance reads what every count instance sends and passes it to the sink. While an
 instance of the count step is moved (a new actor) or the step is rescaled (existing instances
-take over key groups), that step reads nothing: the old owner's last outputs are all still queued
-in front of it when the new owner sends its first, and it must read the old owner's outputs of a
+take over key groups), that step is slow (a batch at a time, 0.2 s each): the old owner's last
+outputs are still queued in front of it when the new owner sends its first, and it must read the old owner's outputs of a
 moving key first. Neither owner waits for the other: the step holds the new owner's channel until
 it has read the old owner's fence (raystream.runtime.channels).
 
@@ -31,7 +31,12 @@ from ._helpers import finished_after_gate
 from ._rescale_helpers import RUNTIME, UntilGate, prefix_counts
 
 STEP = "count"
-STALL_MAX_S = 30.0  # the slow step never stalls longer than this, whatever the test does
+# while stalled, the slow step takes this long per batch: it reads on, one batch at a time, and
+# between batches its actor answers calls (the controller wires the new instances to it)
+STALL_S = 0.2
+# one batch per read: a reader takes the batches queued on a channel as one batch otherwise, so
+# it would read all of the old owner's queue at once
+ONE_BY_ONE = {**RUNTIME, "adaptive_batching": False}
 
 
 @rs.keyed_batches(state=rs.ValueState(int, default=0))
@@ -42,11 +47,12 @@ def count_added(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
 
 
 def stalling(flag: str) -> Any:
-    """A pass-through that reads nothing more while the file ``flag`` exists: the old owner's
-    outputs from before its seal stay queued in front of it while the new owner starts."""
+    """A pass-through that takes STALL_S per batch while the file ``flag`` exists: the old
+    owner's outputs from before its seal are still queued in front of it when the new owner
+    starts."""
 
     def slow(batch: pa.RecordBatch) -> pa.RecordBatch:
-        deadline = time.monotonic() + STALL_MAX_S
+        deadline = time.monotonic() + STALL_S
         while os.path.exists(flag) and time.monotonic() < deadline:
             time.sleep(0.005)
         return batch
@@ -94,8 +100,7 @@ def _gen(seed: int) -> Any:
 
 
 def _stalled(flag: Path, change: Any) -> Any:
-    """Run ``change()`` while the slow step reads nothing (a moment first: it is inside a batch
-    and its inbox fills up); it reads on after ``change`` returned."""
+    """Run ``change()`` while the slow step is slow (a moment first: its inbox fills up)."""
     flag.touch()
     try:
         time.sleep(0.3)
@@ -107,7 +112,7 @@ def _stalled(flag: Path, change: Any) -> Any:
 def test_moved_instances_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path) -> None:
     gen = _gen(11)
     gate, flag = str(tmp_path / "gate"), tmp_path / "stall"
-    job = rs.start(_flow("move-order", gen, gate, str(flag)), parallelism={STEP: 2}, **RUNTIME)
+    job = rs.start(_flow("move-order", gen, gate, str(flag)), parallelism={STEP: 2}, **ONE_BY_ONE)
     moves = []
     try:
         time.sleep(2.0)
@@ -129,7 +134,7 @@ def test_moved_instances_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path
 def test_rescaled_steps_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path) -> None:
     gen = _gen(12)
     gate, flag = str(tmp_path / "gate"), tmp_path / "stall"
-    job = rs.start(_flow("rescale-order", gen, gate, str(flag)), parallelism={STEP: 2}, **RUNTIME)
+    job = rs.start(_flow("rescale-order", gen, gate, str(flag)), parallelism={STEP: 2}, **ONE_BY_ONE)
     done = []
     try:
         time.sleep(2.0)
