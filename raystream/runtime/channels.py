@@ -112,6 +112,8 @@ class Inbox:
         self._fence_read: dict[ChannelId, int] = {}
         self._ended: set[ChannelId] = set()
         self._held: dict[ChannelId, _Hold] = {}
+        self.fences_read = 0  # fences passed so far
+        self.marks_read = 0  # AfterFences marks passed so far
         self.holds = 0  # channels held so far
         self.hold_ms_max = 0.0  # the longest a channel was held
 
@@ -253,10 +255,12 @@ class Inbox:
             head = q[0]
             if isinstance(head, Fence):
                 q.popleft()
+                self.fences_read += 1
                 self._fence_read[channel] = max(self._fence_read.get(channel, -1), head.epoch)
                 self._release(channel)
             elif isinstance(head, AfterFences):
                 q.popleft()
+                self.marks_read += 1
                 self._hold(channel, head)
             else:
                 return

@@ -299,6 +299,7 @@ class OperatorInstance:
         self.local: dict[ChannelId, Any] = {}
         # a new owner's migration task whose AfterFences mark is still to go out (see _emit)
         self._after_fences: MigrationTask | None = None
+        self.after_fences_sent = 0  # AfterFences marks sent (one per take-over)
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
@@ -614,9 +615,15 @@ class OperatorInstance:
             snap["target_rate_eps"] = pace.rate_at(t_s)
             snap["lag_rows"] = max(0, int(pace.rows_by(t_s)) - self.rows_emitted)
         snap["backlog_rows"] = self.inbox.backlog_rows()
-        if self.inbox.holds:  # channels of new owners held for old owners' fences (moves)
-            snap["fence_holds"] = self.inbox.holds
-            snap["fence_hold_ms_max"] = round(self.inbox.hold_ms_max, 1)
+        inbox = self.inbox
+        if inbox.fences_read or inbox.marks_read or self.after_fences_sent:
+            # order across moves: fences and AfterFences marks read here, channels of new owners
+            # held for old owners' fences (and the longest hold), marks this instance sent
+            snap["fences_read"] = inbox.fences_read
+            snap["after_fences_read"] = inbox.marks_read
+            snap["fence_holds"] = inbox.holds
+            snap["fence_hold_ms_max"] = round(inbox.hold_ms_max, 1)
+            snap["after_fences_sent"] = self.after_fences_sent
         if self.batch_cost.mean_row_s > 0:
             snap["row_cost_s"] = self.batch_cost.mean_row_s
         snap["inputs"] = len(self.inputs)
@@ -1168,6 +1175,7 @@ class OperatorInstance:
         self._after_fences = None
         senders = tuple(sorted({task.owner_ids.get(o, o) for o in task.incoming.values()}))
         mark = AfterFences(task.epoch, senders)
+        self.after_fences_sent += 1
         for _, channels in self.outputs:
             for c in channels:
                 await c.mark(mark)

@@ -128,7 +128,9 @@ def test_moved_instances_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path
     # the slow step held the new owner's channel for the old owner's fence at every move: the
     # case this test is about happened
     (slow,) = result.step_metrics("slow")
-    assert slow.get("fence_holds", 0) == 3, slow
+    diag = {k: slow.get(k) for k in ("fences_read", "after_fences_read", "fence_holds")}
+    sent = [m.get("after_fences_sent") for m in result.step_metrics(STEP)]
+    assert slow.get("fence_holds", 0) == 3, (diag, sent)
 
 
 def test_rescaled_steps_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path) -> None:
@@ -147,4 +149,6 @@ def test_rescaled_steps_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path)
     assert [d["to"] for d in done] == [3, 2, 3]
     check_order_and_counts(result.table("out"), prefix_counts(gen, events))
     (slow,) = result.step_metrics("slow")
-    assert slow.get("fence_holds", 0) >= 3, slow  # each rescale's new owners: one or more
+    diag = {k: slow.get(k) for k in ("fences_read", "after_fences_read", "fence_holds")}
+    sent = [m.get("after_fences_sent") for m in result.step_metrics(STEP)]
+    assert slow.get("fence_holds", 0) >= 3, (diag, sent)  # each rescale's new owners: 1 or more
