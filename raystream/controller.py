@@ -583,6 +583,11 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             table = RoutingTable(epoch=epoch, owners=table.owners, parallelism=table.parallelism)
             final = k == len(plan.steps) - 1
             tasks = _migration_tasks(current, table, width, s, heat, policy, epoch)
+            # old owners' instance indexes (their channels downstream; another after a move):
+            # a new owner names them in its AfterFences mark
+            owner_ids = {i: self._at(step, i)[1] for i in range(width)}
+            for t in tasks.values():
+                t["owner_ids"] = owner_ids
             moved.update(current.moved_key_groups(table).tolist())
             # the tasks go out on the control path and the barrier right after them, without
             # waiting for the answers: a busy instance takes its task between two slices of its
@@ -698,8 +703,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             "sealed_s": since_start("sealed_wall", max),
             "first_on_demand_served_s": since_start("first_urgent_served_wall", min),
             "backlog_at_start": backlog,
-            # the longest an old owner waited after its seal for downstream to read what it had
-            # sent (its fence) before it handed out state
+            # the longest an old owner took at its seal to send its fences downstream (it hands
+            # out state without waiting for them to be read: receivers hold new owners' output)
             "fence_ms": max(
                 (float(st["fence_ms"]) for st in stats if st.get("fence_ms") is not None),
                 default=None,
@@ -1315,8 +1320,6 @@ def _waiting_for(snap: Any, epoch: int) -> str:
         parts.append(f"has not seen the rescale barrier on any of its {live} live inputs")
     elif not mig.get("sealed"):
         parts.append(f"saw the rescale barrier on {seen} of {live} live inputs (not sealed)")
-    elif not mig.get("fenced", True):
-        parts.append("sealed, waiting for downstream to read what it sent before (fence)")
     parts.append(
         f"{mig.get('arrived', 0)}/{mig.get('incoming', 0)} sub-groups in "
         f"({mig.get('requested', 0)} requested, {mig.get('pending_rows', 0)} records "
