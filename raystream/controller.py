@@ -1101,8 +1101,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
     ) -> None:
         """Start new instances of ``step`` (empty state, named like deployed ones) and wire them
         to both neighbours. ``marks`` gets the wall-clock end of each part: nodes chosen,
-        actors taken (warm standbys) or started, configured, wired, answered a ping (sent with the
-        wiring)."""
+        actors taken (warm standbys) or started, configured, answered a ping, wired."""
         marks = {} if marks is None else marks
         from raystream.runtime.actors import (
             NAMESPACE,
@@ -1194,24 +1193,23 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self.handles.update(member_specs)
         keyed_new = dict(new)
         new.update(member_specs)
-        # the ping (where each runs) and the three wirings go out side by side: they do not
-        # depend on each other (records reach the new instances only after the rescale barrier,
-        # and they send nothing before they run), and on the decision's path three round trips
-        # in a row to busy instances took ~0.05 s
-        pings = asyncio.gather(*(h.ping.remote() for h in new.values()))
+        where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
+        marks["pinged"] = time.time()
+        self.nodes.update(zip(new, where, strict=True))
         # the next steps take each new chain's tail as a new input (a chained follower's input
         # is the instance before it in its actor, in its spec: nothing to add there)
         downstream = {r for t in tails for o in self.specs[t].outputs for r in o.receiver_ids}
         try:
             await asyncio.gather(
-                *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new),
-                # a downstream instance reopens an input whose id a retired instance had once it
-                # read that one's EndOfStream (add_inputs waits for it)
-                *(self.handles[d].add_inputs.remote(tails) for d in downstream),
-                *(self.handles[u].add_receivers.remote(keyed_new) for u in upstream),
+                *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
+            )
+            # a downstream instance reopens an input whose id a retired instance had once it
+            # read that one's EndOfStream (add_inputs waits for it)
+            await asyncio.gather(*(self.handles[d].add_inputs.remote(tails) for d in downstream))
+            await asyncio.gather(
+                *(self.handles[u].add_receivers.remote(keyed_new) for u in upstream)
             )
         except Exception as e:
-            await asyncio.gather(pings, return_exceptions=True)
             await asyncio.sleep(0.5)  # let the watcher record an end or a failure first
             if self.state != "running" or self._sources_done() or self.error is not None:
                 raise  # the job ended or failed meanwhile: the rescale's caller says which
@@ -1227,9 +1225,6 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             await self._stop_all()
             raise RescaleError(msg) from e
         marks["wired"] = time.time()
-        where = await pings
-        marks["pinged"] = time.time()
-        self.nodes.update(zip(new, where, strict=True))
         for iid in new:
             self._run(iid)
 
