@@ -72,6 +72,9 @@ class AutoscalerConfig:
     # more than demand_change (a fraction) samples and asks the policy at once
     demand_poll_s: float = 0.05
     demand_change: float = 0.2
+    # such a change is decided on from the last sample with the sources' new target rates, not
+    # after a new reading of every instance (busy ones answer late: it delayed decisions ~0.1 s)
+    decide_on_demand: bool = True
     window_s: float = 5.0  # sliding window of the signals (also the warm-up after a rescale)
     cooldown_s: float = 10.0  # no rescale of an operator this long after its last one
     stabilization_s: float = 10.0  # scale down only to the highest wish of this long
@@ -88,6 +91,9 @@ class AutoscalerConfig:
         _number("window_s", self.window_s, minimum=0, strict=True)
         _number("demand_poll_s", self.demand_poll_s, minimum=0)
         _number("demand_change", self.demand_change, minimum=0, strict=True)
+        if not isinstance(self.decide_on_demand, bool):
+            msg = f"autoscaler_config: decide_on_demand must be True or False, got {self.decide_on_demand!r}"
+            raise ConfigError(msg)
         _number("cooldown_s", self.cooldown_s, minimum=0)
         _number("stabilization_s", self.stabilization_s, minimum=0)
         _number("max_scale_down_factor", self.max_scale_down_factor, minimum=1)

@@ -49,6 +49,8 @@ BUCKETS = (
     "after_done",
 )
 PROFILE_BIN_S = 0.05
+HUMP_AFTER_DONE_S = 1.0  # the first scale-out's hump: from the step to this long after done
+RESCALE_TAIL_S = 0.5  # a later rescale's own: from its start to this long after its end
 
 
 def step_from_ingest(
@@ -222,6 +224,23 @@ def tail_breakdown(
     out["by_write_time"]["above_2x_before_refill"] = int(h_w[before_refill].sum())
     out["by_write_time"]["top_during_refill"] = int(h_w[top & refilling].sum())
     out["by_write_time"]["above_2x_during_refill"] = int(h_w[over_line & refilling].sum())
+    # the events above the line by what they were written during, each counted once: the first
+    # scale-out's hump (from the step until HUMP_AFTER_DONE_S after it was done, refills
+    # apart), refills, later rescales in the high phase, anything else (a stall of the machine)
+    hump = (h_wr < done_at + HUMP_AFTER_DONE_S) & ~refilling
+    rescaling = np.zeros(h_wr.size, dtype=bool)
+    for x in report.get("rescales", []):
+        if x.get("end_s") is not None and float(x["start_s"]) > edges[1] + 1e-6:
+            rescaling |= (h_wr >= float(x["start_s"])) & (
+                h_wr < float(x["end_s"]) + RESCALE_TAIL_S
+            )
+    later = rescaling & ~hump & ~refilling
+    out["by_write_time"]["above_2x_by_cause"] = {
+        "first_scale_out": int(h_w[over_line & hump].sum()),
+        "refills": int(h_w[over_line & refilling].sum()),
+        "later_rescales": int(h_w[over_line & later].sum()),
+        "elsewhere": int(h_w[over_line & ~hump & ~refilling & ~later].sum()),
+    }
     # latency by ingest time, 50 ms bins, from 0.25 s before the step to 1.5 s after done
     lo, hi = step_s - 0.25, edges[4] + 1.5
     bins = np.arange(lo, hi + PROFILE_BIN_S, PROFILE_BIN_S)
@@ -294,6 +313,8 @@ def tail_figures(tail: dict[str, Any]) -> dict[str, Any]:
         "last_above_2x_written_after_step_s": wt.get("last_above_2x_written_after_step_s"),
         "above_2x_before_refill": wt.get("above_2x_before_refill"),
     }
+    for cause, n in (wt.get("above_2x_by_cause") or {}).items():
+        row[f"above_2x_{cause}"] = n
     for name in BUCKETS:
         b = buckets.get(name)
         row[f"top_share_ingested_{name}"] = b["share"] if b else None

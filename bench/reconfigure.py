@@ -395,6 +395,14 @@ def main(
             "changes": changes,
             # the warm spares' refills after changes: the sink latency while they started
             "spare_refills": [refill_span(lat, r) for r in result.spare_refills],
+            # receivers that held a new owner's channel until they read an old owner's fence:
+            # how often, and the longest hold (ms), per instance
+            "fence_holds": [
+                {"instance": [m["step"], m["index"]], "holds": m["fence_holds"],
+                 "hold_ms_max": m.get("fence_hold_ms_max")}
+                for m in result.metrics
+                if m.get("fence_holds")
+            ],  # fmt: skip
         }
         if report is not None:
             write_json(report, data)

@@ -583,6 +583,11 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             table = RoutingTable(epoch=epoch, owners=table.owners, parallelism=table.parallelism)
             final = k == len(plan.steps) - 1
             tasks = _migration_tasks(current, table, width, s, heat, policy, epoch)
+            # old owners' instance indexes (their channels downstream; another after a move):
+            # a new owner names them in its AfterFences mark
+            owner_ids = {i: self._at(step, i)[1] for i in range(width)}
+            for t in tasks.values():
+                t["owner_ids"] = owner_ids
             moved.update(current.moved_key_groups(table).tolist())
             # the tasks go out on the control path and the barrier right after them, without
             # waiting for the answers: a busy instance takes its task between two slices of its
@@ -698,8 +703,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             "sealed_s": since_start("sealed_wall", max),
             "first_on_demand_served_s": since_start("first_urgent_served_wall", min),
             "backlog_at_start": backlog,
-            # the longest an old owner waited after its seal for downstream to read what it had
-            # sent (its fence) before it handed out state
+            # the longest an old owner took at its seal to send its fences downstream (it hands
+            # out state without waiting for them to be read: receivers hold new owners' output)
             "fence_ms": max(
                 (float(st["fence_ms"]) for st in stats if st.get("fence_ms") is not None),
                 default=None,
@@ -890,11 +895,20 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         (``raystream.standby_pacing``): their start-up would take the CPU the catch-up needs.
         A step that does not keep up gets them 1 s after the scale-out (the next one needs them);
         they start in waves (the first alone, the rest side by side), and the wait ends in time
-        for them to be up when the autoscaler could next scale the step out.
+        for them to be up when the autoscaler could next scale the step out. With a policy that
+        does not plan its next scale-out (ds2) the wait lasts until the load the scale-out came
+        for is gone (``standby_pacing.unloaded_busy``), at most ``MAX_DEFER_S``.
         ``standby_refills`` (in the job's result) gets one entry per scale-out: its step and
         ``start_s``, the seconds waited after its end, and why the wait ended (the rescale
         record itself is not changed after the rescale returned it)."""
-        from raystream.standby_pacing import refill_deadline_s, start_estimate_s, wait_caught_up
+        from raystream.standby_pacing import (
+            MAX_BUSY,
+            MAX_DEFER_S,
+            refill_deadline_s,
+            start_estimate_s,
+            unloaded_busy,
+            wait_caught_up,
+        )
 
         step = record["step"]
         epoch = self.routing[step].epoch
@@ -908,6 +922,13 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         plans_next = self.autoscaler is not None and self.autoscaler.next_scale_out_instances() > 0
         next_s = self.autoscaler.next_rescale_after_s() if plans_next else None
         max_wait_s = refill_deadline_s(next_s, missing, start_s, cpus)
+        max_busy = MAX_BUSY
+        if self.autoscaler is not None and not plans_next:
+            # ... and such a policy's step does not scale out again while it keeps up: the
+            # refill waits until the load the scale-out came for is gone (the step would be
+            # carried by the instances it had), or MAX_DEFER_S
+            max_busy = unloaded_busy(record["from"], record["to"])
+            max_wait_s = MAX_DEFER_S
 
         async def read() -> dict[str, Any] | None:
             table = self.routing.get(step)
@@ -918,7 +939,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             except Exception:  # noqa: BLE001 - (an instance replaced meanwhile) not known:
                 return {}  # such readings never count as caught up; the fill comes at max_wait_s
 
-        waited = await wait_caught_up(read, max_wait_s=max_wait_s)
+        waited = await wait_caught_up(read, max_wait_s=max_wait_s, max_busy=max_busy)
         if waited["last"] is None:
             return  # the job ended, or the step was rescaled again: that rescale asks for a fill
         self.standby_refills.append(
@@ -930,6 +951,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 "not_draining": waited["not_draining"],  # the new capacity did not keep up
                 "deadline": waited["max_wait"],  # ... or the next scale-out could come soon
                 "max_wait_s": round(max_wait_s, 3),
+                "max_busy": round(max_busy, 4),  # busy at most this on the readings
                 "start_estimate_s": round(start_s, 3),
                 "waves": [],  # (processes, seconds until all were up) per wave
             }
@@ -1315,8 +1337,6 @@ def _waiting_for(snap: Any, epoch: int) -> str:
         parts.append(f"has not seen the rescale barrier on any of its {live} live inputs")
     elif not mig.get("sealed"):
         parts.append(f"saw the rescale barrier on {seen} of {live} live inputs (not sealed)")
-    elif not mig.get("fenced", True):
-        parts.append("sealed, waiting for downstream to read what it sent before (fence)")
     parts.append(
         f"{mig.get('arrived', 0)}/{mig.get('incoming', 0)} sub-groups in "
         f"({mig.get('requested', 0)} requested, {mig.get('pending_rows', 0)} records "

@@ -360,6 +360,7 @@ class Reconfigurations:
         tasks = {i: dict(base) for i in range(p)}
         tasks[index] = {**base, "outgoing": groups}
         arriving = {**base, "incoming": dict.fromkeys(groups, index)}
+        arriving["owner_ids"] = {index: old_iid[1]}  # its channels downstream (see AfterFences)
         arriving["heat"] = {g: float(heat[g]) for g in groups}
         self._migration_reports.setdefault(epoch, {})  # reports may come at the barrier
         await asyncio.gather(

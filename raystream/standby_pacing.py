@@ -46,6 +46,7 @@ from typing import Any
 
 __all__ = [
     "MAX_BUSY",
+    "MAX_DEFER_S",
     "MAX_WAIT_S",
     "MAX_WORK_S",
     "busy_fraction",
@@ -55,6 +56,7 @@ __all__ = [
     "refill_time_s",
     "refill_waves",
     "start_estimate_s",
+    "unloaded_busy",
     "wait_caught_up",
 ]
 
@@ -62,6 +64,7 @@ MAX_BUSY = 0.85  # busier than this between two readings: still working off a ba
 MAX_WORK_S = 0.1  # backlog left, in seconds of work per instance, that counts as caught up
 MAX_ROWS = 2_000  # ... in rows, when the step's cost per row is not known
 MAX_WAIT_S = 10.0  # the refill starts after this long in any case
+MAX_DEFER_S = 60.0  # ... or this long, for a policy that does not plan its next scale-out
 DRAIN_S = 1.0  # ... or this long after the scale-out if the backlog is not going down
 MIN_DRAIN = 0.1  # going down: by this fraction of the first reading's at least
 POLL_S = 0.25  # how often the backlog is read meanwhile
@@ -128,6 +131,21 @@ def refill_deadline_s(
         return max_wait_s
     need = refill_time_s(refill_waves(missing), start_s, cpus)
     return min(max_wait_s, max(0.0, next_scale_out_s - need))
+
+
+def unloaded_busy(before: int, after: int, max_busy: float = MAX_BUSY) -> float:
+    """The busy fraction of a step scaled out from ``before`` to ``after`` instances under which
+    its load is one the ``before`` instances would carry at ``max_busy``: the load the scale-out
+    came for is gone. A policy that sizes from rates (ds2) does not scale out again while the
+    step keeps up, so its refill may wait for that instead of starting processes beside a loaded
+    job (on a small machine their start-up took the CPU and added a latency hump).
+
+    >>> unloaded_busy(1, 4), unloaded_busy(2, 3, 0.9), unloaded_busy(3, 2)
+    (0.2125, 0.6, 0.85)
+    """
+    if after <= before:
+        return max_busy
+    return round(max_busy * max(before, 1) / after, 9)
 
 
 def busy_fraction(
@@ -207,11 +225,13 @@ async def wait_caught_up(
     drain_s: float = DRAIN_S,
     poll_s: float = POLL_S,
     readings: int = 2,
+    max_busy: float = MAX_BUSY,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
 ) -> dict[str, Any]:
     """Wait until ``readings`` readings in a row are :func:`caught_up` against the one before
-    (a reading of None -- the step is gone, the job ended -- ends the wait at once), or
+    (busy at most ``max_busy``; a reading of None -- the step is gone, the job ended -- ends the
+    wait at once), or
     ``max_wait_s`` (at the last reading before it; 0: one reading), or until the step is found
     :func:`not_draining` ``drain_s`` or later after the start. Returns ``{"waited_s",
     "caught_up", "not_draining", "max_wait", "last": the last reading}``."""
@@ -238,7 +258,7 @@ async def wait_caught_up(
         if cur is None:
             return out(False, False, None)
         first = cur if first is None else first
-        in_row = in_row + 1 if caught_up(prev, cur, now - prev_at) else 0
+        in_row = in_row + 1 if caught_up(prev, cur, now - prev_at, max_busy=max_busy) else 0
         if in_row >= readings:
             return out(True, False, cur)
         if now - start >= drain_s and not_draining(first, prev, cur, now - prev_at):

@@ -35,6 +35,7 @@ import raystream as rs
 from bench.nexmark import oracle
 from bench.nexmark.daily import build_q15, build_q16, build_q17
 from bench.nexmark.category_join import build_q20
+from bench.nexmark.projections import decimal_milli as _decimal_milli
 from bench.nexmark.projections import (
     q10_partition_columns,
     q14_price_range,
@@ -63,22 +64,6 @@ SINK = "result"
 def q0_passthrough(batch: pa.RecordBatch) -> pa.RecordBatch:
     """q0: every bid, its five columns (a pass-through to measure the system's overhead)."""
     return _with_meta(batch, {c: batch.column(c) for c in oracle.SCHEMA["q0"].names})
-
-
-_PRICE_TYPE = pa.decimal128(23, 3)
-
-
-def _decimal_milli(milli: pa.Array) -> pa.Array:
-    """int64 thousandths as DECIMAL(23, 3), exactly: a decimal128's unscaled value is a 128-bit
-    two's complement integer, here the int64 (low word) and its sign (high word), built with
-    numpy (pyarrow's decimal multiply and cast cost ~20x more)."""
-    if milli.null_count:
-        return milli.cast(_PRICE_TYPE)
-    low = milli.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    words = np.empty(2 * len(low), np.int64)
-    words[0::2] = low
-    words[1::2] = low >> 63
-    return pa.Array.from_buffers(_PRICE_TYPE, len(low), [None, pa.py_buffer(words)])
 
 
 def q1_currency(batch: pa.RecordBatch) -> pa.RecordBatch:

@@ -184,6 +184,7 @@ class InstanceEndpoint:
                 incoming=dict(task["incoming"]),
                 outgoing=set(task["outgoing"]),
                 heat=dict(task.get("heat", {})),
+                owner_ids=dict(task.get("owner_ids", {})),
             ),
             fetch,
         )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,13 +98,12 @@ class LocalChannel:
         await self.flush()
         await self._deliver(watermark)
 
-    async def fence(self) -> list[Awaitable[Any]]:
-        """The member processed what came here when it came; fence what it sent on."""
-        acks: list[Awaitable[Any]] = []
+    async def mark(self, item: Any) -> None:
+        """A fence or after-fences mark: the member processed what came here when it came, so
+        the mark goes on its outputs, after what it sent on."""
         for _, channels in self.member.outputs:
             for c in channels:
-                acks += await c.fence()
-        return acks
+                await c.mark(item)
 
     async def drain(self) -> None:
         """Until what the member sent on was acknowledged."""

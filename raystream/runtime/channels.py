@@ -11,6 +11,11 @@ the inbox without waiting for room, and in the inbox it overtakes the record bat
 the channel's last control event. It is read as an :class:`OvertakingBarrier` that carries those
 batches (records sent before the barrier, in channel order), so the receiver can hand the records
 of moving sub-groups over with their state and put the rest back in front of its queue.
+
+Per-key order across a move is kept here, at the receiver: an old owner marks each output channel
+with a :class:`Fence` when it seals, a new owner marks its channels with :class:`AfterFences`
+before its first output made from state it took over, and the inbox reads nothing more of that
+channel (*holds* it) until it has read each named old owner's fence. Neither waits for the other.
 """
 
 from __future__ import annotations
@@ -28,7 +33,15 @@ from raystream.dataflow import KeySpec
 from raystream.errors import InternalError, SchemaError
 from raystream.keys import KeySpace, RoutingTable, stable_hash, to_key_array
 from raystream.presort import split_by_destination, split_by_owner, take_key_groups
-from raystream.runtime.messages import Barrier, ChannelId, Fence, RowsThenWatermark, Watermark
+from raystream.runtime.messages import (
+    AfterFences,
+    Barrier,
+    ChannelId,
+    EndOfStream,
+    Fence,
+    RowsThenWatermark,
+    Watermark,
+)
 
 __all__ = [
     "ByKeyGroup",
@@ -66,10 +79,13 @@ class OvertakingBarrier:
 
 
 @dataclass
-class _ReadFence:
-    """A :class:`Fence` queued at a receiver; ``event`` is set once the reader passes it."""
+class _Hold:
+    """A channel held after its :class:`AfterFences` of ``epoch``: until the fences of the
+    channels in ``waiting`` are read."""
 
-    event: asyncio.Event
+    epoch: int
+    waiting: set[ChannelId]
+    since: float
 
 
 class Inbox:
@@ -91,6 +107,15 @@ class Inbox:
         self.incoming_overtaking = 0  # overtaking barriers pushed, waiting for their turn
         # called when an overtaking barrier is pushed (before it waits for its turn)
         self.on_overtaking: Callable[[Barrier], None] = lambda barrier: None
+        # per-key order across moves (see the module's doc): the newest fence epoch read per
+        # channel, channels whose EndOfStream was read, and channels held for old owners' fences
+        self._fence_read: dict[ChannelId, int] = {}
+        self._ended: set[ChannelId] = set()
+        self._held: dict[ChannelId, _Hold] = {}
+        self.fences_read = 0  # fences passed so far
+        self.marks_read = 0  # AfterFences marks passed so far
+        self.holds = 0  # channels held so far
+        self.hold_ms_max = 0.0  # the longest a channel was held
 
     def poke(self) -> None:
         """Wake a waiting :meth:`get` (it returns None): something besides input needs work."""
@@ -107,19 +132,23 @@ class Inbox:
     def reset_channel(self, channel: ChannelId) -> None:
         """(Re)open ``channel`` at sequence 0; a known channel must have nothing left unread."""
         if channel in self._queues:
-            self._pass_fences(channel)
+            self._pass_marks(channel)
             if self._queues[channel]:
                 msg = f"channel {channel} reopened with {len(self._queues[channel])} unread items"
                 raise InternalError(msg)
             self._next_seq[channel] = 0
             self._blocked.discard(channel)
             self._overtake_below.pop(channel, None)
+            # another instance now: its fences are to come (the old one's ended)
+            self._fence_read.pop(channel, None)
+            self._ended.discard(channel)
+            self._release(channel)
         else:
             self.add_channel(channel)
 
     def remove_channel(self, channel: ChannelId) -> None:
         if channel in self._queues:
-            self._pass_fences(channel)
+            self._pass_marks(channel)
         q = self._queues.pop(channel, None)
         if q:
             msg = f"channel {channel} removed with {len(q)} unread items"
@@ -129,6 +158,10 @@ class Inbox:
         self._overtake_below.pop(channel, None)
         self._blocked.discard(channel)
         self._order = [c for c in self._order if c != channel]
+        self._held.pop(channel, None)
+        self._fence_read.pop(channel, None)
+        self._ended.discard(channel)
+        self._release(channel)  # gone: nothing of it is left to wait for
 
     @property
     def channels(self) -> list[ChannelId]:
@@ -163,8 +196,8 @@ class Inbox:
             self.add_channel(channel)
         q = self._queues[channel]
         cond = self._space[channel]
-        if isinstance(item, Fence):
-            await self._put_fence(channel, seq)
+        if isinstance(item, (Fence, AfterFences)):
+            await self._put_mark(channel, seq, item)
             return
         if overtakes(item):
             # the pushes before it are pre-barrier records: they come in without room, so the
@@ -201,26 +234,72 @@ class Inbox:
         self.max_depth_seen = max(self.max_depth_seen, queued)
         self._readable.set()
 
-    async def _put_fence(self, channel: ChannelId, seq: int) -> None:
-        """Queue a fence in its turn (it takes no room) and return once the reader reached it:
-        everything queued before it on ``channel`` was read and processed."""
+    async def _put_mark(self, channel: ChannelId, seq: int, mark: Fence | AfterFences) -> None:
+        """Queue a fence or an after-fences mark in its turn (it takes no room)."""
         q = self._queues[channel]
         cond = self._space[channel]
-        read = _ReadFence(asyncio.Event())
         async with cond:
             await cond.wait_for(lambda: self._next_seq[channel] == seq)
-            q.append(read)
+            q.append(mark)
             self._next_seq[channel] = seq + 1
             cond.notify_all()
         self._readable.set()
-        await read.event.wait()
 
-    def _pass_fences(self, channel: ChannelId) -> None:
-        """Release the fences at the front of ``channel``'s queue: the reader is back for the
-        next item, so what came before them was processed."""
+    def _pass_marks(self, channel: ChannelId) -> None:
+        """Pass the marks at the front of ``channel``'s queue (the reader is back for the next
+        item, so what came before them was processed): a fence is noted as read (channels held
+        for it may go on), an after-fences mark holds the channel while a fence it names is
+        still to be read."""
         q = self._queues[channel]
-        while q and isinstance(q[0], _ReadFence):
-            q.popleft().event.set()
+        while q and channel not in self._held:
+            head = q[0]
+            if isinstance(head, Fence):
+                q.popleft()
+                self.fences_read += 1
+                self._fence_read[channel] = max(self._fence_read.get(channel, -1), head.epoch)
+                self._release(channel)
+            elif isinstance(head, AfterFences):
+                q.popleft()
+                self.marks_read += 1
+                self._hold(channel, head)
+            else:
+                return
+
+    def _hold(self, channel: ChannelId, mark: AfterFences) -> None:
+        step = channel[0]
+        waiting = {
+            (step, i)
+            for i in mark.senders
+            if (step, i) != channel
+            and (step, i) in self._queues  # an input of this receiver
+            and (step, i) not in self._ended
+            and self._fence_read.get((step, i), -1) < mark.epoch
+        }
+        if waiting:
+            self._held[channel] = _Hold(mark.epoch, waiting, time.monotonic())
+            self.holds += 1
+
+    def _release(self, read: ChannelId) -> None:
+        """``read``'s fence (or its end) was read: channels held for it alone go on."""
+        if not self._held:
+            return
+        done = read in self._ended or read not in self._queues
+        epoch = self._fence_read.get(read, -1)
+        for channel, hold in list(self._held.items()):
+            if read in hold.waiting and (done or epoch >= hold.epoch):
+                hold.waiting.discard(read)
+                if not hold.waiting:
+                    del self._held[channel]
+                    held_ms = (time.monotonic() - hold.since) * 1000
+                    self.hold_ms_max = max(self.hold_ms_max, held_ms)
+                    self._readable.set()
+
+    def held(self, channel: ChannelId) -> bool:
+        """Whether ``channel`` waits for old owners' fences (nothing of it is read)."""
+        return channel in self._held
+
+    def _readable_channel(self, channel: ChannelId) -> bool:
+        return channel not in self._blocked and channel not in self._held
 
     async def let_overtaking_in(self, timeout_s: float = 1.0) -> None:
         """Yield until the overtaking barriers pushed here are queued (each needs the pushes
@@ -262,11 +341,11 @@ class Inbox:
     def get_nowait(self) -> tuple[ChannelId, Any] | None:
         n = len(self._order)
         for ch in self._order:
-            self._pass_fences(ch)
+            self._pass_marks(ch)
         if self.overtaking:  # a rescale barrier at the front of a channel goes first
             for ch in self._order:
                 q = self._queues[ch]
-                if q and isinstance(q[0], OvertakingBarrier) and ch not in self._blocked:
+                if q and isinstance(q[0], OvertakingBarrier) and self._readable_channel(ch):
                     self.overtaking -= 1
                     item = q.popleft()
                     asyncio.get_running_loop().create_task(self._notify(ch))
@@ -274,11 +353,14 @@ class Inbox:
         for i in range(n):
             ch = self._order[(self._next + i) % n]
             q = self._queues[ch]
-            if q and ch not in self._blocked:
+            if q and self._readable_channel(ch):
                 self._next = (self._next + i + 1) % n
                 item = q.popleft()
                 if isinstance(item, OvertakingBarrier):
                     self.overtaking -= 1
+                elif isinstance(item, EndOfStream):  # nothing more of it: no fence to wait for
+                    self._ended.add(ch)
+                    self._release(ch)
                 asyncio.get_running_loop().create_task(self._notify(ch))
                 return ch, item
         return None
@@ -289,7 +371,7 @@ class Inbox:
         Under load batches queue up, and the reader takes them as one larger batch."""
         q = self._queues.get(channel)
         out: list[pa.RecordBatch] = []
-        if not q or channel in self._blocked:
+        if not q or not self._readable_channel(channel):
             return out
         rows = 0
         while q and isinstance(q[0], pa.RecordBatch) and rows + q[0].num_rows <= max_rows:
@@ -454,12 +536,11 @@ class OutputChannel:
             waker.cancel()
             self._credit_wake = None
 
-    async def fence(self) -> list[Awaitable[Any]]:
-        """Flush buffered rows and send a :class:`Fence`; the awaitable returned completes once
-        the receiver has read everything sent before it."""
+    async def mark(self, item: Fence | AfterFences) -> None:
+        """Flush buffered rows, then send ``item`` (a :class:`Fence` or :class:`AfterFences`):
+        in order after everything sent before it."""
         await self.flush()
-        await self.push(Fence())
-        return [self._inflight[-1]]
+        await self.push(item)
 
     async def drain(self) -> None:
         """Flush buffered rows and wait until every push was acknowledged."""

@@ -34,7 +34,14 @@ from raystream.runtime.channels import (
     concat_batches,
     overtakes,
 )
-from raystream.runtime.messages import Barrier, ChannelId, EndOfStream, Watermark
+from raystream.runtime.messages import (
+    AfterFences,
+    Barrier,
+    ChannelId,
+    EndOfStream,
+    Fence,
+    Watermark,
+)
 from raystream.runtime.migration import MigrationEngine, MigrationTask
 from raystream.runtime.outputs import port_of
 from raystream.runtime.processors import (
@@ -290,6 +297,9 @@ class OperatorInstance:
         self.inbox.on_overtaking = self._overtake_outputs
         # receivers in this process (an operator chain, raystream.runtime.chain): a direct call
         self.local: dict[ChannelId, Any] = {}
+        # a new owner's migration task whose AfterFences mark is still to go out (see _emit)
+        self._after_fences: MigrationTask | None = None
+        self.after_fences_sent = 0  # AfterFences marks sent (one per take-over)
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
@@ -425,6 +435,7 @@ class OperatorInstance:
         engine.fetcher = fetcher
         engine.prepare(task)
         self._rescale_expected_until = 0.0  # the task is here: _serving() takes over
+        self._after_fences = task if task.incoming else None
 
     async def serve_state(
         self, epoch: int, groups: list[int], max_bytes: int, urgent: bool = False
@@ -604,6 +615,15 @@ class OperatorInstance:
             snap["target_rate_eps"] = pace.rate_at(t_s)
             snap["lag_rows"] = max(0, int(pace.rows_by(t_s)) - self.rows_emitted)
         snap["backlog_rows"] = self.inbox.backlog_rows()
+        inbox = self.inbox
+        if inbox.fences_read or inbox.marks_read or self.after_fences_sent:
+            # order across moves: fences and AfterFences marks read here, channels of new owners
+            # held for old owners' fences (and the longest hold), marks this instance sent
+            snap["fences_read"] = inbox.fences_read
+            snap["after_fences_read"] = inbox.marks_read
+            snap["fence_holds"] = inbox.holds
+            snap["fence_hold_ms_max"] = round(inbox.hold_ms_max, 1)
+            snap["after_fences_sent"] = self.after_fences_sent
         if self.batch_cost.mean_row_s > 0:
             snap["row_cost_s"] = self.batch_cost.mean_row_s
         snap["inputs"] = len(self.inputs)
@@ -1094,7 +1114,8 @@ class OperatorInstance:
             if mine and engine is not None:
                 task = engine.task
                 hands_out = task is not None and task.epoch == epoch and bool(task.outgoing)
-                engine.seal(epoch, fence=await self._fence_outputs() if hands_out else None)
+                fence_ms = await self._fence_outputs(epoch) if hands_out else None
+                engine.seal(epoch, fence_ms=fence_ms)
             self._report("barrier", info)
 
     async def _apply_replace(self, barrier: Barrier) -> int:
@@ -1133,20 +1154,31 @@ class OperatorInstance:
                         await c.drain()
                     del channels[table.parallelism :]
 
-    async def _fence_outputs(self) -> Callable[[], Awaitable[None]] | None:
-        """Send a fence on every output (in order, after the rows before it); returns what waits
-        until the receivers read up to it (None: no outputs)."""
-        acks: list[Awaitable[Any]] = []
+    async def _fence_outputs(self, epoch: int) -> float:
+        """An old owner seals at ``epoch``: a :class:`Fence` on every output, after the rows
+        before it. It does not wait for downstream to read them: a receiver also fed by a new
+        owner holds what the new owner sends after its AfterFences mark until it has read this
+        fence (:class:`raystream.runtime.channels.Inbox`). Returns the milliseconds it took."""
+        t0 = time.monotonic()
         for _, channels in self.outputs:
             for c in channels:
-                acks += await c.fence()
-        if not acks:
-            return None
+                await c.mark(Fence(epoch))
+        return (time.monotonic() - t0) * 1000
 
-        async def wait() -> None:
-            await asyncio.gather(*acks)
-
-        return wait
+    async def _mark_after_fences(self, task: MigrationTask) -> None:
+        """A new owner, before its first output made from state it took over (the first
+        sub-group arrived; with sub-groups of its own to hand out in the same step, once it
+        sealed too, so its own fence goes before this mark: receivers never wait in a circle):
+        an :class:`AfterFences` naming the old owners on every output."""
+        if not task.arrived or (task.hands_out and not task.sealed.is_set()):
+            return
+        self._after_fences = None
+        senders = tuple(sorted({task.owner_ids.get(o, o) for o in task.incoming.values()}))
+        mark = AfterFences(task.epoch, senders)
+        self.after_fences_sent += 1
+        for _, channels in self.outputs:
+            for c in channels:
+                await c.mark(mark)
 
     async def _forward_barrier(self, barrier: Barrier) -> None:
         for _, channels in self.outputs:
@@ -1155,6 +1187,8 @@ class OperatorInstance:
                 await c.push(barrier)
 
     async def _emit(self, batches: list[pa.RecordBatch]) -> None:
+        if self._after_fences is not None:
+            await self._mark_after_fences(self._after_fences)
         for b in batches:
             if b.num_rows == 0:
                 continue

@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Barrier", "ChannelId", "EndOfStream", "Fence", "RowsThenWatermark", "Watermark"]
+__all__ = [
+    "AfterFences",
+    "Barrier",
+    "ChannelId",
+    "EndOfStream",
+    "Fence",
+    "RowsThenWatermark",
+    "Watermark",
+]
 
 # A channel is one (sender instance -> receiver instance) edge: ("step", index) of the sender.
 ChannelId = tuple[str, int]
@@ -31,9 +39,25 @@ class EndOfStream:
 
 @dataclass(frozen=True)
 class Fence:
-    """Acknowledged by the receiver only once it has read (and so processed) everything sent
-    before it on this channel. An old owner fences its outputs before it hands out state: every
-    output row it made for a moving sub-group is read downstream before the new owner's first."""
+    """An old owner's mark on each of its output channels when it seals at rescale (or move)
+    ``epoch``: every output it made for a sub-group it hands out came before it. It takes no room
+    and is acknowledged as soon as it is queued; the receiver notes when it has read up to it."""
+
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class AfterFences:
+    """A new owner's mark on each of its output channels before its first output made from state
+    it took over at ``epoch``: the receiver reads nothing more of this channel until it has read
+    the :class:`Fence` of ``epoch`` on the channel of each old owner in ``senders`` (instance
+    indexes; the channel is the sending step's instance at that index) that is one of its inputs
+    and has not ended. So a receiver fed by both reads the old owner's last outputs for a moving
+    key before the new owner's first, and the old owner hands out its state without waiting for
+    downstream to read them."""
+
+    epoch: int
+    senders: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,20 @@ which it will receive and from whom, and which it must hand out. Protocol, per r
   requests queued meanwhile back to back, for up to ``SERVE_BURST_S``). Serving runs on the
   event loop ``serve`` is called from: under Ray a loop of its own, in its own thread (the
   actor's ``transfer`` concurrency group), so a request is answered while the instance's loop
-  processes records, and no chunk waits for a slice of them. Once sealed and fenced, the
+  processes records, and no chunk waits for a slice of them. Once sealed (its fences sent), the
   sub-groups it hands out are evicted from its write-back cache (on the instance's loop, once;
   the rest of its cache stays) and are never written here again, so the serving thread reads
   them from RocksDB while the instance goes on; what changes the instance's own bookkeeping
   (held, outgoing, dropping the range, handed-over records) runs back on the instance's loop.
 * A sub-group is released (its buffered records processed, then new ones directly) when it
-  arrived, or with ``hold="all_moved"`` when every incoming sub-group arrived.
+  arrived, or with ``hold="all_moved"`` when every incoming sub-group arrived; at an instance
+  that also hands sub-groups out in the same step, not before it sealed.
+* Order downstream: at the seal an old owner sends a ``Fence`` on every output; a new owner sends
+  ``AfterFences`` (naming its old owners) before its first output made from moved state, and a
+  receiver holds the new owner's channel from there until it has read those fences
+  (:mod:`raystream.runtime.channels`). Nobody waits for an acknowledgement: an old owner hands
+  out state as soon as it sealed. An instance that both receives and hands out releases what it
+  received only once sealed, so its own fence precedes its mark on every channel.
 * Heat (what hot-first orders by) is a decaying rate per sub-group (:class:`DecayingHeat`).
 * Queued work moves with the state: a rescale barrier overtakes the old owner's queued batches,
   and the records of outgoing sub-groups in them (sent before the barrier, not applied) are held
@@ -184,14 +191,17 @@ class MigrationTask:
     policy: FetchPolicy
     incoming: dict[int, int]  # sub-group -> old owner index
     outgoing: set[int]
+    # old owner routing index -> its instance index (its channels' ids downstream; another
+    # number after a move); absent: the same
+    owner_ids: dict[int, int] = field(default_factory=dict)
     heat: dict[int, float] = field(default_factory=dict)  # sub-group -> records/s (decayed)
     active: bool = False
     sealed: asyncio.Event = field(default_factory=asyncio.Event)
-    # old owner: every output it made before the seal was read downstream (Fence), so no new
-    # owner's output for a moving sub-group can be read before it; set with the seal when the
-    # instance has no outputs to fence
+    # old owner: a Fence went out on every output after all it made before the seal (set with
+    # the seal; a receiver fed by a new owner too reads up to it before the new owner's output)
     fenced: asyncio.Event = field(default_factory=asyncio.Event)
-    fence_ms: float | None = None
+    fence_ms: float | None = None  # milliseconds sending the fences took
+    hands_out: bool = False  # sub-groups were to go out from here (``outgoing`` empties)
     # old owner: sealed, fenced and the outgoing sub-groups evicted: state may go out (set on
     # the instance's loop, read by the serving loop, which may run in another thread)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -414,6 +424,8 @@ class MigrationEngine:
             return []
         if task.policy.hold == "all_moved" and len(task.arrived) < len(task.incoming):
             return []
+        if task.hands_out and not task.sealed.is_set():
+            return []  # its own fence first (see the module's doc)
         groups, self._releasable = self._releasable, []
         out: list[pa.RecordBatch] = []
         now = time.monotonic()
@@ -447,6 +459,7 @@ class MigrationEngine:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
+        task.hands_out = bool(task.outgoing)
         self.task = task
         server = last.server if last is not None else None
         if server is not None and not server.done():  # the last step's (idle: it is done)
@@ -477,32 +490,20 @@ class MigrationEngine:
         self._check_done()
         self.poke()
 
-    def seal(
-        self, epoch: int, *, fence: Callable[[], Awaitable[None]] | None = None
-    ) -> None:
-        """The barrier of ``epoch`` came on every input. ``fence``: waits until everything this
-        instance sent downstream so far was read there; an old owner hands out no state before
-        (else a new owner's output for a moving key could be read downstream before the old
-        owner's last output for it, e.g. at a sink fed by both)."""
+    def seal(self, epoch: int, *, fence_ms: float | None = None) -> None:
+        """The barrier of ``epoch`` came on every input, and the instance sent a fence on every
+        output (``fence_ms``: how long that took; None: nothing to fence). The outgoing
+        sub-groups may go out now: receivers, not this instance, wait for the fence."""
         task = self.task
         if task is not None and task.epoch == epoch and not task.sealed.is_set():
             task.sealed_at = time.monotonic()
             task.sealed_wall = time.time()
             task.sealed.set()
-            if fence is None or not task.outgoing:
-                task.fenced.set()
-                self._make_ready(task)
-            else:
-                self._spawn(self._fence(task, fence))
-            self._check_done()
-
-    async def _fence(self, task: MigrationTask, fence: Callable[[], Awaitable[None]]) -> None:
-        try:
-            await fence()
-        finally:  # a failed fence fails the instance (the job recovers); serving may go on
-            task.fence_ms = (time.monotonic() - task.sealed_at) * 1000
+            task.fence_ms = fence_ms
             task.fenced.set()
             self._make_ready(task)
+            self._check_done()
+            self.poke()  # what arrived before the seal may be released now
 
     def _make_ready(self, task: MigrationTask) -> None:
         """Sealed and fenced (on the instance's loop): the outgoing sub-groups leave the

@@ -7,7 +7,6 @@ result must equal the oracle's exactly (same rows, same types).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +33,7 @@ PLAIN = [q for q in ("q0", "q1", "q2", "q3", "q4", "q5", "q7", "q8", "q9", "q11"
 @pytest.fixture(scope="module", autouse=True)
 def _ship_bench() -> None:
     """Ray workers cannot import bench/ (not installed): its modules travel by value."""
-    from ray import cloudpickle
-
-    for name in (
-        "bench.nexmark.queries",
-        "bench.nexmark.cli",
-        "bench.nexmark.oracle",
-        "bench.nexmark.columns",
-        "bench.nexmark.projections",
-        "bench.nexmark.daily",
-        "bench.nexmark.ranking",
-        "bench.nexmark.category_join",
-        "bench.nexmark.side_input",
-        "bench.nexmark.seller_average",
-    ):
-        cloudpickle.register_pickle_by_value(sys.modules[name])
+    cli._pickle_by_value()
 
 
 @pytest.fixture(scope="module")

@@ -661,3 +661,46 @@ def test_a_change_of_the_sources_target_rate_brings_the_next_tick_forward() -> N
     sim, loop = run(0.0)  # no polling: the next tick (t=11)
     decided = next(e["t_s"] for e in loop.history if e["action"] == "scale_out")
     assert decided == 11.0 and loop.early_ticks == 0
+
+
+def test_a_change_of_demand_is_decided_from_the_last_reading_without_reading_again() -> None:
+    # the metrics reading of busy instances is slow: each takes 0.09 s of the fake clock. A 4x
+    # step at t=10.2 (after the reading of
+    # the tick at t=10): deciding from the last reading (true rate, busy) with the sources' new
+    # target rate needs no reading, so the scale-out comes at the poll that saw the change
+    def run(decide_on_demand: bool) -> tuple[SimPipeline, Autoscaler, list[float]]:
+        sim = SimPipeline([(0, 8_000), (10.2, 32_000)])
+        reads: list[float] = []
+
+        async def slow_metrics() -> dict[str, Any]:
+            reads.append(sim.t)
+            snapshot = await sim.metrics()
+            sim.advance(0.09)
+            return snapshot
+
+        async def demand() -> dict[str, float]:
+            return {"src": sim.rate()}
+
+        loop = make_loop(sim, DS2(), decide_on_demand=decide_on_demand)
+        loop._metrics = slow_metrics
+        loop._demand = demand
+        _run_loop(sim, loop, 14.0)
+        return sim, loop, reads
+
+    sim, loop, reads = run(True)
+    out = next(e for e in loop.history if e["action"] == "scale_out")
+    assert [p for _, p in sim.rescales] == [4], sim.rescales  # 32k / (10k x 0.9) -> 4
+    assert 10.2 <= out["t_s"] <= 10.2 + 0.05 + 1e-9, out["t_s"]  # the poll, no reading
+    assert out["signals_from"] == "demand" and out["reading_s"] == 0.0
+    assert "target input 32,000 eps" in out["reason"]  # the new demand, not the sampled 8k
+    assert not [t for t in reads if 10.2 <= t <= out["t_s"]]  # nothing was read for it
+    sim, loop, reads = run(False)  # read first: 0.09 s later, same answer
+    out = next(e for e in loop.history if e["action"] == "scale_out")
+    assert [p for _, p in sim.rescales] == [4]
+    assert out["signals_from"] == "reading" and out["reading_s"] == pytest.approx(0.09)
+    assert out["t_s"] >= 10.2 + 0.09 - 1e-9
+
+
+def test_decide_on_demand_must_be_a_bool() -> None:
+    with pytest.raises(ConfigError, match="decide_on_demand must be True or False, got 'yes'"):
+        AutoscalerConfig(decide_on_demand="yes")  # type: ignore[arg-type]

@@ -23,7 +23,13 @@ from raystream.runtime.channels import (
     Rebalance,
     materialise_key,
 )
-from raystream.runtime.messages import Fence, RowsThenWatermark, Watermark
+from raystream.runtime.messages import (
+    AfterFences,
+    EndOfStream,
+    Fence,
+    RowsThenWatermark,
+    Watermark,
+)
 
 A, B, C = ("up", 0), ("up", 1), ("up", 2)
 
@@ -79,42 +85,95 @@ def test_round_robin_across_channels() -> None:
     assert got == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (0, 2), (2, 2), (0, 3)]
 
 
-def test_a_fence_is_acknowledged_only_once_the_reader_is_past_what_came_before_it() -> None:
-    """An old owner hands out state only after its fence was acknowledged: the receiver has read
-    (and so processed) every batch the old owner sent before it, whatever other channels bring."""
+NEW = ("up", 9)  # a new owner's channel (another instance index after a move)
+
+
+def drain_now(inbox: Inbox) -> list:
+    """Every item the reader can take now, in the order it takes them."""
+    got = []
+    while (item := inbox.get_nowait()) is not None:
+        got.append(item)
+    return got
+
+
+def test_a_new_owners_channel_is_held_until_the_old_owners_fence_is_read() -> None:
+    """Per-key order across a move at a receiver fed by both owners: what the new owner sends
+    after its AfterFences mark is read only after everything the old owner sent before its
+    fence, whatever the round robin would pick; neither mark waits for the reader."""
 
     async def main() -> None:
-        inbox = Inbox(capacity=2)
-        await inbox.put(A, 0, "a0")
-        await inbox.put(A, 1, "a1")
-        fence = asyncio.create_task(inbox.put(A, 2, Fence()))  # takes no room: queued at once
+        inbox = Inbox(capacity=10)
+        for ch in (A, B, NEW):
+            inbox.add_channel(ch)
+        await inbox.put(NEW, 0, AfterFences(5, (0,)))  # queued at once, like the fence
+        await inbox.put(NEW, 1, "n0")
+        await inbox.put(NEW, 2, "n1")
+        for seq, item in enumerate(["a0", "a1", Fence(5), "a2"]):
+            await inbox.put(A, seq, item)
         await inbox.put(B, 0, "b0")
-        await settle()
-        assert not fence.done() and inbox.depth() == 4
         assert await inbox.get() == (A, "a0")
-        await settle()
-        assert not fence.done()  # a1 not read yet
-        assert await inbox.get() == (B, "b0")
-        assert await inbox.get() == (A, "a1")
-        await settle()
-        assert not fence.done()  # a1 read, not processed: the reader is not back yet
-        assert inbox.get_nowait() is None  # back for more: a1 was processed
-        await settle()
-        assert fence.done() and inbox.depth() == 0
-        # a fence on a blocked channel (aligned barrier read before it) passes too
-        await inbox.put(A, 3, "barrier")
-        assert await inbox.get() == (A, "barrier")
-        inbox.block(A)
-        fence = asyncio.create_task(inbox.put(A, 4, Fence()))
-        await settle()
-        assert inbox.get_nowait() is None
-        await settle()
-        assert fence.done()
+        assert inbox.held(NEW)
+        inbox.unblock_all()  # an aligned barrier's unblocking does not release it
+        got = [await inbox.get(), await inbox.get()]
+        assert got == [(B, "b0"), (A, "a1")]  # NEW skipped: still held
+        assert inbox.held(NEW)
+        rest = drain_now(inbox)  # the reader is back: a1 was processed, the fence is passed
+        assert not inbox.held(NEW)
+        assert sorted(rest) == [(A, "a2"), (NEW, "n0"), (NEW, "n1")]
+        assert [i for c, i in rest if c == NEW] == ["n0", "n1"]
+        assert inbox.holds == 1 and inbox.hold_ms_max >= 0
 
     asyncio.run(main())
 
 
-def test_an_output_channel_fence_waits_for_the_receiver_to_read_its_rows() -> None:
+def test_after_fences_holds_only_for_fences_still_to_be_read_on_live_inputs() -> None:
+    async def main() -> None:
+        inbox = Inbox(capacity=10)
+        for ch in (A, B, NEW):
+            inbox.add_channel(ch)
+        # A's fence of epoch 5 was read before the mark came: nothing to wait for
+        await inbox.put(A, 0, Fence(5))
+        await inbox.put(NEW, 0, AfterFences(5, (0,)))
+        await inbox.put(NEW, 1, "n0")
+        assert drain_now(inbox) == [(NEW, "n0")]
+        # an old owner that is no input here (index 7), or the channel itself: nothing
+        await inbox.put(NEW, 2, AfterFences(6, (7, 9)))
+        await inbox.put(NEW, 3, "n1")
+        assert drain_now(inbox) == [(NEW, "n1")]
+        # an older fence does not stand for a newer epoch's: B's 4 < 6
+        await inbox.put(B, 0, Fence(4))
+        await inbox.put(NEW, 4, AfterFences(6, (1,)))
+        await inbox.put(NEW, 5, "n2")
+        assert drain_now(inbox) == [] and inbox.held(NEW)
+        # the old owner ends (its EndOfStream read): nothing more of it can come
+        await inbox.put(B, 1, "b0")
+        await inbox.put(B, 2, EndOfStream())
+        assert drain_now(inbox) == [(B, "b0"), (B, EndOfStream()), (NEW, "n2")]
+        # an ended old owner is not waited for at a later epoch either
+        await inbox.put(NEW, 6, AfterFences(7, (1,)))
+        await inbox.put(NEW, 7, "n3")
+        assert drain_now(inbox) == [(NEW, "n3")]
+
+    asyncio.run(main())
+
+
+def test_a_held_channel_waits_for_every_old_owner_it_names() -> None:
+    async def main() -> None:
+        inbox = Inbox(capacity=10)
+        for ch in (A, B, NEW):
+            inbox.add_channel(ch)
+        await inbox.put(NEW, 0, AfterFences(3, (0, 1)))
+        await inbox.put(NEW, 1, "n0")
+        await inbox.put(A, 0, Fence(3))
+        assert drain_now(inbox) == [] and inbox.held(NEW)  # B's fence still to come
+        await inbox.put(B, 0, "b0")
+        await inbox.put(B, 1, Fence(3))
+        assert drain_now(inbox) == [(B, "b0"), (NEW, "n0")]
+
+    asyncio.run(main())
+
+
+def test_an_output_channel_mark_goes_after_its_buffered_rows_without_waiting() -> None:
     async def main() -> None:
         inbox = Inbox(capacity=10)
 
@@ -124,35 +183,33 @@ def test_an_output_channel_fence_waits_for_the_receiver_to_read_its_rows() -> No
 
         out = OutputChannel(send, batch_rows=1000, linger_ms=10_000, max_inflight=4)
         await out.add(batch(0, 5))  # buffered (linger): the fence flushes it first
-        (ack,) = await out.fence()
+        await out.mark(Fence(2))
         await settle()
-        assert not ack.done()
+        assert out.idle  # queued at the receiver, nothing read yet: acknowledged all the same
         ch, got = await inbox.get()
         assert ch == A and got.num_rows == 5
-        assert inbox.get_nowait() is None
-        await asyncio.wait_for(ack, 1)
-        # the channel goes on: the next push comes after the fence
-        await out.add(batch(5, 1))
-        await out.flush()
-        ch, got = await asyncio.wait_for(inbox.get(), 1)
-        assert got.column("x").to_pylist() == [5]
+        assert inbox.get_nowait() is None and inbox.depth() == 0  # the fence passed
 
     asyncio.run(main())
 
 
-def test_removing_or_reopening_a_channel_releases_its_fences() -> None:
+def test_removing_or_reopening_an_old_owners_channel() -> None:
     async def main() -> None:
         inbox = Inbox(capacity=2)
-        fence = asyncio.create_task(inbox.put(A, 0, Fence()))
-        await settle()
-        inbox.reset_channel(A)
-        await settle()
-        assert fence.done()
-        fence = asyncio.create_task(inbox.put(B, 0, Fence()))
-        await settle()
-        inbox.remove_channel(B)
-        await settle()
-        assert fence.done() and B not in inbox.channels
+        for ch in (A, B, NEW):
+            inbox.add_channel(ch)
+        await inbox.put(NEW, 0, AfterFences(5, (0,)))
+        await inbox.put(NEW, 1, "n0")
+        assert drain_now(inbox) == [] and inbox.held(NEW)
+        inbox.remove_channel(A)  # gone: nothing of it to wait for
+        assert drain_now(inbox) == [(NEW, "n0")]
+        # a channel id that comes back is another instance: its fences are still to come
+        await inbox.put(B, 0, Fence(6))
+        assert drain_now(inbox) == []
+        inbox.reset_channel(B)
+        await inbox.put(NEW, 2, AfterFences(6, (1,)))
+        await inbox.put(NEW, 3, "n1")
+        assert drain_now(inbox) == [] and inbox.held(NEW)
 
     asyncio.run(main())
 

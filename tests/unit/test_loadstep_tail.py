@@ -69,6 +69,38 @@ def test_the_top_percent_are_put_in_the_phase_of_the_move_they_came_in() -> None
     figures = tail_figures(tail)
     assert figures["top_share_ingested_seal_to_done"] == 1.0
     assert figures["done_after_step_s"] == pytest.approx(0.6)
+    # all of it is the first scale-out's hump (no refill, no later rescale, no stall)
+    assert tail["by_write_time"]["above_2x_by_cause"] == {
+        "first_scale_out": line["events_above"],
+        "refills": 0,
+        "later_rescales": 0,
+        "elsewhere": 0,
+    }
+    assert figures["above_2x_first_scale_out"] == line["events_above"]
+
+
+def test_events_above_the_line_are_split_by_what_they_were_written_during() -> None:
+    # the move's hump (ingested 5.2-5.6 s, written by 6.1 s; done at 5.6 s), a refill written
+    # 6.2-6.7 s, a later rescale 7.0-7.1 s (+0.5 s), a stall: events ingested in each of
+    # 6.0-6.4, 7.0-7.2 and 8.0-8.3 s get 300 ms of latency (4k events/s)
+    ingest, written, index = _trace()
+    ing_s = (ingest - ORIGIN) / 1e9
+    for a, b in ((6.0, 6.4), (7.0, 7.2), (8.0, 8.3)):
+        sel = (ing_s >= a) & (ing_s < b)
+        written[sel] = ingest[sel] + int(0.3e9)
+    report = _report(5.0)
+    report["rescales"] = [{"start_s": 5.1, "end_s": 5.6}, {"start_s": 7.0, "end_s": 7.1}]
+    report["standby_refills"] = [{"rescale_start_s": 5.1, "after_s": 0.6, "waves": [[1, 0.5]]}]
+    tail = tail_breakdown(ingest, written, index, ORIGIN, report)
+    assert tail["by_write_time"]["above_2x_by_cause"] == {
+        "first_scale_out": pytest.approx(1600, abs=2),
+        "refills": pytest.approx(1600, abs=2),
+        "later_rescales": pytest.approx(800, abs=2),
+        "elsewhere": pytest.approx(1200, abs=2),
+    }
+    assert sum(tail["by_write_time"]["above_2x_by_cause"].values()) == tail["line_2x"][
+        "events_above"
+    ]
 
 
 def test_rows_that_aggregate_events_weigh_as_many() -> None:

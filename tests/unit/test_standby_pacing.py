@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from raystream.autoscaling import next_tick_wait
 from raystream.standby_pacing import (
     busy_fraction,
@@ -13,6 +15,7 @@ from raystream.standby_pacing import (
     refill_time_s,
     refill_waves,
     start_estimate_s,
+    unloaded_busy,
     wait_caught_up,
 )
 
@@ -181,3 +184,35 @@ def test_the_wait_for_the_catch_up_ends_in_time_for_the_next_possible_scale_out(
         wait_caught_up(catching_up, max_wait_s=0.0, poll_s=0.25, clock=ft.clock, sleep=ft.sleep)
     )
     assert got["max_wait"] is True and got["waited_s"] == 0.0  # one reading, then at once
+
+
+def test_a_refill_for_a_rate_sizing_policy_waits_until_the_load_it_scaled_out_for_is_gone() -> None:
+    # 1 -> 3 at 20k/s: the three instances are 70 % busy with nothing queued (caught up at the
+    # usual 85 %), and only when the input falls back to 5k/s (18 % busy) is the load one the
+    # single instance before would carry (at most 85 % / 3)
+    assert unloaded_busy(1, 3) == pytest.approx(0.85 / 3) and unloaded_busy(4, 2) == 0.85
+    ft = FakeTime()
+    busy_s = 0.0
+
+    async def loaded_then_back_down() -> dict[str, Any]:
+        nonlocal busy_s
+        busy_s += 3 * 0.25 * (0.7 if ft.t < 5.0 else 0.18)
+        return {"total_work_s": 0.01, "busy_s": busy_s, "instances": 3}
+
+    got = asyncio.run(
+        wait_caught_up(
+            loaded_then_back_down,
+            max_busy=unloaded_busy(1, 3),
+            max_wait_s=60.0,
+            poll_s=0.25,
+            clock=ft.clock,
+            sleep=ft.sleep,
+        )
+    )
+    assert got["caught_up"] is True and got["max_wait"] is False
+    assert got["waited_s"] == 5.25, got  # two readings in a row at 18 %: t=5.0 and 5.25
+    ft, busy_s = FakeTime(), 0.0  # at the usual 85 %: the first two readings at 70 %
+    got = asyncio.run(
+        wait_caught_up(loaded_then_back_down, poll_s=0.25, clock=ft.clock, sleep=ft.sleep)
+    )
+    assert got["caught_up"] is True and got["waited_s"] == 0.5
