@@ -5,7 +5,6 @@ files hold every input record exactly once. Oracle: DuckDB over the input folder
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import duckdb
@@ -15,7 +14,7 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
-from tests.integration._helpers import running_count_carrying
+from tests.integration._helpers import running_count_carrying, wait_checkpoints
 
 EVENTS = 120_000
 RATE = 30_000  # ~4 s of stream
@@ -54,10 +53,7 @@ def test_file_source_rewinds_and_rolling_sink_is_exactly_once(tmp_path: Path) ->
         linger_ms=10.0,
     )
     try:
-        deadline = time.monotonic() + 60
-        while job.status()["checkpoints"]["completed"] < 2:
-            assert time.monotonic() < deadline, job.status()["checkpoints"]
-            time.sleep(0.05)
+        wait_checkpoints(job, 2)
         actor = instance_actor_name(job.name, "source", 0)
         ray.kill(ray.get_actor(actor, namespace=NAMESPACE))
         result = job.wait(120)

@@ -6,7 +6,6 @@ stream."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import duckdb
@@ -16,6 +15,7 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
+from tests.integration._helpers import wait_checkpoints
 
 EVENTS = 60_000
 RATE = 20_000  # ~3 s of stream
@@ -61,10 +61,7 @@ def test_killed_partitioned_sink_instance_is_exactly_once(tmp_path: Path) -> Non
         linger_ms=10.0,
     )
     try:
-        deadline = time.monotonic() + 60
-        while job.status()["checkpoints"]["completed"] < 2:
-            assert time.monotonic() < deadline, job.status()["checkpoints"]
-            time.sleep(0.05)
+        wait_checkpoints(job, 2)
         actor = instance_actor_name(job.name, "out", 0)
         ray.kill(ray.get_actor(actor, namespace=NAMESPACE))
         result = job.wait(120)
