@@ -23,6 +23,7 @@ __all__ = [
     "LATENCY_WEIGHTING",
     "RESCALE_WINDOW",
     "build_report",
+    "imported_from",
     "print_summary",
     "write_atomically",
 ]
@@ -184,6 +185,17 @@ def write_atomically(path: Path, write: Any) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def imported_from(module: Any) -> str:
+    """Which checkout a result came from: the package folder of ``module``, relative to the
+    current folder when it lies inside it (so results run from the repository's root name no
+    machine paths), else absolute (an older checkout run for comparison)."""
+    folder = Path(module.__file__).resolve().parent
+    try:
+        return str(folder.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(folder)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 import raystream as rs
+from bench._report import imported_from
 from bench._payload import COUNT_BYTES, prefill_state
 from bench.keycount import keycount_flow
 from raystream.runtime.processors import KeyedProcessor
@@ -214,7 +215,7 @@ def main(
         "benchmark": "count_state",
         "measures": "process CPU seconds of KeyedProcessor.process over instance 0's batches "
         "plus the final flush of the write-back cache, per million events",
-        "raystream": str(Path(rs.__file__).parent),
+        "raystream": imported_from(rs),
         "config": {
             "events": events,
             "keys": keys,

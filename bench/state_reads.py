@@ -33,6 +33,7 @@ import click
 from rocksdict import IngestExternalFileOptions, Rdict, ReadOptions, SstFileWriter
 
 import raystream as rs
+from bench._report import imported_from
 from bench._payload import prefill_state
 from bench.count_state import _share
 from raystream.runtime.processors import KeyedProcessor
@@ -208,7 +209,7 @@ def main(
         "measures": "point reads: process CPU seconds of the recorded RocksDB reads (the payload "
         "count's write-back cache misses over instance 0's prefilled state), per key, cold block "
         "cache; range read: wall MB/s of keys and values read in key order as an export does",
-        "raystream": str(Path(rs.__file__).parent),
+        "raystream": imported_from(rs),
         "config": {
             "events": events,
             "keys": keys,
