@@ -31,6 +31,7 @@ from raystream.runtime.instance import OperatorInstance, RuntimeConfig
 from raystream.runtime.messages import Barrier, ChannelId, Watermark
 from raystream.runtime.migration import MigrationEngine, MigrationTask
 from raystream.state.rocks import RocksStateBackend
+from tests._loop_job import LoopJob
 
 CH: ChannelId = ("up", 0)
 
@@ -240,7 +241,7 @@ def _oracle() -> collections.Counter[Any]:
     return collections.Counter(keys)
 
 
-class Job:
+class Job(LoopJob):
     """The instances of one job in this event loop, and the controller's part of a scale-out."""
 
     def __init__(self, state_dir: Path) -> None:
@@ -251,23 +252,8 @@ class Job:
         config = RuntimeConfig(
             batch_rows=200, source_batch_rows=100, linger_ms=1.0, inbox_capacity=8
         )
-        self.plan = physical_plan(flow, {"count": 1}, config, time.time_ns(), state_dir)
-        self.state_dir = state_dir
-        self.instances: dict[ChannelId, OperatorInstance] = {}
-        self.runs: dict[ChannelId, asyncio.Task[None]] = {}
-        for iid, spec in self.plan.instances.items():
-            self._add(iid, OperatorInstance(spec))
-
-    def _add(self, iid: ChannelId, inst: OperatorInstance) -> None:
-        self.instances[iid] = inst
-        inst.connect(self._send, lambda event, info: None)
-
-    def _send(self, receiver: ChannelId, payload: tuple[ChannelId, int, Any]) -> Any:
-        channel, seq, item = payload
-        return asyncio.ensure_future(self.instances[receiver].push(channel, seq, item))
-
-    def run(self, iid: ChannelId) -> None:
-        self.runs[iid] = asyncio.get_running_loop().create_task(self.instances[iid].run())
+        plan = physical_plan(flow, {"count": 1}, config, time.time_ns(), state_dir)
+        super().__init__(plan, state_dir, FINISH_S)
 
     async def scale_out(self, epoch: int, tasks_late_s: float = 0.0) -> None:
         """Start instance 1 of ``count``, wire it, prepare the move of the upper half of the key
@@ -315,16 +301,6 @@ class Job:
         else:
             asyncio.get_running_loop().call_later(tasks_late_s, prepare)
         assert self.instances[SOURCE].inject_barrier(Barrier(epoch, "rescale", payload))
-
-    async def finish(self) -> None:
-        runs = list(self.runs.values())
-        _, pending = await asyncio.wait(runs, timeout=FINISH_S)
-        waiting = [iid for iid, t in self.runs.items() if t in pending]
-        for t in pending:
-            t.cancel()
-        assert not waiting, f"instances {waiting} did not finish within {FINISH_S} s"
-        errors = {iid: inst.error for iid, inst in self.instances.items() if inst.error}
-        assert not errors, errors
 
 
 async def _overloaded_scale_out(state_dir: Path, tasks_late_s: float = 0.0) -> tuple[Job, int, int]:

@@ -23,6 +23,7 @@ from raystream.runtime.instance import OperatorInstance, RuntimeConfig
 from raystream.runtime.messages import Barrier
 from raystream.runtime.migration import MigrationEngine, MigrationTask
 from raystream.state.rocks import RocksStateBackend
+from tests._loop_job import LoopJob
 
 S = 2  # sub-groups per key group
 
@@ -143,7 +144,7 @@ def _oracle() -> dict[Any, int]:
     return dict(collections.Counter(keys))
 
 
-class StalledDownstream:
+class StalledDownstream(LoopJob):
     """source -> count (keyed, 1 instance, scaled out to 2) -> slow (1 instance) -> sink, with
     the slow step not reading at all until the new owner has sent output: the old owner's
     outputs from before its seal are all still queued there, behind nothing of the new owner's."""
@@ -157,24 +158,9 @@ class StalledDownstream:
             batch_rows=200, source_batch_rows=100, linger_ms=1.0, inbox_capacity=8,
             adaptive_batching=False,
         )  # fmt: skip
-        self.plan = physical_plan(flow, {"count": 1}, config, time.time_ns(), state_dir)
-        assert set(self.plan.instances) == {SOURCE, COUNT, SLOW, SINK}
-        self.state_dir = state_dir
-        self.instances: dict[Any, OperatorInstance] = {}
-        self.runs: dict[Any, asyncio.Task[None]] = {}
-        for iid, spec in self.plan.instances.items():
-            self._add(iid, OperatorInstance(spec))
-
-    def _add(self, iid: Any, inst: OperatorInstance) -> None:
-        self.instances[iid] = inst
-        inst.connect(self._send, lambda event, info: None)
-
-    def _send(self, receiver: Any, payload: tuple[Any, int, Any]) -> Any:
-        channel, seq, item = payload
-        return asyncio.ensure_future(self.instances[receiver].push(channel, seq, item))
-
-    def run(self, iid: Any) -> None:
-        self.runs[iid] = asyncio.get_running_loop().create_task(self.instances[iid].run())
+        plan = physical_plan(flow, {"count": 1}, config, time.time_ns(), state_dir)
+        assert set(plan.instances) == {SOURCE, COUNT, SLOW, SINK}
+        super().__init__(plan, state_dir, FINISH_S)
 
     async def scale_out(self, epoch: int) -> None:
         template = self.plan.instances[COUNT]
@@ -204,16 +190,6 @@ class StalledDownstream:
         )
         payload = {"step": "count", "table": table, "final": True, "aligned": False}
         assert self.instances[SOURCE].inject_barrier(Barrier(epoch, "rescale", payload))
-
-    async def finish(self) -> None:
-        runs = list(self.runs.values())
-        _, pending = await asyncio.wait(runs, timeout=FINISH_S)
-        waiting = [iid for iid, t in self.runs.items() if t in pending]
-        for t in pending:
-            t.cancel()
-        assert not waiting, f"instances {waiting} did not finish within {FINISH_S} s"
-        errors = {iid: inst.error for iid, inst in self.instances.items() if inst.error}
-        assert not errors, errors
 
 
 async def _scale_out_behind_a_stalled_step(state_dir: Path) -> StalledDownstream:

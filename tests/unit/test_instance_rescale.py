@@ -28,6 +28,7 @@ from raystream.rescale import FetchPolicy
 from raystream.runtime.instance import OperatorInstance, RuntimeConfig
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.migration import MigrationTask
+from tests._loop_job import LoopJob
 
 EVENTS = 6_000
 KEYS = 300
@@ -59,30 +60,15 @@ def _oracle() -> collections.Counter[Any]:
     return collections.Counter(keys)
 
 
-class Job:
+class Job(LoopJob):
     """The instances of one job in this event loop, and the controller's calls of a scale-out."""
 
     def __init__(self, state_dir: Path) -> None:
         flow = rs.Dataflow("race", num_key_groups=NUM_KEY_GROUPS, sub_groups=SUB_GROUPS)
         flow.source(_generator()).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
         config = RuntimeConfig(batch_rows=500, source_batch_rows=500, linger_ms=1.0)
-        self.plan = physical_plan(flow, {"count": 1}, config, time.time_ns(), state_dir)
-        self.state_dir = state_dir
-        self.instances: dict[ChannelId, OperatorInstance] = {}
-        self.runs: dict[ChannelId, asyncio.Task[None]] = {}
-        for iid, spec in self.plan.instances.items():
-            self._add(iid, OperatorInstance(spec))
-
-    def _add(self, iid: ChannelId, inst: OperatorInstance) -> None:
-        self.instances[iid] = inst
-        inst.connect(self._send, lambda event, info: None)
-
-    def _send(self, receiver: ChannelId, payload: tuple[ChannelId, int, Any]) -> Any:
-        channel, seq, item = payload
-        return asyncio.ensure_future(self.instances[receiver].push(channel, seq, item))
-
-    def run(self, iid: ChannelId) -> None:
-        self.runs[iid] = asyncio.get_running_loop().create_task(self.instances[iid].run())
+        plan = physical_plan(flow, {"count": 1}, config, time.time_ns(), state_dir)
+        super().__init__(plan, state_dir, FINISH_S)
 
     async def spawn_new_instance(self) -> None:
         """What the controller's ``_spawn`` does for instance 1 of ``count``."""
@@ -127,16 +113,6 @@ class Job:
         payload = {"step": "count", "table": table, "final": True, "aligned": False}
         return self.instances[SOURCE].inject_barrier(Barrier(epoch, "rescale", payload))
 
-    async def finish(self) -> None:
-        """Every instance ends (a new one that nobody sends to would wait forever)."""
-        runs = list(self.runs.values())
-        _, pending = await asyncio.wait(runs, timeout=FINISH_S)
-        waiting = [iid for iid, t in self.runs.items() if t in pending]
-        for t in pending:
-            t.cancel()
-        assert not waiting, f"instances {waiting} did not finish within {FINISH_S} s"
-        errors = {iid: inst.error for iid, inst in self.instances.items() if inst.error}
-        assert not errors, errors
 
     def final_counts(self) -> dict[Any, int]:
         out = self.instances[SINK].result
