@@ -306,6 +306,12 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "q10": ("auction", "bidder", "price", "dateTime", "extra"),
 }
 
+
+def _counts(*of: str) -> list[tuple[str, pa.DataType]]:
+    """q15-q17's count columns: per counted thing, its total and its three price ranks."""
+    return [(f"{c}_{what}", pa.int64()) for what in of for c in ("total", "rank1", "rank2", "rank3")]
+
+
 SCHEMA: dict[str, pa.Schema] = {
     "q10": pa.schema(
         [
@@ -379,50 +385,20 @@ SCHEMA: dict[str, pa.Schema] = {
             ("endtime", pa.int64()),
         ]
     ),
-    "q15": pa.schema(
-        [
-            ("day", pa.string()),
-            ("total_bids", pa.int64()),
-            ("rank1_bids", pa.int64()),
-            ("rank2_bids", pa.int64()),
-            ("rank3_bids", pa.int64()),
-            ("total_bidders", pa.int64()),
-            ("rank1_bidders", pa.int64()),
-            ("rank2_bidders", pa.int64()),
-            ("rank3_bidders", pa.int64()),
-            ("total_auctions", pa.int64()),
-            ("rank1_auctions", pa.int64()),
-            ("rank2_auctions", pa.int64()),
-            ("rank3_auctions", pa.int64()),
-        ]
-    ),
+    "q15": pa.schema([("day", pa.string()), *_counts("bids", "bidders", "auctions")]),
     "q16": pa.schema(
         [
             ("channel", pa.string()),
             ("day", pa.string()),
             ("minute", pa.string()),
-            ("total_bids", pa.int64()),
-            ("rank1_bids", pa.int64()),
-            ("rank2_bids", pa.int64()),
-            ("rank3_bids", pa.int64()),
-            ("total_bidders", pa.int64()),
-            ("rank1_bidders", pa.int64()),
-            ("rank2_bidders", pa.int64()),
-            ("rank3_bidders", pa.int64()),
-            ("total_auctions", pa.int64()),
-            ("rank1_auctions", pa.int64()),
-            ("rank2_auctions", pa.int64()),
-            ("rank3_auctions", pa.int64()),
+            *_counts("bids", "bidders", "auctions"),
         ]
     ),
     "q17": pa.schema(
         [
             ("auction", pa.int64()),
             ("day", pa.string()),
-            ("total_bids", pa.int64()),
-            ("rank1_bids", pa.int64()),
-            ("rank2_bids", pa.int64()),
-            ("rank3_bids", pa.int64()),
+            *_counts("bids"),
             ("min_price", pa.int64()),
             ("max_price", pa.int64()),
             ("avg_price", pa.int64()),
