@@ -18,7 +18,8 @@ stream their rows into part files (one per sink instance); updating queries (q4,
 their changes through ``rs.sinks.parquet(..., mode="upsert", key=<the result's key>,
 order_by="_version")``, and ``rs.read_upsert(DIR/<query>)`` (or the DuckDB query of
 :mod:`raystream.upsert`) gives the final result. ``--check`` compares the final result with the
-DuckDB oracle (the whole result is then collected in memory).
+DuckDB oracle (the whole result is then collected in memory); q12, whose windows follow the
+wall clock, is checked by :func:`bench.nexmark.processing_time.check` instead.
 
 The report: events/s, sink latency (``now - ingest_ts`` of the oldest input row behind an
 output) and, for windowed queries, ``watermark_lag_ms`` (:mod:`bench.nexmark.lag`): per window
