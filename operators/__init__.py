@@ -15,12 +15,13 @@ event-time timers) and used like your own::
     counted.side_output("late").sink(rs.sinks.collect(), name="late")
 
 Modules: :mod:`~raystream.operators.windows` (tumbling, sliding, session),
+:mod:`~raystream.operators.proctime` (processing-time tumbling and sliding windows),
 :mod:`~raystream.operators.joins` (interval_join, window_join, join),
 :mod:`~raystream.operators.keyed` (dedupe, top_n), :mod:`~raystream.operators.aggregations`,
 :mod:`~raystream.operators.stateless` (select, drop, rename, where, with_column).
 """
 
-from raystream.operators import aggregations, joins, keyed, stateless, windows
+from raystream.operators import aggregations, joins, keyed, proctime, stateless, windows
 from raystream.operators.aggregations import aggregate, count, max, mean, min, sum, top_k
 from raystream.operators.joins import interval_join, join, window_join
 from raystream.operators.keyed import dedupe, top_n
@@ -38,6 +39,7 @@ __all__ = [
     "max",
     "mean",
     "min",
+    "proctime",
     "session",
     "stateless",
     "sliding",

@@ -21,7 +21,10 @@ oracle = import_bench("bench.nexmark.oracle")
 queries = import_bench("bench.nexmark.queries")
 cli = import_bench("bench.nexmark.cli")
 
-BUILT = sorted(queries.QUERIES, key=lambda q: int(q[1:]))
+# q12's windows follow the wall clock: no oracle rows (its own tests: test_nexmark_q12.py)
+BUILT = sorted(
+    (q for q, spec in queries.QUERIES.items() if not spec.processing_time), key=lambda q: int(q[1:])
+)
 STATEFUL = [q for q in BUILT if queries.QUERIES[q].keyed]
 # The suite's Ray time is budgeted: the stateless q0-q2 run at parallelism 3 below; every
 # stateful query runs on Ray across the live rescale (2 then 3 instances, so also at 3), the
