@@ -1031,7 +1031,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                     namespace=NAMESPACE,
                     max_concurrency=10_000,
                     scheduling_strategy="SPREAD",
-                ).remote(None)
+                ).remote(None, self._self)  # the controller's handle now, not at the scale-out
             except ValueError:  # the name is still held: a later fill takes the slot
                 continue
             self._standby_creating.add(slot)
@@ -1208,9 +1208,11 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             await asyncio.gather(
                 *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
             )
+            marks["connected"] = time.time()
             # a downstream instance reopens an input whose id a retired instance had once it
             # read that one's EndOfStream (add_inputs waits for it)
             await asyncio.gather(*(self.handles[d].add_inputs.remote(tails) for d in downstream))
+            marks["inputs_added"] = time.time()
             await asyncio.gather(
                 *(self.handles[u].add_receivers.remote(keyed_new) for u in upstream)
             )
