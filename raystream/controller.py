@@ -1407,6 +1407,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             # instances whose actor is not named raystream:<job>:<step>:<index> (inserted, moved)
             "actor_names": {f"{s}/{i}": n for (s, i), n in self.actor_names.items()},
             "change_spares": [n for _, n, _ in self._spares],
+            # warm standbys configured and connected for their slot (raystream.standby_prep)
+            "prepared_standbys": [f"{s}/{i}" for s, i in sorted(self._prepared)],
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
             "checkpoints": self.checkpoint_summary(),
             "recoveries": list(self.recoveries),
