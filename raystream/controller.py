@@ -103,6 +103,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self._preparations = 0  # preparations made (each gets a state folder of its own)
         self._spawning: set[ChannelId] = set()  # ids a scale-out is starting an instance for
         self._standby_refill = False  # a fill was asked for while one ran
+        # steps whose refill after a scale-out waits until its load is gone (ds2): a scale-in
+        # meanwhile leaves its own refill to that one (standby_pacing)
+        self._refill_waiting: Counter[str] = Counter()
         self.standby_refills: list[dict[str, Any]] = []  # after each scale-out: when and why
         self._standby_starts: list[tuple[int, float]] = []  # (processes, seconds) per wave
         self._cpus: float | None = None
@@ -282,7 +285,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 if iid in self.retired:
                     self._stop_retired(iid)  # (a chain's actor once all its instances ended)
                     if self.config.migration_support:  # its index may get a standby now
-                        asyncio.get_running_loop().create_task(self._fill_standby())
+                        self._refill_after_scale_in(self.following.get(iid[0], iid[0]))
                 self._check_barriers()
             if self.state == "running" and all(i in self.outcomes for i in self._run_futures):
                 if await self._final_commit():
@@ -648,7 +651,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 self._stop_retired(iid)
         await self._settle_retired_followers(retired_followers)
         if parallelism <= old.parallelism:  # (after a scale-out: once it caught up, below)
-            asyncio.get_running_loop().create_task(self._fill_standby())
+            self._refill_after_scale_in(step)
         t1 = time.time()
         waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
         # per old owner and migration step: the wait of its first on-demand request, from the
@@ -928,24 +931,36 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         plans_next = self.autoscaler is not None and self.autoscaler.next_scale_out_instances() > 0
         next_s = self.autoscaler.next_rescale_after_s() if plans_next else None
         max_wait_s = refill_deadline_s(next_s, missing, start_s, cpus)
-        max_busy = MAX_BUSY
-        if self.autoscaler is not None and not plans_next:
+        max_busy: Any = MAX_BUSY
+        deferred = self.autoscaler is not None and not plans_next
+        if deferred:
             # ... and such a policy's step does not scale out again while it keeps up: the
             # refill waits until the load the scale-out came for is gone (the step would be
-            # carried by the instances it had), or MAX_DEFER_S
-            max_busy = unloaded_busy(record["from"], record["to"])
+            # carried by the instances it had), or MAX_DEFER_S; a scale-in meanwhile (after a
+            # catch-up) keeps it waiting, at the limit for the instances the step has then
+            def max_busy(reading: dict[str, Any]) -> float:
+                return unloaded_busy(record["from"], int(reading.get("instances") or record["to"]))
+
             max_wait_s = MAX_DEFER_S
 
         async def read() -> dict[str, Any] | None:
             table = self.routing.get(step)
-            if self.state != "running" or table is None or table.epoch != epoch:
-                return None  # ended, or rescaled again (that rescale asks for its own fill)
+            if self.state != "running" or table is None:
+                return None  # ended
+            if table.epoch != epoch and (not deferred or self.parallelism[step] > record["to"]):
+                return None  # rescaled again (that rescale asks for its own fill)
             try:
                 return await self._backlog(step, list(range(self.parallelism[step])))
             except Exception:  # noqa: BLE001 - (an instance replaced meanwhile) not known:
                 return {}  # such readings never count as caught up; the fill comes at max_wait_s
 
-        waited = await wait_caught_up(read, max_wait_s=max_wait_s, max_busy=max_busy)
+        if deferred:
+            self._refill_waiting[step] += 1
+        try:
+            waited = await wait_caught_up(read, max_wait_s=max_wait_s, max_busy=max_busy)
+        finally:
+            if deferred:
+                self._refill_waiting[step] -= 1
         if waited["last"] is None:
             return  # the job ended, or the step was rescaled again: that rescale asks for a fill
         self.standby_refills.append(
@@ -957,7 +972,11 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 "not_draining": waited["not_draining"],  # the new capacity did not keep up
                 "deadline": waited["max_wait"],  # ... or the next scale-out could come soon
                 "max_wait_s": round(max_wait_s, 3),
-                "max_busy": round(max_busy, 4),  # busy at most this on the readings
+                # busy at most this on the readings (with the step's width at the last one)
+                "max_busy": round(
+                    max_busy(waited["last"]) if callable(max_busy) else max_busy, 4
+                ),
+                "scaled_in_meanwhile": self.parallelism[step] < record["to"],
                 "start_estimate_s": round(start_s, 3),
                 "waves": [],  # (processes, seconds until all were up) per wave
             }
@@ -965,6 +984,15 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         if self.state == "running" and not self._rescale_lock.locked():
             # (a rescale that runs now asks for a fill when it ends)
             await self._fill_standby(in_waves=True)
+
+    def _refill_after_scale_in(self, step: str) -> None:
+        """Refill the warm standbys after a scale-in of ``step`` (or a retired instance of it
+        stopped): now, unless the refill after an earlier scale-out of it waits until the load
+        that scale-out came for is gone (ds2, e.g. 1->4 with catch-up, then 4->3 in the high
+        phase): then that refill does it, and no process starts beside the loaded step."""
+        if self._refill_waiting[step] > 0:
+            return
+        asyncio.get_running_loop().create_task(self._fill_standby())
 
     def _cluster_cpus(self) -> float:
         """CPUs of the Ray cluster (standby processes starting side by side share them)."""

@@ -199,3 +199,27 @@ def test_specs_compare_by_structure_and_handles_by_actor() -> None:
     assert prepared_parallelism([("count", 0)], "count", 2) == 3  # no next slot held: one more
     prep = Preparation(SLOT, a, None, "spec", {}, None, 3)
     assert mismatch(prep, a, "spec", {}) is None
+
+
+def test_a_scale_in_leaves_its_refill_to_a_deferred_refill_of_the_same_step(
+    tmp_path: Path,
+) -> None:
+    c = _controller(tmp_path, chained=True)
+    fills: list[str] = []
+
+    async def fill(delay_s: float = 0.0, *, in_waves: bool = False) -> None:
+        fills.append("fill")
+
+    c._fill_standby = fill  # type: ignore[method-assign]
+
+    async def scale_ins() -> None:
+        c._refill_waiting["count"] += 1  # ds2's refill after 1 -> 4 waits for the load to go
+        c._refill_after_scale_in("count")
+        await asyncio.sleep(0)
+        assert fills == []
+        c._refill_waiting["count"] -= 1
+        c._refill_after_scale_in("count")
+        await asyncio.sleep(0)
+        assert fills == ["fill"]
+
+    asyncio.run(scale_ins())
