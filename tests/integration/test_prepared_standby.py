@@ -64,7 +64,10 @@ def test_a_scale_out_takes_prepared_standbys_and_counts_exactly() -> None:
 
 def test_a_step_inserted_between_preparing_and_using_the_standbys_is_wired_to() -> None:
     gen = generator("str", True, seed=12)
-    with live_job("prepared-then-insert", gen, 1, standby_instances=2, standby_delay_s=0.0) as live:
+    # (not chained: the sink gets its own actor, so a step can go in between)
+    with live_job(
+        "prepared-then-insert", gen, 1, standby_instances=2, standby_delay_s=0.0, chaining=False
+    ) as live:
         live.wait_flowing()
         _wait_prepared(live.job, {f"{STEP}/1", f"{STEP}/2"})
         inserted = live.job.insert(STEP, passthrough, name="pass")
