@@ -1360,6 +1360,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             ):
                 continue
             target = prepared_parallelism(pooled, step, self.parallelism[step])
+            planned = self.autoscaler.next_parallelism(step) if self.autoscaler else None
+            if planned is not None and self.parallelism[step] <= i < planned:
+                target = planned  # the policy's next scale-out (threshold doubles) takes it
             prep = self._prepared.get(slot)
             if prep is not None:
                 ahead, receivers = self._slot_actor_spec(

@@ -223,3 +223,19 @@ def test_a_scale_in_leaves_its_refill_to_a_deferred_refill_of_the_same_step(
         assert fills == ["fill"]
 
     asyncio.run(scale_ins())
+
+
+def test_a_standby_is_prepared_for_the_policys_next_scale_out_when_it_plans_one(
+    tmp_path: Path,
+) -> None:
+    from types import SimpleNamespace
+
+    c = _controller(tmp_path, chained=True)
+    # threshold doubles: from 2 the next scale-out asks for 4 (slots 2 and 3); three standbys
+    # are pooled, the one for slot 4 is beyond it (prepared for every standby taken: 5)
+    c.autoscaler = SimpleNamespace(next_parallelism=lambda op: 4)  # type: ignore[assignment]
+    pool = {i: _Calls(f"s{i}") for i in (2, 3, 4)}
+    c._standby = [(h, "node-a", ("count", i)) for i, h in pool.items()]
+    _prepare(c)
+    widths = {i: c._prepared[("count", i)].actor_spec.specs[1].step.parallelism for i in pool}
+    assert widths == {2: 4, 3: 4, 4: 5}
