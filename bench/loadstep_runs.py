@@ -70,10 +70,21 @@ def first_scale_out(report: dict[str, Any]) -> dict[str, Any]:
         return {**row, "rescale": None}
     r = outs[0]
     move = r.get("move_phases_s") or {}
+    injected = move.get("barrier_injected")
+    # the old owners' switches (routing index < from): the barrier waits there behind what the
+    # busy instance is doing (its slice in progress, its queue)
+    old_switch = [t for t in (move.get("switched") or [])[: r["from"]] if t is not None]
+    spawn = r.get("spawn_phases_s") or {}
     return {
         **row,
         "rescale": f"{r['from']} -> {r['to']}",
         "done_s": r["done_s"],
+        "done_after_step_s": row["decision_after_step_s"] + r["done_s"],
+        "spawn_s": (r.get("prepare_phases_s") or {}).get("spawn"),
+        "prepared_standbys": spawn.get("prepared_standbys", 0.0),
+        "old_owner_switch_after_barrier_s": (
+            max(old_switch) - injected if old_switch and injected is not None else None
+        ),
         "switch_s": r["switch_s"],
         "sealed_s": r["sealed_s"],
         "first_on_demand_served_s": r["first_on_demand_served_s"],

@@ -271,6 +271,15 @@ class Autoscaler:
             total += max(0, min(hi, int(fn(p))) - p)
         return total
 
+    def next_parallelism(self, op: str) -> int | None:
+        """The parallelism the policy's next scale-out of ``op`` would ask for (within its
+        bounds), or None (a policy without ``next_scale_out``, an operator it does not rescale)."""
+        fn = getattr(self.policy, "next_scale_out", None)
+        if fn is None or op not in self.guard.rescalable:
+            return None
+        p = int(self._parallelism().get(op, 1))
+        return max(p, min(self.guard.bounds(op)[1], int(fn(p))))
+
     def next_rescale_after_s(self) -> float:
         """Seconds after an operator's rescale ended before this autoscaler can rescale it
         again: its cooldown, and a (nearly) full signal window (the window starts over)."""

@@ -37,6 +37,7 @@ from raystream.runtime.instance import RuntimeConfig
 from raystream.reconfigurations import Reconfigurations
 from raystream.recovery import Recovery
 from raystream.rewiring import Rewiring
+from raystream.standby_prep import Preparation, mismatch, prepared_parallelism
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.migration import transfer_summary
 
@@ -96,8 +97,15 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self.nodes: dict[ChannelId, str] = {}  # the node each instance runs on
         self._standby_filling = False  # outcomes of retired instances whose id came back
         self._standby_creating: set[ChannelId] = set()  # slots a fill is starting an actor for
+        # standbys configured and connected for their slot ahead (raystream.standby_prep)
+        self._prepared: dict[ChannelId, Preparation] = {}
+        self._preparing: set[ChannelId] = set()  # slots being prepared now
+        self._preparations = 0  # preparations made (each gets a state folder of its own)
         self._spawning: set[ChannelId] = set()  # ids a scale-out is starting an instance for
         self._standby_refill = False  # a fill was asked for while one ran
+        # steps whose refill after a scale-out waits until its load is gone (ds2): a scale-in
+        # meanwhile leaves its own refill to that one (standby_pacing)
+        self._refill_waiting: Counter[str] = Counter()
         self.standby_refills: list[dict[str, Any]] = []  # after each scale-out: when and why
         self._standby_starts: list[tuple[int, float]] = []  # (processes, seconds) per wave
         self._cpus: float | None = None
@@ -168,6 +176,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             )
         if self.config.migration_support and any(s.is_keyed for s in self.plan.steps.values()):
             asyncio.get_running_loop().create_task(self._fill_standby(self.config.standby_delay_s))
+            asyncio.get_running_loop().create_task(self._keep_standbys_prepared())
         if self.config.change_spares:
             delay = self.config.standby_delay_s
             asyncio.get_running_loop().create_task(self._fill_spares(delay))
@@ -276,7 +285,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 if iid in self.retired:
                     self._stop_retired(iid)  # (a chain's actor once all its instances ended)
                     if self.config.migration_support:  # its index may get a standby now
-                        asyncio.get_running_loop().create_task(self._fill_standby())
+                        self._refill_after_scale_in(self.following.get(iid[0], iid[0]))
                 self._check_barriers()
             if self.state == "running" and all(i in self.outcomes for i in self._run_futures):
                 if await self._final_commit():
@@ -642,7 +651,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 self._stop_retired(iid)
         await self._settle_retired_followers(retired_followers)
         if parallelism <= old.parallelism:  # (after a scale-out: once it caught up, below)
-            asyncio.get_running_loop().create_task(self._fill_standby())
+            self._refill_after_scale_in(step)
         t1 = time.time()
         waits = [w for st in stats for w in st.get("fetch_wait_ms", [])]
         # per old owner and migration step: the wait of its first on-demand request, from the
@@ -922,24 +931,36 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         plans_next = self.autoscaler is not None and self.autoscaler.next_scale_out_instances() > 0
         next_s = self.autoscaler.next_rescale_after_s() if plans_next else None
         max_wait_s = refill_deadline_s(next_s, missing, start_s, cpus)
-        max_busy = MAX_BUSY
-        if self.autoscaler is not None and not plans_next:
+        max_busy: Any = MAX_BUSY
+        deferred = self.autoscaler is not None and not plans_next
+        if deferred:
             # ... and such a policy's step does not scale out again while it keeps up: the
             # refill waits until the load the scale-out came for is gone (the step would be
-            # carried by the instances it had), or MAX_DEFER_S
-            max_busy = unloaded_busy(record["from"], record["to"])
+            # carried by the instances it had), or MAX_DEFER_S; a scale-in meanwhile (after a
+            # catch-up) keeps it waiting, at the limit for the instances the step has then
+            def max_busy(reading: dict[str, Any]) -> float:
+                return unloaded_busy(record["from"], int(reading.get("instances") or record["to"]))
+
             max_wait_s = MAX_DEFER_S
 
         async def read() -> dict[str, Any] | None:
             table = self.routing.get(step)
-            if self.state != "running" or table is None or table.epoch != epoch:
-                return None  # ended, or rescaled again (that rescale asks for its own fill)
+            if self.state != "running" or table is None:
+                return None  # ended
+            if table.epoch != epoch and (not deferred or self.parallelism[step] > record["to"]):
+                return None  # rescaled again (that rescale asks for its own fill)
             try:
                 return await self._backlog(step, list(range(self.parallelism[step])))
             except Exception:  # noqa: BLE001 - (an instance replaced meanwhile) not known:
                 return {}  # such readings never count as caught up; the fill comes at max_wait_s
 
-        waited = await wait_caught_up(read, max_wait_s=max_wait_s, max_busy=max_busy)
+        if deferred:
+            self._refill_waiting[step] += 1
+        try:
+            waited = await wait_caught_up(read, max_wait_s=max_wait_s, max_busy=max_busy)
+        finally:
+            if deferred:
+                self._refill_waiting[step] -= 1
         if waited["last"] is None:
             return  # the job ended, or the step was rescaled again: that rescale asks for a fill
         self.standby_refills.append(
@@ -951,7 +972,11 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 "not_draining": waited["not_draining"],  # the new capacity did not keep up
                 "deadline": waited["max_wait"],  # ... or the next scale-out could come soon
                 "max_wait_s": round(max_wait_s, 3),
-                "max_busy": round(max_busy, 4),  # busy at most this on the readings
+                # busy at most this on the readings (with the step's width at the last one)
+                "max_busy": round(
+                    max_busy(waited["last"]) if callable(max_busy) else max_busy, 4
+                ),
+                "scaled_in_meanwhile": self.parallelism[step] < record["to"],
                 "start_estimate_s": round(start_s, 3),
                 "waves": [],  # (processes, seconds until all were up) per wave
             }
@@ -959,6 +984,15 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         if self.state == "running" and not self._rescale_lock.locked():
             # (a rescale that runs now asks for a fill when it ends)
             await self._fill_standby(in_waves=True)
+
+    def _refill_after_scale_in(self, step: str) -> None:
+        """Refill the warm standbys after a scale-in of ``step`` (or a retired instance of it
+        stopped): now, unless the refill after an earlier scale-out of it waits until the load
+        that scale-out came for is gone (ds2, e.g. 1->4 with catch-up, then 4->3 in the high
+        phase): then that refill does it, and no process starts beside the loaded step."""
+        if self._refill_waiting[step] > 0:
+            return
+        asyncio.get_running_loop().create_task(self._fill_standby())
 
     def _cluster_cpus(self) -> float:
         """CPUs of the Ray cluster (standby processes starting side by side share them)."""
@@ -1031,7 +1065,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                     namespace=NAMESPACE,
                     max_concurrency=10_000,
                     scheduling_strategy="SPREAD",
-                ).remote(None)
+                ).remote(None, self._self)  # the controller's handle now, not at the scale-out
             except ValueError:  # the name is still held: a later fill takes the slot
                 continue
             self._standby_creating.add(slot)
@@ -1073,6 +1107,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         deadline = time.monotonic() + 15
         while iid in self._standby_creating and time.monotonic() < deadline:
             await asyncio.sleep(0.02)  # it is starting: cheaper than starting another process
+        while iid in self._preparing and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)  # it is being configured for this slot: a few ms
         for k, (handle, where, slot) in enumerate(self._standby):
             if slot != iid:
                 continue
@@ -1146,34 +1182,38 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 self._run_futures.pop(iid, None)
         member_specs: dict[ChannelId, Any] = {}  # the steps chained after the new instances
         tails: list[ChannelId] = []  # each new chain's last instance (sends to the next steps)
-        template = self.specs[(step, 0)]
-        outputs = tuple(self._current_output(o) for o in template.outputs)
-        upstream = [
-            iid
-            for iid in self.specs
-            # an upstream instance that ended (or ends before the barrier reaches it) sends
-            # EndOfStream to the new instances when they are added (add_receivers)
-            if iid[0] in template.step.upstream and iid not in self.retired
-        ]
         new: dict[ChannelId, Any] = {}
         configuring = []  # warm standbys becoming instances, side by side (each opens RocksDB)
+        ready: dict[ChannelId, str | None] = {}  # instances of prepared standbys: their node
+        upstream: list[ChannelId] = []
         for i, node in zip(indexes, picks, strict=True):
-            spec = replace(
-                template,
-                index=i,
-                inputs=tuple(upstream),
-                outputs=outputs,
-                owned_key_groups=(),
-                state_path=str(Path(self.plan_dir) / step / f"{i}-e{self._epoch + 1}"),
-                restore=None,
-            )
-            self.specs[(step, i)] = spec
-            actor_spec, members = self._chained_spawn(step, spec, indexes.stop)
             self._spawning.add((step, i))  # no standby fill takes this name meanwhile
             self.actor_names.pop((step, i), None)  # a scale-out's instance has the usual name
             try:
                 handle = await self._take_standby((step, i), node) if options.is_default else None
-                if handle is not None:
+                prep = self._prepared.pop((step, i), None)
+                if handle is not None and prep is not None:
+                    # configured and connected ahead: used if it is what would be sent now
+                    ahead, receivers = self._slot_actor_spec(
+                        step, i, indexes.stop, prep.state_path, handle
+                    )
+                    if mismatch(prep, handle, ahead, receivers) is not None:
+                        prep = None
+                elif prep is not None:
+                    prep = None
+                path = (
+                    prep.state_path
+                    if prep is not None
+                    else str(Path(self.plan_dir) / step / f"{i}-e{self._epoch + 1}")
+                )
+                spec = self._slot_spec(step, i, path)
+                upstream = list(spec.inputs)
+                self.specs[(step, i)] = spec
+                actor_spec, members = self._chained_spawn(step, spec, indexes.stop)
+                if handle is not None and prep is not None:
+                    for iid in (spec.id, *(m.id for m in members)):
+                        ready[iid] = prep.node
+                elif handle is not None:
                     configuring.append(handle.configure.remote(actor_spec))
                 else:
                     if (step, i) in reused:  # the retired instance of this index was stopped
@@ -1192,25 +1232,35 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 member_specs[m.id] = MemberHandle(handle, m.id)
             tails.append(members[-1].id if members else (step, i))
         marks["taken"] = time.time()
-        marks["cold_started"] = float(len(indexes) - len(configuring))
+        prepared = len({iid for iid in ready if iid in new})
+        marks["cold_started"] = float(len(indexes) - len(configuring) - prepared)
+        marks["prepared_standbys"] = float(prepared)
         await asyncio.gather(*configuring)
         marks["configured"] = time.time()
         self.handles.update(member_specs)
         keyed_new = dict(new)
         new.update(member_specs)
-        where = await asyncio.gather(*(h.ping.remote() for h in new.values()))
+        asked = [iid for iid in new if iid not in ready]
+        where = await asyncio.gather(*(new[iid].ping.remote() for iid in asked))
         marks["pinged"] = time.time()
-        self.nodes.update(zip(new, where, strict=True))
+        self.nodes.update(zip(asked, where, strict=True))
+        self.nodes.update({iid: n for iid, n in ready.items() if n is not None})
         # the next steps take each new chain's tail as a new input (a chained follower's input
         # is the instance before it in its actor, in its spec: nothing to add there)
         downstream = {r for t in tails for o in self.specs[t].outputs for r in o.receiver_ids}
         try:
             await asyncio.gather(
-                *(self.handles[i].connect.remote(self._receivers_of(i), self._self) for i in new)
+                *(
+                    self.handles[i].connect.remote(self._receivers_of(i), self._self)
+                    for i in new
+                    if i not in ready
+                )
             )
+            marks["connected"] = time.time()
             # a downstream instance reopens an input whose id a retired instance had once it
             # read that one's EndOfStream (add_inputs waits for it)
             await asyncio.gather(*(self.handles[d].add_inputs.remote(tails) for d in downstream))
+            marks["inputs_added"] = time.time()
             await asyncio.gather(
                 *(self.handles[u].add_receivers.remote(keyed_new) for u in upstream)
             )
@@ -1232,6 +1282,124 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         marks["wired"] = time.time()
         for iid in new:
             self._run(iid)
+
+    def _slot_spec(self, step: str, i: int, state_path: str) -> Any:
+        """The spec a scale-out gives new instance ``i`` of keyed step ``step`` now: the
+        step's processor, inputs from every live upstream instance, outputs to the next steps as
+        they run, empty state in ``state_path``."""
+        template = self.specs[(step, 0)]
+        upstream = [
+            iid
+            for iid in self.specs
+            # an upstream instance that ended (or ends before the barrier reaches it) sends
+            # EndOfStream to the new instances when they are added (add_receivers)
+            if iid[0] in template.step.upstream and iid not in self.retired
+        ]
+        return replace(
+            template,
+            index=i,
+            inputs=tuple(upstream),
+            outputs=tuple(self._current_output(o) for o in template.outputs),
+            owned_key_groups=(),
+            state_path=state_path,
+            restore=None,
+        )
+
+    def _slot_actor_spec(
+        self, step: str, i: int, parallelism: int, state_path: str, handle: Any
+    ) -> tuple[Any, dict[ChannelId, dict[ChannelId, Any]]]:
+        """What the actor ``handle`` of new instance ``i`` would be configured with now (the
+        step at ``parallelism``), and each of its instances' receivers; nothing registered."""
+        from raystream.runtime.actors import MemberHandle
+
+        spec = self._slot_spec(step, i, state_path)
+        actor_spec, members = self._chained_spawn(step, spec, parallelism, register=False)
+        specs = [spec, *members]
+        here = {s.id for s in specs}
+        if members:
+            specs[0] = actor_spec.specs[0]  # the head sends to the next member, in the actor
+        receivers = {
+            s.id: {
+                r: MemberHandle(handle, r) if r in here else self.handles[r]
+                for out in s.outputs
+                for r in out.receiver_ids
+            }
+            for s in specs
+        }
+        return actor_spec, receivers
+
+    async def _keep_standbys_prepared(self, every_s: float = 0.25) -> None:
+        """While the job runs: configure and connect each warm standby for the slot it holds
+        (``raystream.standby_prep``), again when the plan changed under its preparation. Not
+        while a rescale or another change runs (it reads the plan as it changes)."""
+        while self.state in ("running", "recovering", "starting"):
+            await asyncio.sleep(every_s)
+            if self.state != "running" or self._rescale_lock.locked() or self._queued:
+                continue
+            try:
+                await self._prepare_standbys()
+            except Exception:  # noqa: BLE001 - a standby that is not prepared is configured
+                pass  # by the scale-out (as without preparations)
+
+    async def _prepare_standbys(self) -> None:
+        from raystream.runtime.actors import MemberHandle
+
+        pooled = [slot for *_, slot in self._standby]
+        for stale in [s for s in self._prepared if s not in pooled]:
+            self._prepared.pop(stale)  # its standby was taken or stopped
+        for handle, node, slot in list(self._standby):
+            step, i = slot
+            if (
+                self.state != "running"
+                or self._rescale_lock.locked()
+                or self._queued
+                or step not in self.routing
+                or slot in self._spawning
+                or slot in self._preparing
+                or i < self.parallelism.get(step, 0)
+            ):
+                continue
+            target = prepared_parallelism(pooled, step, self.parallelism[step])
+            planned = self.autoscaler.next_parallelism(step) if self.autoscaler else None
+            if planned is not None and self.parallelism[step] <= i < planned:
+                target = planned  # the policy's next scale-out (threshold doubles) takes it
+            prep = self._prepared.get(slot)
+            if prep is not None:
+                ahead, receivers = self._slot_actor_spec(
+                    step, i, target, prep.state_path, handle
+                )
+                if mismatch(prep, handle, ahead, receivers) is None:
+                    continue  # still what a scale-out would send
+            self._preparations += 1
+            path = str(
+                Path(self.plan_dir) / step / f"{i}-standby-{self.origin_ns}-{self._preparations}"
+            )
+            actor_spec, receivers = self._slot_actor_spec(step, i, target, path, handle)
+            self._prepared.pop(slot, None)
+            self._preparing.add(slot)
+            try:
+                await handle.configure.remote(actor_spec)
+                await asyncio.gather(
+                    *(
+                        (handle if iid == slot else MemberHandle(handle, iid)).connect.remote(
+                            recv, self._self
+                        )
+                        for iid, recv in receivers.items()
+                    )
+                )
+                if any(h is handle for h, *_ in self._standby):  # (not stopped meanwhile)
+                    self._prepared[slot] = Preparation(
+                        slot=slot,
+                        handle=handle,
+                        node=node,
+                        actor_spec=actor_spec,
+                        receivers=receivers,
+                        state_path=path,
+                        parallelism=target,
+                        ids=tuple(receivers),
+                    )
+            finally:
+                self._preparing.discard(slot)
 
     async def _stop_and_restore(
         self, step: str, barrier: Barrier, table: RoutingTable, width: int, peers: dict[int, Any]
@@ -1270,6 +1438,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             # instances whose actor is not named raystream:<job>:<step>:<index> (inserted, moved)
             "actor_names": {f"{s}/{i}": n for (s, i), n in self.actor_names.items()},
             "change_spares": [n for _, n, _ in self._spares],
+            # warm standbys configured and connected for their slot (raystream.standby_prep)
+            "prepared_standbys": [f"{s}/{i}" for s, i in sorted(self._prepared)],
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
             "checkpoints": self.checkpoint_summary(),
             "recoveries": list(self.recoveries),
@@ -1385,7 +1555,7 @@ def _phases(t0: float, marks: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
     before = t0
     for name, at in marks.items():
-        if name.endswith("_started"):
+        if name.endswith("_started") or name == "prepared_standbys":
             out[name] = at
             continue
         out[name] = round(at - before, 4)

@@ -72,12 +72,13 @@ class KeyedChains:
             raise ReconfigurationError(msg)
 
     def _chained_spawn(
-        self: Any, step: str, spec: InstanceSpec, parallelism: int
+        self: Any, step: str, spec: InstanceSpec, parallelism: int, register: bool = True
     ) -> tuple[Any, list[InstanceSpec]]:
         """What the actor of new instance ``spec`` of keyed step ``step`` runs: the spec itself,
         or (steps follow it) a ChainSpec of it and a new instance of each follower at
         ``parallelism`` (registered with the plan; the tail's outputs as the next steps run
-        now). Returns (actor spec, the followers' specs)."""
+        now). Returns (actor spec, the followers' specs). ``register=False`` (a warm standby
+        prepared ahead): nothing registered, no sink writer index taken."""
         from raystream.runtime.chain import ChainSpec
 
         followers = self._followers(step)
@@ -101,24 +102,33 @@ class KeyedChains:
                 inputs=(ids[k - 1],),
                 outputs=outputs,
                 restore=None,
-                sink_writer=self._writer_for(ids[k]) if template.step.kind == "sink" else None,
+                sink_writer=(
+                    self._writer_for(ids[k], take=register)
+                    if template.step.kind == "sink"
+                    else None
+                ),
             )
             members.append(member)
         head = replace(spec, outputs=(_local(ids[1]),))
+        if not register:
+            return ChainSpec((head, *members)), members
         for s in (head, *members):
             self.specs[s.id] = s
             self.plan.instances[s.id] = s
         self.plan.chains[(step, i)] = tuple(ids)
         return ChainSpec((head, *members)), members
 
-    def _writer_for(self: Any, sid: ChannelId) -> int | None:
+    def _writer_for(self: Any, sid: ChannelId, take: bool = True) -> int | None:
         """The writer index of a new sink instance ``sid``: its own index unless a writer of
-        its step ever had that one (a retired instance's files), else one above all of them."""
+        its step ever had that one (a retired instance's files), else one above all of them.
+        ``take=False``: the index it would get now, nothing taken."""
         sink, i = sid
         used: set[int] = self._writers_used.setdefault(sink, set())
         if not used:  # the instances the job started with
             used.update(range(self.plan.steps[sink].parallelism or 1))
         w = i if i not in used else max(used) + 1
+        if not take:
+            return None if w == i else w
         used.add(w)
         if w == i:
             self._sink_writers.pop(sid, None)

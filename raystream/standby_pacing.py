@@ -225,7 +225,7 @@ async def wait_caught_up(
     drain_s: float = DRAIN_S,
     poll_s: float = POLL_S,
     readings: int = 2,
-    max_busy: float = MAX_BUSY,
+    max_busy: float | Callable[[Mapping[str, Any]], float] = MAX_BUSY,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
 ) -> dict[str, Any]:
@@ -233,7 +233,9 @@ async def wait_caught_up(
     (busy at most ``max_busy``; a reading of None -- the step is gone, the job ended -- ends the
     wait at once), or
     ``max_wait_s`` (at the last reading before it; 0: one reading), or until the step is found
-    :func:`not_draining` ``drain_s`` or later after the start. Returns ``{"waited_s",
+    :func:`not_draining` ``drain_s`` or later after the start. ``max_busy`` may be a function
+    of the reading (the step rescaled meanwhile: its limit for that many ``instances``); two
+    readings of different widths never count as caught up. Returns ``{"waited_s",
     "caught_up", "not_draining", "max_wait", "last": the last reading}``."""
     start = clock()
     in_row = 0
@@ -258,7 +260,10 @@ async def wait_caught_up(
         if cur is None:
             return out(False, False, None)
         first = cur if first is None else first
-        in_row = in_row + 1 if caught_up(prev, cur, now - prev_at, max_busy=max_busy) else 0
+        limit = max_busy(cur) if callable(max_busy) else max_busy
+        same_width = prev is None or prev.get("instances") == cur.get("instances")
+        done = same_width and caught_up(prev, cur, now - prev_at, max_busy=limit)
+        in_row = in_row + 1 if done else 0
         if in_row >= readings:
             return out(True, False, cur)
         if now - start >= drain_s and not_draining(first, prev, cur, now - prev_at):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests._bench import put_bench_on_path
 
 put_bench_on_path()
@@ -27,7 +29,12 @@ def _report(done_s: float, high_p99: float, exact: bool = True) -> dict[str, Any
             "fetch_wait_p99_ms": 300.0,
             "backlog_work_s": 1.0,
             "handover_rows": 500,
-            "move_phases_s": {"barrier_injected": 0.05, "all_arrived": [None, 0.6, 0.7]},
+            "move_phases_s": {
+                "barrier_injected": 0.05,
+                "switched": [0.2, 0.08, 0.09][: max(a, b)],
+                "all_arrived": [None, 0.6, 0.7],
+            },
+            "spawn_phases_s": {"prepared_standbys": 2.0} if b == 3 else {},
         }
 
     return {
@@ -47,6 +54,11 @@ def test_the_first_scale_out_after_the_step_and_the_median_and_range_over_runs()
     rows = [first_scale_out(_report(d, h)) for d, h in [(0.9, 300.0), (1.5, 200.0), (0.7, 900.0)]]
     assert [r["rescale"] for r in rows] == ["1 -> 3"] * 3
     assert rows[0]["all_arrived_s"] == 0.7
+    # the old owner (index 0) switched 0.15 s after the barrier was injected; both new
+    # instances came from prepared standbys; done 0.5 + 0.9 s after the step
+    assert rows[0]["old_owner_switch_after_barrier_s"] == pytest.approx(0.15)
+    assert rows[0]["prepared_standbys"] == 2.0
+    assert rows[0]["done_after_step_s"] == pytest.approx(1.4)
     assert rows[0]["high_over_low_p99"] == 3.0
     s = summarize(rows)
     assert s["done_s"] == {"median": 0.9, "min": 0.7, "max": 1.5}

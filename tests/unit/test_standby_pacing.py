@@ -216,3 +216,37 @@ def test_a_refill_for_a_rate_sizing_policy_waits_until_the_load_it_scaled_out_fo
         wait_caught_up(loaded_then_back_down, poll_s=0.25, clock=ft.clock, sleep=ft.sleep)
     )
     assert got["caught_up"] is True and got["waited_s"] == 0.5
+
+
+def test_a_deferred_refill_keeps_waiting_across_a_scale_in_at_the_limit_for_the_new_width() -> None:
+    # 1 -> 4 (catch-up), then 4 -> 3 at t=2 while the input is still high (3 instances 70 %
+    # busy): the limit is now 85 % / 3 for three instances, and the reading across the scale-in
+    # (4 then 3 instances: busy seconds of different instances) does not count; at t=5 the
+    # input falls back (18 % of three)
+    ft = FakeTime()
+    busy_s = 0.0
+    widths: list[int] = []
+
+    async def scaled_in_then_unloaded() -> dict[str, Any]:
+        nonlocal busy_s
+        width = 4 if ft.t < 2.0 else 3
+        if widths and widths[-1] != width:
+            busy_s = 0.0  # the retired instance's busy seconds are gone from the sum
+        widths.append(width)
+        busy_s += width * 0.25 * (0.5 if width == 4 else 0.7 if ft.t < 5.0 else 0.18)
+        return {"total_work_s": 0.01, "busy_s": busy_s, "instances": width}
+
+    got = asyncio.run(
+        wait_caught_up(
+            scaled_in_then_unloaded,
+            max_busy=lambda r: unloaded_busy(1, int(r["instances"])),
+            max_wait_s=60.0,
+            poll_s=0.25,
+            clock=ft.clock,
+            sleep=ft.sleep,
+        )
+    )
+    # at 4 instances 50 % busy is above 85 % / 4; at 3 instances 70 % is above 85 % / 3
+    assert got["caught_up"] is True and got["max_wait"] is False
+    assert got["waited_s"] == 5.25, got
+    assert got["last"]["instances"] == 3
