@@ -43,6 +43,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from raystream.direct import DirectWriter
 from raystream.errors import ConfigError, SchemaError, SourceError
 from raystream.ingest import FeedContext, PushSource
 from raystream.presort import sort_by_key_group
@@ -281,16 +282,35 @@ class _TaskPusher:
 
         plan = self.ctx.key_groups
         key_space = plan.key_space if plan is not None else None
+        writer = None
+        if plan is not None and self.ctx.direct:
+            index = partition % self.ctx.parallelism
+
+            def gone(what: str) -> SourceError:
+                return _job_gone(self.ctx, f"{what} (source instance {index})")
+
+            writer = DirectWriter(actor, token, self.attempt, gone, self.max_inflight)
         for batch in _coalesce(batches, self.push_rows):
             if not batch.schema.equals(self.schema):
                 batch = batch.cast(self.schema)
             if plan is not None:  # the routing's per-row work here, in parallel Spark tasks
                 batch = sort_by_key_group(batch, plan.key_column, key_space)  # type: ignore[arg-type]
+            if writer is not None:  # the rows go to the keyed step, the source sequences them
+                got = writer.push(offset, batch)
+                if got is not None:
+                    accepted += got["accepted"]
+                    duplicate += got["duplicate"]
+                    offset += batch.num_rows
+                    continue
+                writer.close()
+                writer = None  # this source takes no direct pushes: push rows to it
             inflight.append(actor.ingest.remote(token, offset, batch, self.attempt))
             offset += batch.num_rows
             if len(inflight) >= self.max_inflight:
                 done, inflight = ray.wait(inflight, num_returns=1)
                 settle(done)
+        if writer is not None:
+            writer.close()
         settle(inflight)
         yield pa.record_batch(
             {
@@ -647,6 +667,9 @@ class SparkSource(PushSource):
     # when the step after the source partitions by a key column, tasks sort each push by key
     # group so the source instance only cuts it (raystream.presort)
     presort_key_groups: bool = True
+    # ... and send the rows to the keyed instances themselves: the source instance only hands
+    # out sequence numbers (raystream.direct)
+    direct: bool = True
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -669,6 +692,7 @@ class SparkSource(PushSource):
             raise SourceError(msg)
         if not self.presort_key_groups:
             ctx = replace(ctx, key_groups=None)
+        ctx = replace(ctx, direct=self.direct and ctx.key_groups is not None)
         feeder = self._feeder(ctx)
         feeder.start()
         return feeder
@@ -711,6 +735,7 @@ def spark(
     push_rows: int = 100_000,
     capacity_rows: int | None = None,
     presort_key_groups: bool = True,
+    direct: bool = True,
 ) -> SparkSource:
     """Read a batch Spark DataFrame: its tasks push Arrow batches of up to ``push_rows`` rows into
     the job's source instances, each of which buffers at most ``capacity_rows`` (default
@@ -718,7 +743,12 @@ def spark(
 
     ``presort_key_groups``: when the step after the source is ``key_by(column)``, each task
     sorts its pushes by key group, so the source instance routes them without hashing
-    (raystream.presort); ``False`` leaves the routing's work to the source instance."""
+    (raystream.presort); ``False`` leaves the routing's work to the source instance.
+
+    ``direct``: then (presorted, the step after the source is ``key_by(column)``), each task
+    sends its rows straight to the keyed step's instances; the source instance only hands out
+    sequence numbers and keeps the exactly-once hand-off (raystream.direct). ``False``: every
+    row passes through the source instance."""
     _check_dataframe(dataframe, streaming=False)
     capacity = _check_common(push_rows, capacity_rows)
     return SparkSource(
@@ -727,6 +757,7 @@ def spark(
         dataframe,
         push_rows,
         presort_key_groups=bool(presort_key_groups),
+        direct=bool(direct),
     )
 
 
@@ -740,6 +771,7 @@ def spark_stream(
     push_rows: int = 100_000,
     capacity_rows: int | None = None,
     presort_key_groups: bool = True,
+    direct: bool = True,
 ) -> SparkStreamSource:
     """Read a Structured Streaming DataFrame (file, rate, any source) through ``foreachBatch``.
 
@@ -751,7 +783,8 @@ def spark_stream(
 
     When the job checkpoints, ``foreachBatch`` returns only once a completed checkpoint holds
     the micro-batch's rows (so Spark never commits a batch the job could lose): at most one
-    micro-batch per checkpoint interval. ``presort_key_groups`` as in :func:`spark`.
+    micro-batch per checkpoint interval. ``presort_key_groups`` and ``direct`` as in
+    :func:`spark`.
     """
     _check_dataframe(dataframe, streaming=True)
     capacity = _check_common(push_rows, capacity_rows)
@@ -775,6 +808,7 @@ def spark_stream(
         dataframe,
         push_rows,
         presort_key_groups=bool(presort_key_groups),
+        direct=bool(direct),
         checkpoint_location=str(checkpoint_location),
         trigger=trigger,
         max_rows=max_rows,
