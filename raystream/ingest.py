@@ -523,6 +523,7 @@ class FeedContext:
     # with key_groups set: writers send the rows to the keyed step themselves, the source only
     # hands out sequence numbers (raystream.direct)
     direct: bool = False
+    direct_rows: int = 0  # rows per reservation of a direct writer (0: its push_rows)
 
 
 @runtime_checkable

@@ -290,7 +290,9 @@ class _TaskPusher:
                 return _job_gone(self.ctx, f"{what} (source instance {index})")
 
             writer = DirectWriter(actor, token, self.attempt, gone, self.max_inflight)
-        for batch in _coalesce(batches, self.push_rows):
+        # a direct writer's pieces are what a keyed instance processes as one batch: large
+        rows = (self.ctx.direct_rows or self.push_rows) if writer is not None else self.push_rows
+        for batch in _coalesce(batches, rows):
             if not batch.schema.equals(self.schema):
                 batch = batch.cast(self.schema)
             if plan is not None:  # the routing's per-row work here, in parallel Spark tasks
@@ -670,6 +672,9 @@ class SparkSource(PushSource):
     # ... and send the rows to the keyed instances themselves: the source instance only hands
     # out sequence numbers (raystream.direct)
     direct: bool = True
+    # rows per reservation of a direct task (its pieces, one per keyed instance, are what each
+    # instance processes as one batch); 0: 2 * push_rows
+    direct_rows: int = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -692,7 +697,11 @@ class SparkSource(PushSource):
             raise SourceError(msg)
         if not self.presort_key_groups:
             ctx = replace(ctx, key_groups=None)
-        ctx = replace(ctx, direct=self.direct and ctx.key_groups is not None)
+        ctx = replace(
+            ctx,
+            direct=self.direct and ctx.key_groups is not None,
+            direct_rows=self.direct_rows or 2 * self.push_rows,
+        )
         feeder = self._feeder(ctx)
         feeder.start()
         return feeder
@@ -722,6 +731,15 @@ class SparkStreamSource(SparkSource):
         return _StreamFeeder(ctx, self)
 
 
+def _check_direct_rows(direct_rows: int | None) -> int:
+    if direct_rows is None:
+        return 0
+    if not isinstance(direct_rows, int) or isinstance(direct_rows, bool) or direct_rows < 1:
+        msg = f"direct_rows must be None or an int >= 1 (rows a Spark task sequences at once), got {direct_rows!r}"
+        raise ConfigError(msg)
+    return direct_rows
+
+
 def _check_common(push_rows: int, capacity_rows: int | None) -> int:
     if not isinstance(push_rows, int) or push_rows < 1:
         msg = f"push_rows must be an int >= 1 (rows per push from a Spark task), got {push_rows!r}"
@@ -736,6 +754,7 @@ def spark(
     capacity_rows: int | None = None,
     presort_key_groups: bool = True,
     direct: bool = True,
+    direct_rows: int | None = None,
 ) -> SparkSource:
     """Read a batch Spark DataFrame: its tasks push Arrow batches of up to ``push_rows`` rows into
     the job's source instances, each of which buffers at most ``capacity_rows`` (default
@@ -748,7 +767,9 @@ def spark(
     ``direct``: then (presorted, the step after the source is ``key_by(column)``), each task
     sends its rows straight to the keyed step's instances; the source instance only hands out
     sequence numbers and keeps the exactly-once hand-off (raystream.direct). ``False``: every
-    row passes through the source instance."""
+    row passes through the source instance. ``direct_rows`` (default ``2 * push_rows``): rows a
+    task sequences at once; each keyed instance gets its share of them as one push (the batch
+    it processes), so larger is cheaper per row."""
     _check_dataframe(dataframe, streaming=False)
     capacity = _check_common(push_rows, capacity_rows)
     return SparkSource(
@@ -758,6 +779,7 @@ def spark(
         push_rows,
         presort_key_groups=bool(presort_key_groups),
         direct=bool(direct),
+        direct_rows=_check_direct_rows(direct_rows),
     )
 
 
@@ -772,6 +794,7 @@ def spark_stream(
     capacity_rows: int | None = None,
     presort_key_groups: bool = True,
     direct: bool = True,
+    direct_rows: int | None = None,
 ) -> SparkStreamSource:
     """Read a Structured Streaming DataFrame (file, rate, any source) through ``foreachBatch``.
 
@@ -809,6 +832,7 @@ def spark_stream(
         push_rows,
         presort_key_groups=bool(presort_key_groups),
         direct=bool(direct),
+        direct_rows=_check_direct_rows(direct_rows),
         checkpoint_location=str(checkpoint_location),
         trigger=trigger,
         max_rows=max_rows,

@@ -510,6 +510,8 @@ def test_a_spark_fed_job_recovers_exactly_once_from_a_keyed_and_a_source_kill(
     ingest = [m["ingest"] for m in result.metrics if "ingest" in m]
     # the last attempt's sources dropped the re-sent rows their checkpoint held
     assert sum(i["rows_duplicate"] for i in ingest) > 0, ingest
+    # the tasks pushed straight to the keyed instances (the sources sequenced the rows)
+    assert sum(i["rows_reserved"] for i in ingest) > 0, ingest
     # a writer that pushes once the job is gone is told which job and what to do
     from raystream.spark import source_handle
 
