@@ -156,7 +156,8 @@ def test_a_task_that_dies_after_reserving_is_retried_without_double_counting(
     df = spark.read.parquet(str(tmp_path / "events.parquet")).repartition(3)
     df = df.mapInArrow(_fail_after_first_batches, df.schema)
     job = rs.start(
-        keycount("e2e-direct-retry", rs.sources.spark(df, push_rows=10_000)),
+        # small reservations, so attempt 0 reserves several before it dies
+        keycount("e2e-direct-retry", rs.sources.spark(df, push_rows=10_000, direct_rows=10_000)),
         parallelism={"count": 2},
     )
     result = job.wait(300)
