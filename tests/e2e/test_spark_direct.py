@@ -171,3 +171,45 @@ def test_a_task_that_dies_after_reserving_is_retried_without_double_counting(
     assert sum(i["rows_accepted"] for i in ingest) == 240_000, ingest
     dropped = sum(m.get("duplicate_pushes", 0) for m in result.metrics if m["step"] == "count")
     assert dropped >= 2, [m.get("duplicate_pushes") for m in result.metrics]
+
+
+def test_direct_windows_fire_on_watermarks_from_the_reservations(
+    spark: Any, tmp_path: Path
+) -> None:
+    """Event time: tasks stamp each row's event time and report the newest to the source with
+    the reservation; the source's watermarks follow them (windows fire before the input ends)
+    and the tumbling counts equal DuckDB's over the same rows."""
+    import raystream.operators as ops
+    from raystream.operators import windows
+
+    from tests.integration._window_helpers import (
+        OUT_OF_ORDERNESS_MS,
+        events as timed_events,
+        tumbling_oracle,
+        window_rows,
+    )
+
+    table = timed_events(40_000, keys=100, seed=33)
+    pq.write_table(table, tmp_path / "timed.parquet")
+    df = spark.read.parquet(str(tmp_path / "timed.parquet")).coalesce(1)  # one task, in order
+    flow = rs.Dataflow("e2e-direct-windows", num_key_groups=32, sub_groups=4)
+    (
+        flow.source(
+            rs.sources.spark(df, push_rows=2_000),
+            event_time="ts",
+            max_out_of_orderness_ms=OUT_OF_ORDERNESS_MS,
+        )
+        .key_by("k")
+        .apply(windows.tumbling(1_000, [ops.count(), ops.sum("x"), ops.max("x")]), name="window")
+        .sink(rs.sinks.collect(), name="out")
+    )
+    result = rs.run(flow, parallelism={"window": 2}, timeout_s=300, linger_ms=5.0)
+    assert result.state == "finished"
+    out = result.table("out")
+    got = window_rows(out, "k", "window_start", "count", "x_sum", "x_max")
+    assert got == tumbling_oracle(table, 1_000)
+    (source,) = [m for m in result.metrics if m["step"] == "source"]
+    assert source["ingest"]["rows_reserved"] == 40_000, source["ingest"]
+    newest = int(table.column("ts").to_numpy().max())
+    during = [w for _, w in source["watermark_timeline"] if w <= newest]
+    assert len(during) >= 3, source["watermark_timeline"]  # watermarks while rows came in
