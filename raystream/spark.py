@@ -7,6 +7,12 @@
 * :func:`spark_stream` - a Structured Streaming DataFrame (file stream, rate, any source). Each
   micro-batch is pushed the same way from ``foreachBatch``.
 
+Direct push (the default when the step after the source is ``key_by(column)``): each task
+sorts its rows by key group, asks its source instance for sequence numbers (a small call
+without data; the source keeps the dedupe table below) and pushes the rows straight to the
+keyed step's instances, so no row takes the hop through the source (:mod:`raystream.direct`).
+``direct=False`` sends every row through the source instance.
+
 Exactly-once hand-off: each push carries ``(stream, batch id, partition)`` and the row offset
 inside that partition; the source's :class:`~raystream.ingest.IngestBuffer` takes every row once,
 so a retried task or a replayed micro-batch is not counted twice. Backpressure reaches Spark: a
