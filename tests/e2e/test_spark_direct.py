@@ -53,6 +53,14 @@ def slow_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
     return batch.output({"count": new})
 
 
+@rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
+def slower_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    time.sleep(0.1)  # the ingest lasts longer than it takes a move to start (a new actor)
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    return batch.output({"count": new})
+
+
 def keycount(name: str, source: Any, fn: Any = count) -> rs.Dataflow:
     flow = rs.Dataflow(name, num_key_groups=64)
     flow.source(source).key_by("key").apply(fn).sink(rs.sinks.collect(), name="out")
@@ -213,3 +221,32 @@ def test_direct_windows_fire_on_watermarks_from_the_reservations(
     newest = int(table.column("ts").to_numpy().max())
     during = [w for _, w in source["watermark_timeline"] if w <= newest]
     assert len(during) >= 3, source["watermark_timeline"]  # watermarks while rows came in
+
+
+def test_direct_push_stays_exact_across_a_move_during_ingest(spark: Any) -> None:
+    """A move ends the source's channel to the old instance (what was reserved before the
+    barrier, the barrier, EndOfStream) and opens one to the new instance: tasks re-route to it."""
+    import ray
+
+    rows = 2_000_000
+    df = spark.range(0, rows, numPartitions=4).selectExpr("(id * 7919) % 5003 as key", "id as seq")
+    src = rs.sources.spark(df, push_rows=10_000)
+    job = rs.start(keycount("e2e-direct-move", src, slower_count), parallelism={"count": 2})
+
+    def counted() -> int:
+        instances = job.metrics()["instances"]
+        return sum(int(m.get("records_in", 0)) for m in instances if m.get("step") == "count")
+
+    deadline = time.monotonic() + 120
+    while counted() < 50_000 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    node = ray.get_runtime_context().get_node_id()
+    moves = [job.move("count", 1, node)]  # the sources must still run (its barrier starts there)
+    assert counted() < rows, "the moves would not run during the ingest"
+    result = job.wait(300)
+    assert result.state == "finished"
+    assert [m["kind"] for m in moves] == ["move"], moves
+    assert final_counts(result) == oracle((np.arange(rows) * 7919) % 5003)
+    ingest = ingest_stats(result)
+    assert sum(i["rows_reserved"] for i in ingest) == rows, ingest
+    assert max(i["routing_version"] for i in ingest) >= 1, ingest  # the move re-routed
