@@ -46,14 +46,6 @@ def count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
 
 
 @rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
-def slow_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
-    time.sleep(0.02)  # slower than Spark pushes: the ingest is still on when the rescale runs
-    new = state.get(batch.keys) + batch.counts
-    state.put(batch.keys, new)
-    return batch.output({"count": new})
-
-
-@rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
 def slower_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
     time.sleep(0.1)  # the ingest lasts longer than it takes a move to start (a new actor)
     new = state.get(batch.keys) + batch.counts
@@ -114,10 +106,10 @@ def test_direct_and_through_the_source_count_the_same_rows_exactly(
 
 
 def test_direct_push_stays_exact_across_a_rescale_during_ingest(spark: Any) -> None:
-    rows = 600_000
+    rows = 2_000_000  # the ingest outlasts the rescale's start (a new actor)
     df = spark.range(0, rows, numPartitions=4).selectExpr("(id * 7919) % 5003 as key", "id as seq")
     src = rs.sources.spark(df, push_rows=10_000)
-    job = rs.start(keycount("e2e-direct-rescale", src, slow_count), parallelism={"count": 2})
+    job = rs.start(keycount("e2e-direct-rescale", src, slower_count), parallelism={"count": 2})
 
     def counted() -> int:
         instances = job.metrics()["instances"]
