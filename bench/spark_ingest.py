@@ -5,6 +5,7 @@ million rows (every process of the run: Spark's JVM and Python workers, Ray, the
 
     python -m bench.spark_ingest --rows 5000000 --push-rows 10000 --push-rows 100000
     python -m bench.spark_ingest --rows 5000000 --push-rows 100000 --route --presort both
+    python -m bench.spark_ingest --rows 3000000 --push-rows 100000 --keycount --direct both --repeat 3
 
 Each setting runs after a warm-up run (up to 1M rows, per presort mode) in one SparkSession: the
 first run starts Spark's Python workers and their Ray connections (seconds, paid once per
@@ -14,6 +15,8 @@ step at parallelism 2 that keeps no state`` (ingest and routing by key group alo
 row per batch, rows and the sum of ``seq``, checked against the input); with ``--keycount``, the
 full key-count (RocksDB state). ``--presort on|off|both``: whether Spark tasks sort each push by
 key group (the source then only cuts it; see raystream.presort); ``both`` alternates the two.
+``--direct on|off|both``: whether presorted pushes go straight to the keyed instances, the
+source only handing out sequence numbers (raystream.direct), or through the source instance.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ MEASURES = (
     "be working off what its buffers hold). cpu_s: CPU seconds of every process under the bench "
     "(Spark's JVM and Python workers, Ray, the job's actors) from the deploy's end until the job "
     "ended (every row processed). One measured run per line, after warm-up runs in the same "
-    "SparkSession; presort alternates off/on when both are measured. 2-core machine."
+    "SparkSession; presort alternates off/on when both are measured. 2-core machine. "
+    "done_rows_per_s: rows / done_s, done_s from the job's start returning (feeders started) "
+    "until job.wait returned (every row counted, final metrics collected). direct: tasks push "
+    "rows straight to the keyed instances (the source sequences them); alternated with "
+    "through-the-source runs when both are measured."
 )
 
 
@@ -70,20 +77,25 @@ def _run_once(
     consumer: str,
     keys: int,
     presort: bool,
+    direct: bool = True,
 ) -> dict[str, Any]:
     from bench._cpu import CpuSampler
 
     df = spark.range(0, rows, numPartitions=partitions).selectExpr(
         f"(id * 2654435761) % {keys} as key", "id as seq"
     )
-    source = rs.sources.spark(df, push_rows=push_rows, presort_key_groups=presort)
+    source = rs.sources.spark(
+        df, push_rows=push_rows, presort_key_groups=presort, direct=direct
+    )
     flow = _flow(f"bench-spark-ingest-{push_rows}", source, consumer)
     t0 = time.perf_counter()
     parallelism = {"keycount": {"count": 2}, "route": {"route": 2}}.get(consumer)
     job = rs.start(flow, parallelism=parallelism)
+    started = time.perf_counter()
     cpu = CpuSampler()
     cpu.start()  # from the deploy's end: the feed, the dataflow behind it, until the job ended
     result = job.wait(3600)
+    done_s = time.perf_counter() - started
     used = cpu.stop()
     wall = time.perf_counter() - t0
     stats = job.feeders[0].stats
@@ -107,6 +119,12 @@ def _run_once(
         "push_rows": push_rows,
         "consumer": consumer,
         "presort": presort,
+        "direct": direct and presort and consumer != "null",
+        "rows_reserved": sum(
+            int(m["ingest"].get("rows_reserved", 0)) for m in result.metrics if "ingest" in m
+        ),
+        "done_s": round(done_s, 3),
+        "done_rows_per_s": round(rows / done_s),
         "feed_s": round(stats["seconds"], 3),
         "rows_per_s": round(rows / stats["seconds"]),
         "job_wall_s": round(wall, 3),
@@ -141,6 +159,13 @@ def _run_once(
     default="on",
     help="Spark tasks sort pushes by key group (--route/--keycount); 'both' alternates off, on.",
 )
+@click.option(
+    "--direct",
+    "direct_mode",
+    type=click.Choice(["on", "off", "both"]),
+    default="on",
+    help="Presorted pushes go straight to the keyed instances; 'both' alternates off, on.",
+)
 @click.option("--repeat", type=click.IntRange(min=1), default=1, help="Measured runs per setting.")
 @click.option(
     "--keys", type=click.IntRange(min=1), default=100_000, help="Distinct keys (--keycount)."
@@ -153,6 +178,7 @@ def main(
     keycount: bool,
     route: bool,
     presort: str,
+    direct_mode: str,
     repeat: int,
     keys: int,
     report: Path | None,
@@ -163,7 +189,9 @@ def main(
     if keycount and route:
         raise click.UsageError("--keycount and --route are two consumers; pick one")
     consumer = "keycount" if keycount else "route" if route else "null"
-    modes = {"on": (True,), "off": (False,), "both": (False, True)}[presort]
+    sorts = {"on": (True,), "off": (False,), "both": (False, True)}[presort]
+    directs = {"on": (True,), "off": (False,), "both": (False, True)}[direct_mode]
+    modes = [(s, d) for s in sorts for d in directs if s or not d]
     try:
         spark = rs.spark.session("bench-spark-ingest", arrow_batch_rows=max(push_rows_list))
     except rs.RaystreamError as exc:
@@ -179,15 +207,19 @@ def main(
         for push_rows in push_rows_list:
             spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", str(push_rows))
             # warm-up, each mode once: Spark's Python workers, their Ray connections, the JIT
-            for sort in modes:
-                _run_once(spark, min(rows, 1_000_000), partitions, push_rows, consumer, keys, sort)
+            for sort, direct in modes:
+                _run_once(
+                    spark, min(rows, 1_000_000), partitions, push_rows, consumer, keys, sort, direct
+                )
             for _ in range(repeat):
-                for sort in modes:  # alternated: both see the same machine
-                    r = _run_once(spark, rows, partitions, push_rows, consumer, keys, sort)
+                for sort, direct in modes:  # alternated: all see the same machine
+                    r = _run_once(spark, rows, partitions, push_rows, consumer, keys, sort, direct)
                     results.append(r)
                     click.echo(
                         f"push {push_rows:>7,} rows, {consumer}, presort {'on ' if sort else 'off'}"
-                        f": {r['rows_per_s']:>12,} rows/s ({r['rows']:,} rows in "
+                        f", direct {'on ' if r['direct'] else 'off'}"
+                        f": {r['rows_per_s']:>12,} rows/s, done {r['done_rows_per_s']:>10,} rows/s"
+                        f" ({r['rows']:,} rows in "
                         f"{r['feed_s']:.2f} s, {partitions} Spark tasks), "
                         f"{r['cpu_s_per_million_rows']:.2f} CPU s per million rows"
                     )

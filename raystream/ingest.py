@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -95,6 +95,11 @@ class IngestBuffer:
         self.rows_accepted = 0
         self.rows_presorted = 0  # accepted rows their writer sorted by key group (presort)
         self.rows_duplicate = 0
+        # direct push: rows whose writer sent them to the keyed instances itself (reserve)
+        self.rows_reserved = 0
+        self.reservations_again = 0  # reservations a writer's retry asked for again
+        # (token, offset) -> (rows, what allocate() gave): a retried writer gets the same back
+        self._reserved: dict[tuple[Token, int], tuple[int, dict[str, Any]]] = {}
         self.waits = 0  # offers that had to wait for room (backpressure reached the writer)
         self.max_queued_rows = 0
 
@@ -154,6 +159,77 @@ class IngestBuffer:
             self._changed.notify_all()
             return {"accepted": fresh.num_rows, "duplicate": skip}
 
+    async def reserve(
+        self, token: Token, offset: int, rows: int, allocate: Callable[[], Any]
+    ) -> dict[str, Any]:
+        """Direct push (:mod:`raystream.direct`): take rows ``offset .. offset + rows`` of piece
+        ``token`` without their data. The writer sends them to the keyed instances itself, under
+        the sequence numbers ``allocate()`` hands out on the source's output channels.
+
+        Answers ``{"status": "ok", **allocated}`` (new rows: recorded as accepted *and* taken,
+        so a checkpoint after this holds them), ``{"status": "again", **allocated}`` (the same
+        rows were reserved before, by an attempt of this writer that may have died before its
+        pushes landed: the same sequence numbers again, a receiver drops what it already has),
+        ``{"status": "drop"}`` (rows a checkpoint or an earlier push already holds) or
+        ``{"status": allocate()}`` when that is a string (``"reroute"``, ``"busy"``: nothing
+        recorded; the caller decides). Waits, like :meth:`offer`, for the piece's earlier rows;
+        no room check (the rows never enter this buffer; the receivers' inboxes bound them)."""
+        if not isinstance(rows, int) or rows < 0 or not isinstance(offset, int) or offset < 0:
+            msg = f"reserve expects int offset >= 0 and rows >= 0, got offset={offset!r} rows={rows!r}"
+            raise SourceError(msg)
+        deadline = time.monotonic() + self.order_wait_s
+        async with self._changed:
+            while True:
+                if self._error is not None:
+                    msg = f"ingest into this source failed: {self._error}"
+                    raise SourceError(msg)
+                again = self._reserved.get((token, offset))
+                if again is not None and again[0] == rows:
+                    self.rows_duplicate += rows
+                    self.reservations_again += 1
+                    return {"status": "again", **again[1]}
+                done = self._accepted.get(token, 0)
+                if self._complete or offset + rows <= done or self._below_floor(token):
+                    self.rows_duplicate += rows
+                    return {"status": "drop"}
+                if self._ended:
+                    msg = (
+                        f"rows {offset}..{offset + rows} of {token} were reserved after the end "
+                        "of input was declared; the job's source no longer takes rows"
+                    )
+                    raise SourceError(msg)
+                if offset == done:
+                    break
+                if offset < done:
+                    msg = (
+                        f"rows {offset}..{offset + rows} of {token} overlap rows this source "
+                        f"took up to {done} under other pushes; a direct writer must re-send "
+                        "its piece cut the same way (deterministic input, same push_rows)"
+                    )
+                    raise SourceError(msg)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    msg = (
+                        f"reservation of rows {offset}..{offset + rows} of {token} waited "
+                        f"{self.order_wait_s} s for rows {done}..{offset}; is the writer stuck?"
+                    )
+                    raise SourceError(msg)
+                try:
+                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+                except TimeoutError:
+                    pass
+            got = allocate()  # synchronous: nothing runs between this and the record below
+            if isinstance(got, str):
+                return {"status": got}
+            self._accepted[token] = offset + rows
+            self._advance(token)
+            self._took(token, offset + rows)
+            self._reserved[(token, offset)] = (rows, got)
+            self.rows_accepted += rows
+            self.rows_reserved += rows
+            self._changed.notify_all()
+            return {"status": "ok", **got}
+
     def _below_floor(self, token: Token) -> bool:
         return _batch_id(token) is not None and token[1] < self._floor.get(token[0], -1)
 
@@ -174,6 +250,8 @@ class IngestBuffer:
                 if t[0] == stream and _batch_id(t) is not None and t[1] < floor
             ]:
                 del self._accepted[t]
+            for key in [k for k in self._reserved if k[0][0] == stream and self._below_floor(k[0])]:
+                del self._reserved[key]
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         if not isinstance(batch, pa.RecordBatch):
@@ -326,6 +404,8 @@ class IngestBuffer:
             "rows_accepted": self.rows_accepted,
             "rows_presorted": self.rows_presorted,
             "rows_duplicate": self.rows_duplicate,
+            "rows_reserved": self.rows_reserved,  # direct push: rows that never passed here
+            "reservations_again": self.reservations_again,
             "queued_rows": self._rows,
             "max_queued_rows": self.max_queued_rows,
             "pieces": len(self._accepted),
@@ -440,6 +520,10 @@ class FeedContext:
     # set when the step after the source partitions by a key column: writers sort each push by
     # key group so the source instance only cuts it (raystream.presort)
     key_groups: KeyGroupPlan | None = None
+    # with key_groups set: writers send the rows to the keyed step themselves, the source only
+    # hands out sequence numbers (raystream.direct)
+    direct: bool = False
+    direct_rows: int = 0  # rows per reservation of a direct writer (0: its push_rows)
 
 
 @runtime_checkable

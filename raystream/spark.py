@@ -7,6 +7,12 @@
 * :func:`spark_stream` - a Structured Streaming DataFrame (file stream, rate, any source). Each
   micro-batch is pushed the same way from ``foreachBatch``.
 
+Direct push (the default when the step after the source is ``key_by(column)``): each task
+sorts its rows by key group, asks its source instance for sequence numbers (a small call
+without data; the source keeps the dedupe table below) and pushes the rows straight to the
+keyed step's instances, so no row takes the hop through the source (:mod:`raystream.direct`).
+``direct=False`` sends every row through the source instance.
+
 Exactly-once hand-off: each push carries ``(stream, batch id, partition)`` and the row offset
 inside that partition; the source's :class:`~raystream.ingest.IngestBuffer` takes every row once,
 so a retried task or a replayed micro-batch is not counted twice. Backpressure reaches Spark: a
@@ -43,6 +49,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from raystream.direct import DirectWriter
 from raystream.errors import ConfigError, SchemaError, SourceError
 from raystream.ingest import FeedContext, PushSource
 from raystream.presort import sort_by_key_group
@@ -281,16 +288,37 @@ class _TaskPusher:
 
         plan = self.ctx.key_groups
         key_space = plan.key_space if plan is not None else None
-        for batch in _coalesce(batches, self.push_rows):
+        writer = None
+        if plan is not None and self.ctx.direct:
+            index = partition % self.ctx.parallelism
+
+            def gone(what: str) -> SourceError:
+                return _job_gone(self.ctx, f"{what} (source instance {index})")
+
+            writer = DirectWriter(actor, token, self.attempt, gone, self.max_inflight)
+        # a direct writer's pieces are what a keyed instance processes as one batch: large
+        rows = (self.ctx.direct_rows or self.push_rows) if writer is not None else self.push_rows
+        for batch in _coalesce(batches, rows):
             if not batch.schema.equals(self.schema):
                 batch = batch.cast(self.schema)
             if plan is not None:  # the routing's per-row work here, in parallel Spark tasks
                 batch = sort_by_key_group(batch, plan.key_column, key_space)  # type: ignore[arg-type]
+            if writer is not None:  # the rows go to the keyed step, the source sequences them
+                got = writer.push(offset, batch)
+                if got is not None:
+                    accepted += got["accepted"]
+                    duplicate += got["duplicate"]
+                    offset += batch.num_rows
+                    continue
+                writer.close()
+                writer = None  # this source takes no direct pushes: push rows to it
             inflight.append(actor.ingest.remote(token, offset, batch, self.attempt))
             offset += batch.num_rows
             if len(inflight) >= self.max_inflight:
                 done, inflight = ray.wait(inflight, num_returns=1)
                 settle(done)
+        if writer is not None:
+            writer.close()
         settle(inflight)
         yield pa.record_batch(
             {
@@ -647,6 +675,12 @@ class SparkSource(PushSource):
     # when the step after the source partitions by a key column, tasks sort each push by key
     # group so the source instance only cuts it (raystream.presort)
     presort_key_groups: bool = True
+    # ... and send the rows to the keyed instances themselves: the source instance only hands
+    # out sequence numbers (raystream.direct)
+    direct: bool = True
+    # rows per reservation of a direct task (its pieces, one per keyed instance, are what each
+    # instance processes as one batch); 0: 2 * push_rows
+    direct_rows: int = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -669,6 +703,11 @@ class SparkSource(PushSource):
             raise SourceError(msg)
         if not self.presort_key_groups:
             ctx = replace(ctx, key_groups=None)
+        ctx = replace(
+            ctx,
+            direct=self.direct and ctx.key_groups is not None,
+            direct_rows=self.direct_rows or 2 * self.push_rows,
+        )
         feeder = self._feeder(ctx)
         feeder.start()
         return feeder
@@ -698,6 +737,15 @@ class SparkStreamSource(SparkSource):
         return _StreamFeeder(ctx, self)
 
 
+def _check_direct_rows(direct_rows: int | None) -> int:
+    if direct_rows is None:
+        return 0
+    if not isinstance(direct_rows, int) or isinstance(direct_rows, bool) or direct_rows < 1:
+        msg = f"direct_rows must be None or an int >= 1 (rows a Spark task sequences at once), got {direct_rows!r}"
+        raise ConfigError(msg)
+    return direct_rows
+
+
 def _check_common(push_rows: int, capacity_rows: int | None) -> int:
     if not isinstance(push_rows, int) or push_rows < 1:
         msg = f"push_rows must be an int >= 1 (rows per push from a Spark task), got {push_rows!r}"
@@ -711,6 +759,8 @@ def spark(
     push_rows: int = 100_000,
     capacity_rows: int | None = None,
     presort_key_groups: bool = True,
+    direct: bool = True,
+    direct_rows: int | None = None,
 ) -> SparkSource:
     """Read a batch Spark DataFrame: its tasks push Arrow batches of up to ``push_rows`` rows into
     the job's source instances, each of which buffers at most ``capacity_rows`` (default
@@ -718,7 +768,14 @@ def spark(
 
     ``presort_key_groups``: when the step after the source is ``key_by(column)``, each task
     sorts its pushes by key group, so the source instance routes them without hashing
-    (raystream.presort); ``False`` leaves the routing's work to the source instance."""
+    (raystream.presort); ``False`` leaves the routing's work to the source instance.
+
+    ``direct``: then (presorted, the step after the source is ``key_by(column)``), each task
+    sends its rows straight to the keyed step's instances; the source instance only hands out
+    sequence numbers and keeps the exactly-once hand-off (raystream.direct). ``False``: every
+    row passes through the source instance. ``direct_rows`` (default ``2 * push_rows``): rows a
+    task sequences at once; each keyed instance gets its share of them as one push (the batch
+    it processes), so larger is cheaper per row."""
     _check_dataframe(dataframe, streaming=False)
     capacity = _check_common(push_rows, capacity_rows)
     return SparkSource(
@@ -727,6 +784,8 @@ def spark(
         dataframe,
         push_rows,
         presort_key_groups=bool(presort_key_groups),
+        direct=bool(direct),
+        direct_rows=_check_direct_rows(direct_rows),
     )
 
 
@@ -740,6 +799,8 @@ def spark_stream(
     push_rows: int = 100_000,
     capacity_rows: int | None = None,
     presort_key_groups: bool = True,
+    direct: bool = True,
+    direct_rows: int | None = None,
 ) -> SparkStreamSource:
     """Read a Structured Streaming DataFrame (file, rate, any source) through ``foreachBatch``.
 
@@ -751,7 +812,8 @@ def spark_stream(
 
     When the job checkpoints, ``foreachBatch`` returns only once a completed checkpoint holds
     the micro-batch's rows (so Spark never commits a batch the job could lose): at most one
-    micro-batch per checkpoint interval. ``presort_key_groups`` as in :func:`spark`.
+    micro-batch per checkpoint interval. ``presort_key_groups`` and ``direct`` as in
+    :func:`spark`.
     """
     _check_dataframe(dataframe, streaming=True)
     capacity = _check_common(push_rows, capacity_rows)
@@ -775,6 +837,8 @@ def spark_stream(
         dataframe,
         push_rows,
         presort_key_groups=bool(presort_key_groups),
+        direct=bool(direct),
+        direct_rows=_check_direct_rows(direct_rows),
         checkpoint_location=str(checkpoint_location),
         trigger=trigger,
         max_rows=max_rows,

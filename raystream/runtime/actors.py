@@ -145,6 +145,26 @@ class InstanceEndpoint:
         self._instance.check_attempt(attempt)
         return await self._instance.ingest_buffer().offer(token, offset, batch)
 
+    async def reserve(
+        self,
+        token: tuple[Any, ...],
+        offset: int,
+        rows: int,
+        version: int,
+        pieces: list[Any],
+        attempt: int | None = None,
+        max_event_ms: int | None = None,
+    ) -> dict[str, Any]:
+        """A direct writer's reservation (raystream.direct); a new route and an "again" come
+        with the receivers' handles (the writer pushes to them)."""
+        self._instance.check_attempt(attempt)
+        got = await self._instance.reserve(token, offset, rows, version, pieces, max_event_ms)
+        if got["status"] == "reroute":
+            got["handles"] = [self._receivers.get(tuple(r)) for r in got["receivers"]]
+        elif got["status"] == "again":
+            got["handles"] = [self._receivers.get(tuple(r)) for r, _, _ in got["pieces"]]
+        return got
+
     async def end_ingest(self, attempt: int | None = None) -> None:
         self._instance.check_attempt(attempt)
         await self._instance.ingest_buffer().end()

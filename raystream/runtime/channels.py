@@ -101,6 +101,7 @@ class Inbox:
         self._space: dict[ChannelId, asyncio.Condition] = {}
         self._next_seq: dict[ChannelId, int] = {}
         self.max_depth_seen = 0
+        self.duplicate_pushes = 0  # pushes of a sequence number already taken (dropped)
         self._poked = False
         self._overtake_below: dict[ChannelId, int] = {}  # pushes below this seq skip the room check
         self.overtaking = 0  # OvertakingBarrier items queued, not read yet
@@ -190,7 +191,9 @@ class Inbox:
         has room (the acknowledgement a sender's credit waits for).
 
         Ray runs the calls of an async actor concurrently, so pushes can arrive out of order;
-        the sequence number restores the sender's order.
+        the sequence number restores the sender's order. A record batch whose sequence number
+        the channel already took is dropped (:attr:`duplicate_pushes`): a direct writer
+        (:mod:`raystream.direct`) that was retried sends its reserved pieces again.
         """
         if channel not in self._queues:
             self.add_channel(channel)
@@ -218,9 +221,16 @@ class Inbox:
             return
         async with cond:
             await cond.wait_for(
-                lambda: self._next_seq[channel] == seq
-                and (len(q) < self.capacity or seq < self._overtake_below.get(channel, 0))
+                lambda: self._next_seq[channel] > seq
+                or (
+                    self._next_seq[channel] == seq
+                    and (len(q) < self.capacity or seq < self._overtake_below.get(channel, 0))
+                )
             )
+            if self._next_seq[channel] > seq:
+                # a push this channel already took: a direct writer's retry re-sent it
+                self.duplicate_pushes += 1
+                return
             if isinstance(item, RowsThenWatermark):  # two items of one push, the batch first
                 q.append(item.batch)
                 q.append(item.watermark)
@@ -491,6 +501,18 @@ class OutputChannel:
         self._pending_rows = 0
         self._first_at = None
         return pending[0] if len(pending) == 1 else concat_batches(pending)
+
+    def reserve_seq(self, rows: int) -> int:
+        """The next sequence number, for a push of ``rows`` rows another process sends to the
+        receiver (:mod:`raystream.direct`); only while no rows are buffered here."""
+        if self._pending:
+            msg = f"reserve_seq with {self._pending_rows} rows buffered for {self.receiver}"
+            raise InternalError(msg)
+        seq = self._seq
+        self._seq += 1
+        self.batches_sent += 1
+        self.rows_sent += rows
+        return seq
 
     async def send_watermark(self, watermark: Watermark) -> None:
         """The buffered rows, then ``watermark``: in one push when rows wait."""

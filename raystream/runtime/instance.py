@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from raystream.dataflow import KeySpec, Step
+from raystream.direct import DirectSequencer
 from raystream.errors import RescaleError, SourceError, context_of
 from raystream.ingest import IngestBuffer
 from raystream.keys import KeySpace, RoutingTable
@@ -300,6 +301,11 @@ class OperatorInstance:
         # a new owner's migration task whose AfterFences mark is still to go out (see _emit)
         self._after_fences: MigrationTask | None = None
         self.after_fences_sent = 0  # AfterFences marks sent (one per take-over)
+        # push sources whose writers send rows to the keyed step themselves (raystream.direct)
+        self.direct: DirectSequencer | None = None
+        self._direct_ready = asyncio.Event()  # the source loop started: direct set (or not)
+        self._direct_rows = 0  # rows reserved ...
+        self._direct_event_max: int | None = None  # ... and their newest event time
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
@@ -609,6 +615,10 @@ class OperatorInstance:
         buffer = getattr(self.reader, "buffer", None)
         if isinstance(buffer, IngestBuffer):
             snap["ingest"] = buffer.stats()
+            if self.direct is not None:  # rows reserved vs rows carried (rows_accepted)
+                snap["ingest"].update(self.direct.stats())
+        if self.inbox.duplicate_pushes:
+            snap["duplicate_pushes"] = self.inbox.duplicate_pushes
         pace, started = self._pace
         if pace is not None and not self.finished:  # what the autoscaler sees as demand
             t_s = time.monotonic() - started
@@ -695,6 +705,72 @@ class OperatorInstance:
             raise SourceError(msg)
         return buffer
 
+    def _open_direct(self) -> None:
+        """Writers may send rows to the keyed step themselves (:mod:`raystream.direct`) when
+        this push source has one output, partitioned by key group to remote instances, and
+        watermarks need no user function of the rows."""
+        buffer = getattr(self.reader, "buffer", None)
+        event_time = self.step.event_time
+        if (
+            isinstance(buffer, IngestBuffer)
+            and len(self.outputs) == 1
+            and isinstance(self.outputs[0][0], ByKeyGroup)
+            and not any(c.receiver in self.local for c in self.outputs[0][1])
+            and (event_time is None or event_time.watermark is None)
+        ):
+
+            def output() -> tuple[RoutingTable, list[OutputChannel]] | None:
+                if len(self.outputs) != 1 or not isinstance(self.outputs[0][0], ByKeyGroup):
+                    return None  # a rewire put another step after the source
+                part, channels = self.outputs[0]
+                return part.table, channels
+
+            self.direct = DirectSequencer(
+                buffer,
+                self.spec.id,
+                output,
+                self._on_reserved,
+                None if event_time is None else event_time.column,
+            )
+        self._direct_ready.set()
+
+    def _on_reserved(self, rows: int, max_event_ms: int | None) -> None:
+        """Rows a writer reserved (and sends itself) count as this source's output."""
+        self.metrics.record_out(rows)
+        self.rows_emitted += rows
+        self._direct_rows += rows
+        self._idle_sent = False
+        if max_event_ms is not None:
+            self._direct_event_max = max(self._direct_event_max or max_event_ms, max_event_ms)
+
+    async def reserve(
+        self,
+        token: tuple[Any, ...],
+        offset: int,
+        rows: int,
+        version: int,
+        pieces: list[Any],
+        max_event_ms: int | None = None,
+    ) -> dict[str, Any]:
+        """A direct writer's reservation (:meth:`DirectSequencer.reserve`); ``{"status":
+        "source"}`` when this source does not take direct pushes (the writer pushes rows)."""
+        self.ingest_buffer()
+        await self._direct_ready.wait()
+        if self.direct is None:
+            return {"status": "source"}
+        return await self.direct.reserve(token, offset, rows, version, pieces, max_event_ms)
+
+    async def _direct_watermark(self, source_wm: SourceWatermarks, seen: int) -> int:
+        """The watermark after the rows writers reserved since ``seen`` rows (their newest
+        event time, as the reservations reported it)."""
+        if self._direct_rows == seen:
+            return seen
+        newest = self._direct_event_max
+        w = source_wm.after_batch(None, np.array([] if newest is None else [newest], np.int64))  # type: ignore[arg-type]
+        if w is not None:
+            await self._send_watermark(Watermark(w))
+        return self._direct_rows
+
     async def _read_pushed(self, chunk: int) -> pa.RecordBatch | None:
         """Wait for pushed rows, but never past the next linger deadline or ~20 ms, so barriers
         and partly filled output batches go out while writers are quiet."""
@@ -726,8 +802,13 @@ class OperatorInstance:
         warm = rate <= 0
         event_time = self.step.event_time
         source_wm = SourceWatermarks(event_time) if event_time is not None else None
+        if pushed:
+            self._open_direct()
+        direct_seen = 0
         while not self._stop and not self._source_done:
             await self._emit_pending_barriers()
+            if source_wm is not None and self.direct is not None:
+                direct_seen = await self._direct_watermark(source_wm, direct_seen)
             if source_wm is not None and source_wm.check_idle():
                 await self._send_watermark(Watermark(self._wm_sent, idle=True))
             if self.paused:
@@ -788,21 +869,33 @@ class OperatorInstance:
     async def _emit_pending_barriers(self) -> None:
         while self._pending_barriers:
             barrier = self._pending_barriers.pop(0)
-            if barrier.kind == "rescale":
-                await self._switch(barrier)
-            else:
-                if barrier.kind == "rewire" and barrier.payload["step"] == self.step.name:
-                    await self._rewire(barrier)
-                await self._forward_barrier(barrier)
-            info = {
-                "instance": self.spec.id,
-                "epoch": barrier.epoch,
-                "kind": barrier.kind,
-                "source_offset": self.rows_emitted,
-            }
-            if barrier.kind == "checkpoint":
-                info.update(snapshots.source_state(self))
-            self._report("barrier", info)
+            direct = self.direct
+            if direct is None:
+                await self._emit_barrier(barrier)
+                continue
+            # no direct writer gets a sequence number while the barrier goes out
+            direct.hold(reroute=barrier.kind in ("rescale", "rewire"))
+            try:
+                await self._emit_barrier(barrier)
+            finally:
+                direct.release()
+
+    async def _emit_barrier(self, barrier: Barrier) -> None:
+        if barrier.kind == "rescale":
+            await self._switch(barrier)
+        else:
+            if barrier.kind == "rewire" and barrier.payload["step"] == self.step.name:
+                await self._rewire(barrier)
+            await self._forward_barrier(barrier)
+        info = {
+            "instance": self.spec.id,
+            "epoch": barrier.epoch,
+            "kind": barrier.kind,
+            "source_offset": self.rows_emitted,
+        }
+        if barrier.kind == "checkpoint":
+            info.update(snapshots.source_state(self))
+        self._report("barrier", info)
 
     async def _open_receiver(self) -> None:
         if self.role == "sink":

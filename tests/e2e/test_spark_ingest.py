@@ -89,8 +89,10 @@ def test_a_spark_dataframe_of_1m_rows_counts_exactly(spark: Any, tmp_path: Path)
     stats = job.feeders[0].stats
     assert stats["partitions"] == 6 and stats["accepted"] == 1_000_000 and stats["duplicate"] == 0
     # the step after the source is key_by(column): the tasks sorted every push by key group
+    # and sent the rows to the keyed instances themselves; the sources only sequenced them
     ingest = [m["ingest"] for m in result.metrics if "ingest" in m]
-    assert sum(i["rows_presorted"] for i in ingest) == 1_000_000, ingest
+    assert sum(i["rows_reserved"] for i in ingest) == 1_000_000, ingest
+    assert all(i["direct"] for i in ingest) and sum(i["queued_rows"] for i in ingest) == 0
 
 
 @rs.map_batches(name="slow")
@@ -213,9 +215,11 @@ def test_structured_streaming_over_a_growing_directory_with_a_rescale(
     everything = pa.concat_tables(files).column("key").to_numpy()
     assert final_counts(result) == oracle(everything)
     assert job.feeders[0].stats["batches"] >= 3  # really several micro-batches
-    # pushes came sorted by key group before and after the rescale; routing stayed exact
+    # tasks pushed straight to the keyed instances before and after the rescale (re-routed
+    # once the rescale barrier passed the source); routing stayed exact
     ingest = [m["ingest"] for m in result.metrics if "ingest" in m]
-    assert sum(i["rows_presorted"] for i in ingest) == total, ingest
+    assert sum(i["rows_reserved"] for i in ingest) == total, ingest
+    assert max(i["routing_version"] for i in ingest) >= 1, ingest  # the rescale re-routed
 
 
 def test_the_rate_source_streams_every_value_exactly_once(spark: Any, tmp_path: Path) -> None:
@@ -506,6 +510,8 @@ def test_a_spark_fed_job_recovers_exactly_once_from_a_keyed_and_a_source_kill(
     ingest = [m["ingest"] for m in result.metrics if "ingest" in m]
     # the last attempt's sources dropped the re-sent rows their checkpoint held
     assert sum(i["rows_duplicate"] for i in ingest) > 0, ingest
+    # the tasks pushed straight to the keyed instances (the sources sequenced the rows)
+    assert sum(i["rows_reserved"] for i in ingest) > 0, ingest
     # a writer that pushes once the job is gone is told which job and what to do
     from raystream.spark import source_handle
 
