@@ -470,6 +470,12 @@ def _stop(job: rs.Job) -> None:
     "separates their one-time start-up from the per-batch cost of migration support.",
 )
 @click.option(
+    "--standbys-before-sources/--standbys-after-start",
+    default=True,
+    help="Start the warm standbys with the job's actors, the sources once they are up (the "
+    "default), or beside the running job.",
+)
+@click.option(
     "--checkpoint-interval",
     "checkpoint_interval_s",
     type=click.FloatRange(min=0),
@@ -531,6 +537,7 @@ def main(
     chaining: bool,
     migration_support: bool,
     standby_instances: int | None,
+    standbys_before_sources: bool,
     checkpoint_interval_s: float,
     checkpoint_dir: str | None,
     kill_at: tuple[str, ...],
@@ -617,6 +624,7 @@ def main(
         "strategy": strategy,
         "migration_support": migration_support,
         "standby_instances": standby_instances,
+        "standbys_before_sources": standbys_before_sources,
         "source_parallelism": source_parallelism,
         "pre_map": pre_map,
         "post_map": post_map,
@@ -676,6 +684,7 @@ def main(
                 **({"state_dir": state_dir} if state_dir else {}),
                 migration_support=migration_support,
                 **({} if standby_instances is None else {"standby_instances": standby_instances}),
+                standby_before_sources=standbys_before_sources,
                 chaining=chaining,
                 batch_rows=batch_rows,
                 source_batch_rows=batch_rows,

@@ -222,6 +222,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 **self.plan.steps[iid[0]].actor.ray_options(chosen[iid]),
             ).remote(ChainSpec(tuple(self.specs[i] for i in ids)) if ids else spec)
         marks["placed_at"] = time.time()  # placement chosen, every actor asked for
+        # the first deploy starts the warm standbys beside the job's actors, and its sources
+        # only once they are up: their start-up (~1 CPU-s each) is not beside the first events
+        warm = asyncio.ensure_future(self._fill_standby_once()) if self._standbys_first() else None
         where = await asyncio.gather(*(h.ping.remote() for h in self.handles.values()))
         self.nodes = dict(zip(self.handles, where, strict=True))
         marks["actors_ready_at"] = time.time()  # every actor constructed (RocksDB open)
@@ -235,6 +238,12 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         if start_at is not None and start_at > time.monotonic():  # a recovery's restart delay
             marks["delay_left_s"] = start_at - time.monotonic()
             await asyncio.sleep(marks["delay_left_s"])
+        if warm is not None:
+            try:
+                await warm
+            except Exception:  # noqa: BLE001 - no standby yet: the fill after the start retries
+                pass
+            marks["standbys_ready_at"] = time.time()
         now = time.monotonic()
         self._heartbeats = dict.fromkeys(self.handles, now)
         order = [i for i in self.handles if i not in self.plan.sources] + self.plan.sources
@@ -242,6 +251,23 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             self._run(iid)
         marks["running_at"] = time.time()
         self.deploys.append(marks)
+
+    def _standbys_first(self) -> bool:
+        """Whether this deploy starts the warm standbys before the sources run: the job's first,
+        with ``standby_before_sources`` and no ``standby_delay_s``."""
+        c = self.config
+        return (
+            not self.deploys
+            and c.standby_before_sources
+            and c.standby_delay_s == 0
+            and c.standby_instances > 0
+            and c.migration_support
+            and any(s.is_keyed for s in self.plan.steps.values())
+        )
+
+    def _may_fill_standbys(self) -> bool:
+        """The job runs, or its first deploy does (:meth:`_standbys_first`)."""
+        return self.state == "running" or (self.state == "created" and not self.deploys)
 
     def _run(self, iid: ChannelId) -> None:
         self._run_futures[iid] = asyncio.ensure_future(_outcome(self.handles[iid].run.remote(), iid))
@@ -1040,7 +1066,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         async def pool(slot: ChannelId, h: Any) -> None:
             try:
                 node = await h.ping.remote()
-                if self.state != "running":  # the job ended meanwhile: do not leak it
+                if not self._may_fill_standbys():  # the job ended meanwhile: do not leak it
                     ray.kill(h, no_restart=True)
                     return
                 self._standby.append((h, node, slot))
@@ -1048,7 +1074,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 self._standby_creating.discard(slot)
 
         for slot in wanted:
-            if self.state != "running":
+            if not self._may_fill_standbys():
                 break
             if slot in pooled:
                 continue
@@ -1438,6 +1464,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             # instances whose actor is not named raystream:<job>:<step>:<index> (inserted, moved)
             "actor_names": {f"{s}/{i}": n for (s, i), n in self.actor_names.items()},
             "change_spares": [n for _, n, _ in self._spares],
+            "standbys": [f"{s}/{i}" for _, _, (s, i) in self._standby],  # warm, by slot
             # warm standbys configured and connected for their slot (raystream.standby_prep)
             "prepared_standbys": [f"{s}/{i}" for s, i in sorted(self._prepared)],
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,

@@ -49,6 +49,12 @@ def _out(result: rs.JobResult) -> pa.Table:
 def test_a_scale_out_takes_prepared_standbys_and_counts_exactly() -> None:
     gen = generator("int", True, seed=11)
     with live_job("prepared-standby", gen, 1, standby_instances=2, standby_delay_s=0.0) as live:
+        # the first deploy started the standbys beside the job's actors and ran the sources
+        # only once they were up (standby_before_sources): none starts beside the first events
+        status = live.job.status()
+        (deploy,) = status["deploys"]
+        assert sorted(status["standbys"]) == [f"{STEP}/1", f"{STEP}/2"], status["standbys"]
+        assert deploy["placed_at"] <= deploy["standbys_ready_at"] <= deploy["running_at"], deploy
         live.wait_flowing()
         _wait_prepared(live.job, {f"{STEP}/1", f"{STEP}/2"})
         first = live.rescale(3)
