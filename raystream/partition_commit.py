@@ -320,12 +320,12 @@ class PartitionCommitter:
                     )
 
     def due(self, watermark_ms: int | None, now_ms: int) -> list[str]:
-        """The pending folders to commit now (removed from pending): partition time + delay
-        before ``watermark_ms`` (None: no watermark yet), or first seen ``delay_ms`` before
-        ``now_ms`` (process-time)."""
+        """The pending folders to commit now (removed from pending): ``watermark_ms > partition
+        time + delay_ms`` (None: no watermark yet), or for process-time ``now_ms > first seen +
+        delay_ms`` (every one with ``delay_ms=0``), as Flink's triggers."""
         delay = self.spec.delay_ms
         if self.spec.trigger == "process-time":
-            out = [f for f, seen in self.pending.items() if now_ms >= seen + delay]
+            out = [f for f, seen in self.pending.items() if delay == 0 or now_ms > seen + delay]
         elif watermark_ms is None:
             return []
         else:
