@@ -64,14 +64,29 @@ class PartFileSink:
     """Instance ``i`` writes its rows as the query's result columns (its ``finish`` applied, the
     runtime's columns dropped) to ``{path}/part-{i:05d}.parquet``, atomically; for append-only
     queries. A query with ``partition_by`` (q10) writes Hive-style folders
-    ``{path}/dt=.../hm=.../part-*.parquet`` instead. ``close()`` returns the row count."""
+    ``{path}/dt=.../hm=.../part-*.parquet`` instead, and commits each folder as the query's
+    ``partition_commit`` says (q10: a ``_SUCCESS`` file once the watermark passed the minute
+    plus one minute; every folder at the end of input). ``close()`` returns the inner writer's
+    :class:`raystream.sinks.WrittenFile` (its ``rows``: the rows written)."""
 
     path: str
     query: str
 
+    # what the job's partition committer reads from a sink (as from rs.sinks.parquet)
+    @property
+    def partition_by(self) -> tuple[str, ...]:
+        return QUERIES[self.query].partition_by
+
+    @property
+    def partition_commit(self) -> Any:
+        return QUERIES[self.query].partition_commit
+
+    filesystem = None
+
     def open(self, index: int, parallelism: int) -> Any:
-        spec = QUERIES[self.query]
-        inner = rs.sinks.parquet(self.path, partition_by=spec.partition_by).open(index, parallelism)
+        inner = rs.sinks.parquet(
+            self.path, partition_by=self.partition_by, partition_commit=self.partition_commit
+        ).open(index, parallelism)
         return _ResultRows(inner, self.query)
 
     def describe(self) -> str:
@@ -94,9 +109,8 @@ class _ResultRows:
             self._inner.write(part)
         self.rows += table.num_rows
 
-    def close(self) -> int:
-        self._inner.close()
-        return self.rows
+    def close(self) -> Any:
+        return self._inner.close()
 
     def abort(self) -> None:
         self._inner.abort()
@@ -533,6 +547,10 @@ def main(
                 files = oracle.read_partitioned(query, output / query, spec.partition_by)
                 data_report["output_rows"] = files.num_rows
                 ok = ok and files.equals(want)
+                if spec.partition_commit is not None:  # every folder of the result committed
+                    commits = oracle.check_committed(output / query, want, spec.partition_by)
+                    data_report["partition_commits"] = commits
+                    ok = ok and commits["ok"]
             data_report["oracle_equal"] = ok
             if not ok:
                 click.echo(
