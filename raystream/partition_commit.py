@@ -393,6 +393,7 @@ class JobPartitionCommits:
         self.errors: list[str] = []  # what could not be parsed or committed (for the status)
         self._where: dict[str, tuple[pafs.FileSystem, str]] = {}
         self.committed = 0  # folder commits done (a folder committed twice counts twice)
+        self.at_end = 0  # ... of which at the end of input
 
     def __bool__(self) -> bool:
         return bool(self.committers)
@@ -459,6 +460,7 @@ class JobPartitionCommits:
                     continue
                 done.append((name, folder))
                 self.committed += 1
+                self.at_end += not retry
         return done
 
     def _location(self, name: str) -> tuple[pafs.FileSystem, str]:

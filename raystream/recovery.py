@@ -396,6 +396,7 @@ class Recovery:
                 {
                     "partition_commits": {
                         "committed": commits.committed,
+                        "at_end_of_input": commits.at_end,
                         "errors": commits.errors[-20:],
                     }
                 }

@@ -112,6 +112,12 @@ class _ResultRows:
     def close(self) -> Any:
         return self._inner.close()
 
+    def __getattr__(self, name: str) -> Any:
+        # two-phase commit (pre_commit, commit, restore, ...) is the inner Parquet writer's
+        if name.startswith("__") or name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
     def abort(self) -> None:
         self._inner.abort()
 
@@ -394,6 +400,14 @@ def _connect_ray() -> bool:
 )
 @click.option("--batch-rows", type=click.IntRange(min=1), default=65_536)
 @click.option("--linger-ms", type=click.FloatRange(min=0), default=5.0)
+@click.option(
+    "--checkpoint-interval",
+    "checkpoint_interval_s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Seconds between checkpoints (0: none). With checkpoints the Parquet output is "
+    "published by each checkpoint, and q10 commits its minute folders while it runs.",
+)
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=3600.0)
 @click.option("--quiet", "-q", is_flag=True)
 def main(
@@ -413,6 +427,7 @@ def main(
     check: bool,
     batch_rows: int,
     linger_ms: float,
+    checkpoint_interval_s: float,
     timeout_s: float,
     quiet: bool,
 ) -> None:
@@ -506,6 +521,14 @@ def main(
                 batch_rows=batch_rows,
                 source_batch_rows=batch_rows,
                 linger_ms=linger_ms,
+                **(
+                    {
+                        "checkpoint_interval_s": checkpoint_interval_s,
+                        "checkpoint_dir": str(Path(tmp or tempfile.mkdtemp()) / "checkpoints"),
+                    }
+                    if checkpoint_interval_s > 0
+                    else {}
+                ),
             )
         except rs.RaystreamError as exc:
             click.echo(f"Error: {query} failed: {exc}", err=True)
@@ -523,12 +546,16 @@ def main(
             "replay_rate": replay_rate,
             "batch_rows": batch_rows,
             "linger_ms": linger_ms,
+            "checkpoint_interval_s": checkpoint_interval_s,
         }
         data_report = build_report(result, query, spec.tables, config)
         data_report["command"] = " ".join(
             ["python -m bench.nexmark", *(shlex.quote(a) for a in sys.argv[1:])]
         )
         data_report["rescale_errors"] = errors
+        if result.checkpoints.get("partition_commits") is not None:
+            data_report["partition_commits_job"] = result.checkpoints["partition_commits"]
+            data_report["checkpoints_completed"] = result.checkpoints.get("completed")
         if gen_s is not None:
             data_report["generator_events_per_s"] = round(events / gen_s, 1)
         if check and spec.processing_time:
