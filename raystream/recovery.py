@@ -418,7 +418,7 @@ class Recovery:
             if iid in self.plan.sinks and out.get("sink_state") is not None
         }
         if not staged:  # no checkpoints: every sink published at its end
-            await self._commit_partitions_at_end()
+            await self._commit_partitions_at_end(written=True)
             return True
         commits = self._partition_commits
         try:
@@ -457,19 +457,21 @@ class Recovery:
             return False
         for iid, res in zip(staged, results, strict=True):
             self.outcomes[iid]["result"] = res
-        await self._commit_partitions_at_end()
+        # the final states' folders were added above: what is pending is what is left
+        await self._commit_partitions_at_end(written=False)
         return True
 
-    async def _commit_partitions_at_end(self: Any) -> None:
+    async def _commit_partitions_at_end(self: Any, *, written: bool) -> None:
         """End of input (the maximal watermark): commit every partition folder still pending
-        and every one the sinks wrote, now that all their parts are published."""
+        (as Flink's ``endInput``), now that all parts are published; ``written``: also every
+        folder the sinks' results name (no checkpoints: nothing went through the committer)."""
         commits = self._partition_commits
         if not commits:
             return
         results = [
             (iid[0], out.get("result"))
             for iid, out in self.outcomes.items()
-            if iid in self.plan.sinks
+            if iid in self.plan.sinks and written
         ]
         await asyncio.to_thread(commits.commit_end, written_partitions(results))
 
