@@ -59,6 +59,7 @@ def build_manifest(
     savepoint: bool = False,
     finished: Iterable[tuple[str, int]] = (),
     retired_sinks: Iterable[tuple[str, Any]] = (),
+    partition_commits: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON-able record of checkpoint ``checkpoint_id``. Raises CheckpointError when an
     instance reported a failure or a keyed step's key groups are not all covered.
@@ -71,7 +72,11 @@ def build_manifest(
 
     ``retired_sinks``: (sink step, state) of sink instances a scale-in retired after their ends
     were published (sinks chained to a keyed step): a recovery folds them into a live instance
-    (:func:`fold_sink_states`), so their output stays in the job's results."""
+    (:func:`fold_sink_states`), so their output stays in the job's results.
+
+    ``partition_commits``: per partitioned sink step with a partition commit, the folders
+    written and not committed yet (:class:`raystream.partition_commit.JobPartitionCommits`),
+    taken before this checkpoint's commits: a recovery commits them again when due."""
     instances: dict[str, dict[str, Any]] = {}
     for a in acks:
         step, index = a["instance"]
@@ -131,6 +136,7 @@ def build_manifest(
         "sub_groups": sub_groups,
         "instances": instances,
         "retired_sinks": [[step, state] for step, state in retired_sinks],
+        **({"partition_commits": partition_commits} if partition_commits else {}),
     }
 
 

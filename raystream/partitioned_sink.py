@@ -206,6 +206,7 @@ class PartitionedParquetWriter:
         self._writers: dict[str, _ParquetWriter] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # open parts, least recent first
         self._published: list[tuple[str, int]] = []  # of folder writers dropped when idle
+        self._written: dict[str, None] = {}  # every folder this instance wrote rows into
         self._schema: pa.Schema | None = None
         self._lock = threading.Lock()  # _writers: commit may run in a thread
         self._touched = False
@@ -247,6 +248,7 @@ class PartitionedParquetWriter:
             batch = _conform(batch, self._schema, self._where)
         for folder, rows in split_by_partition(batch, self._columns):
             self._writer_for(folder).write(rows)
+            self._written[folder] = None
             self._recent[folder] = None
             self._recent.move_to_end(folder)
             while len(self._recent) > self._max_open:
@@ -363,6 +365,7 @@ class PartitionedParquetWriter:
             path=paths[-1] if paths else None,
             rows=sum(r for _, r in published),
             paths=paths,
+            partitions=tuple(self._written),
         )
 
     def abort(self) -> None:

@@ -33,6 +33,7 @@ from raystream.chaining import follow_keyed, steps_following
 from raystream.checkpointing import build_manifest, manifest_routing, restore_specs
 from raystream.errors import CheckpointError, RaystreamError
 from raystream.metrics import step_totals, sum_totals
+from raystream.partition_commit import JobPartitionCommits, now_ms, written_partitions
 from raystream.runtime.actors import actor_of
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.snapshots import FINAL_CHECKPOINT
@@ -108,6 +109,9 @@ class Recovery:
         self.following = steps_following(plan.steps, enabled=self.config.chaining)
         if manifest is not None:
             self._epoch = max(self._epoch, int(manifest["checkpoint_id"]))
+        # partition commits: the folders pending at the checkpoint (committed again when due)
+        self._partition_commits = JobPartitionCommits(self.flow.steps)
+        self._partition_commits.restore(manifest)
 
     def _restore_storage(self: Any, manifest: dict[str, Any] | None) -> tuple[str, ...]:
         """Where a restoring instance reads state files: the job's storage or a savepoint."""
@@ -249,6 +253,8 @@ class Recovery:
         aligned_s = time.monotonic() - t0
         await self._persist_ended_sinks(cid)
         acks = list(acks) + self._finished_sink_states()
+        commits = self._partition_commits
+        marks = commits.add_acks(acks, now_ms()) if commits else {}
         manifest = build_manifest(
             job=self.flow.name,
             checkpoint_id=cid,
@@ -262,19 +268,22 @@ class Recovery:
             savepoint=savepoint,
             finished=self._finished_before(cid),
             retired_sinks=self._retired_sink_states,
+            partition_commits=commits.snapshot() if commits else None,
         )
         await asyncio.to_thread(storage.complete, cid, manifest)
         live_sinks = [i for i in self.plan.sinks if i not in self.outcomes]
         # a sink that reached its end before this checkpoint (its branch finished) publishes
         # that end now: the checkpoint records it, so a recovery restores it as finished
         ended = [a["instance"] for a in acks if a.get("final_sink_state")]
-        await asyncio.gather(
+        published = await asyncio.gather(
             *(_quietly(self.handles[i].checkpoint_complete.remote(cid)) for i in live_sinks),
             *(
                 _quietly(self.handles[i].checkpoint_complete.remote(FINAL_CHECKPOINT))
                 for i in ended
             ),
         )
+        if commits and all(published):  # every instance's parts of the checkpoint are visible
+            await asyncio.to_thread(commits.commit_due, marks, now_ms())
         states = [a["state"] for a in acks if "state" in a]
         stats = {
             "checkpoint_id": cid,
@@ -383,6 +392,17 @@ class Recovery:
             "last_failure": self.failed_checkpoints[-1] if self.failed_checkpoints else None,
             "storage": _without_credentials(f"{self.storage_spec[0]}/{self.storage_spec[1]}"),
             "restored_from": self.restored_from,
+            **(
+                {
+                    "partition_commits": {
+                        "committed": commits.committed,
+                        "at_end_of_input": commits.at_end,
+                        "errors": commits.errors[-20:],
+                    }
+                }
+                if (commits := getattr(self, "_partition_commits", None))
+                else {}
+            ),
         }
 
     def _now_s(self: Any) -> float:
@@ -397,12 +417,16 @@ class Recovery:
             for iid, out in self.outcomes.items()
             if iid in self.plan.sinks and out.get("sink_state") is not None
         }
-        if not staged:
+        if not staged:  # no checkpoints: every sink published at its end
+            await self._commit_partitions_at_end(written=True)
             return True
+        commits = self._partition_commits
         try:
             durable = [
                 {"instance": i, "sink_state": st} for i, st in staged.items() if _durable(st)
             ]
+            if commits:
+                commits.add_acks(durable, now_ms())
             if durable and (self.config.checkpoint_interval_s > 0 or self.checkpoint_stats):
                 cid = self._next_epoch()
                 manifest = build_manifest(
@@ -417,6 +441,7 @@ class Recovery:
                     sub_groups=self.flow.key_space.sub_groups,
                     final=True,
                     retired_sinks=self._retired_sink_states,
+                    partition_commits=commits.snapshot() if commits else None,
                 )
                 await asyncio.to_thread(self.storage.complete, cid, manifest)
             results = await asyncio.gather(
@@ -432,7 +457,23 @@ class Recovery:
             return False
         for iid, res in zip(staged, results, strict=True):
             self.outcomes[iid]["result"] = res
+        # the final states' folders were added above: what is pending is what is left
+        await self._commit_partitions_at_end(written=False)
         return True
+
+    async def _commit_partitions_at_end(self: Any, *, written: bool) -> None:
+        """End of input (the maximal watermark): commit every partition folder still pending
+        (as Flink's ``endInput``), now that all parts are published; ``written``: also every
+        folder the sinks' results name (no checkpoints: nothing went through the committer)."""
+        commits = self._partition_commits
+        if not commits:
+            return
+        results = [
+            (iid[0], out.get("result"))
+            for iid, out in self.outcomes.items()
+            if iid in self.plan.sinks and written
+        ]
+        await asyncio.to_thread(commits.commit_end, written_partitions(results))
 
     # ---- recovery -----------------------------------------------------------------------
     async def _recover_or_fail(self: Any, cause: dict[str, Any]) -> bool:
@@ -688,8 +729,10 @@ async def _result(ref: Any) -> Any:
     return await ref
 
 
-async def _quietly(ref: Any) -> None:
+async def _quietly(ref: Any) -> bool:
+    """Await ``ref``; False (not raised) if it failed: the actor may already be gone."""
     try:
         await ref
-    except Exception:  # noqa: BLE001, S110 - the actor may already be gone
-        pass
+    except Exception:  # noqa: BLE001 - the actor may already be gone
+        return False
+    return True

@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from raystream.errors import CheckpointError, ConfigError, SchemaError
 from raystream.part_store import PartStore, check_uri, redact
+from raystream.partition_commit import PartitionCommit, partition_commit
 from raystream.partitioned_sink import (
     PartitionedParquetWriter,
     check_partition_names,
@@ -58,6 +59,7 @@ __all__ = [
     "collect",
     "null",
     "parquet",
+    "partition_commit",
 ]
 
 
@@ -230,11 +232,13 @@ def collect() -> CollectSink:
 class WrittenFile:
     """What a Parquet sink instance published: ``paths``, every file in publishing order
     (checkpoint parts, then the last part written at ``close()``); ``path``, the last of them
-    (None if it published none); ``rows``, the rows in those files."""
+    (None if it published none); ``rows``, the rows in those files; ``partitions``, the
+    folders a partitioned sink wrote rows into (relative, ``dt=…/hm=…``)."""
 
     path: str | None
     rows: int
     paths: tuple[str, ...] = ()
+    partitions: tuple[str, ...] = ()
 
 
 def _is_string_like(t: pa.DataType) -> bool:
@@ -337,6 +341,7 @@ class ParquetSink:
     filesystem: pafs.FileSystem | None = field(default=None, compare=False)  # not hashable
     partition_by: tuple[str, ...] = ()
     max_open_partitions: int = 64
+    partition_commit: PartitionCommit | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
@@ -399,6 +404,15 @@ class ParquetSink:
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
             msg = f"parquet sink max_open_partitions must be an int >= 1, got {cap!r}"
             raise ConfigError(msg)
+        commit = self.partition_commit
+        if commit is not None:
+            if not isinstance(commit, PartitionCommit):
+                msg = (
+                    f"{where}: partition_commit expects rs.sinks.partition_commit(...), got "
+                    f"{type(commit).__name__}"
+                )
+                raise ConfigError(msg)
+            commit.check_columns(cols, where)
 
     def check_schema(self, schema: pa.Schema) -> None:
         """:class:`SchemaError` if the stream's ``schema`` cannot be written (with
@@ -458,6 +472,8 @@ class ParquetSink:
             roll += f", partition_by={list(self.partition_by)!r}"
             if self.max_open_partitions != 64:
                 roll += f", max_open_partitions={self.max_open_partitions!r}"
+            if self.partition_commit is not None:
+                roll += f", partition_commit={self.partition_commit.describe()}"
         path = redact(self.path)
         if self.mode == "append":
             return f"parquet({path!r}{roll})"
@@ -821,6 +837,7 @@ def parquet(
     filesystem: pafs.FileSystem | None = None,
     partition_by: Sequence[str] = (),
     max_open_partitions: int = 64,
+    partition_commit: PartitionCommit | None = None,
 ) -> ParquetSink:
     """Write Parquet: ``path`` is a directory (a local path, or any ``pyarrow.fs`` URI:
     ``s3://bucket/out``, ``gs://bucket/out``, ``hdfs://host:port/out``, ``file:///abs/out``; or a
@@ -851,6 +868,12 @@ def parquet(
     recently written is closed and published by the next checkpoint); checkpoints publish
     every folder's parts exactly once, as without partitions. Part names always carry a roll
     number (``-r{n:04d}``). Not with ``mode="upsert"``.
+
+    ``partition_commit=rs.sinks.partition_commit("partition-time", time_pattern="$dt $hm:00",
+    delay_ms=60_000)`` commits a folder (an empty ``_SUCCESS`` in it, or ``on_commit``) once
+    every instance's parts of it are published and the job-wide watermark passed its partition
+    time plus the delay; at the end of input every folder written is committed (Flink's
+    partition commit; see :mod:`raystream.partition_commit`).
 
     ``max_file_bytes`` / ``max_file_s`` roll part files by size or age (see
     :class:`ParquetSink`); rolled parts are published by the checkpoint after them, exactly once.
@@ -887,6 +910,7 @@ def parquet(
         filesystem=filesystem,
         partition_by=tuple(partition_by) if not isinstance(partition_by, str) else partition_by,  # type: ignore[arg-type]
         max_open_partitions=max_open_partitions,
+        partition_commit=partition_commit,
     )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -586,3 +587,26 @@ def read_partitioned(
     part = ds.partitioning(pa.schema([schema.field(c) for c in partition_by]), flavor="hive")
     table = ds.dataset(os.fspath(path), format="parquet", partitioning=part).to_table()
     return canonical(query, table)
+
+
+def check_committed(
+    path: str | os.PathLike[str], want: pa.Table, partition_by: tuple[str, ...]
+) -> dict[str, Any]:
+    """q10's partition commit after the job: the folders holding a ``_SUCCESS`` file are exactly
+    the partitions of the oracle's result (``want``'s distinct partition values)."""
+    from raystream.partition_commit import folder_values
+
+    root = os.fspath(path)
+    committed = set()
+    for here, _, files in os.walk(root):
+        if "_SUCCESS" in files:
+            values = folder_values(os.path.relpath(here, root).replace(os.sep, "/"))
+            committed.add(tuple(values.get(c) for c in partition_by))
+    expected = set(zip(*(want.column(c).to_pylist() for c in partition_by), strict=True))
+    return {
+        "ok": committed == expected,
+        "partitions": len(expected),
+        "committed": len(committed & expected),
+        "missing": sorted(expected - committed)[:5],
+        "unexpected": sorted(committed - expected)[:5],
+    }

@@ -899,6 +899,8 @@ class Query:
     window_end: Callable[[pa.Table], pa.Array] | None = None
     side_inputs: tuple[str, ...] = ()  # files read by a step (q13): ``sources[name]``, a path
     partition_by: tuple[str, ...] = ()  # q10: the result's folder columns in a Parquet sink
+    # q10: when a folder is committed (Flink's sink.partition-commit.*)
+    partition_commit: Any = None
     # q12: windows of the wall clock; its result is checked by bench.nexmark.processing_time
     # (invariants and per-bidder totals), not compared with oracle rows
     processing_time: bool = False
@@ -973,6 +975,10 @@ QUERIES: dict[str, Query] = {
         "q10",
         columns=(("bid", _Q0_COLS),),
         partition_by=("dt", "hm"),
+        # Flink's q10: trigger partition-time, pattern '$dt $hm:00', delay 1 min, success-file
+        partition_commit=rs.sinks.partition_commit(
+            "partition-time", time_pattern="$dt $hm:00", delay_ms=60_000
+        ),
     ),
     "q11": Query(
         "q11",

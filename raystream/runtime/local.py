@@ -96,6 +96,7 @@ async def run_local(
             traceback=first.get("traceback"),
             where="the instance",
         ) from first.get("exception")
+    await _commit_partitions(flow, instances)
     out: dict[str, pa.Table | None] = {}
     for iid, inst in sorted(instances.items()):
         if inst.role != "sink":
@@ -109,3 +110,14 @@ async def run_local(
         else:
             out[iid[0]] = pa.concat_tables([prev, table], promote_options="permissive")
     return out
+
+
+async def _commit_partitions(flow: Dataflow, instances: dict[ChannelId, Any]) -> None:
+    """End of input: a partitioned sink with ``partition_commit`` commits every folder written
+    (no checkpoints here: every part was published at the instances' ends)."""
+    from raystream.partition_commit import JobPartitionCommits, written_partitions
+
+    commits = JobPartitionCommits(flow.steps)
+    if commits:
+        results = [(iid[0], inst.result) for iid, inst in instances.items() if inst.role == "sink"]
+        await asyncio.to_thread(commits.commit_end, written_partitions(results))

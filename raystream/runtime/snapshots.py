@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from raystream.runtime.watermarks import WATERMARK_MIN
 from raystream.state.rocks import RocksStateBackend
 
 if TYPE_CHECKING:
@@ -99,6 +100,9 @@ class CheckpointState:
             info["error"] = "this job has no checkpoint storage"
             return None
         instance = f"{inst.step.name}/{inst.spec.index}"
+        if inst.writer is not None:  # a sink's watermark at the barrier (partition commit)
+            w = getattr(inst, "_wm_sent", WATERMARK_MIN)
+            info["watermark_ms"] = None if w <= WATERMARK_MIN else int(w)
         try:
             proc = inst.processor
             if proc is not None and hasattr(proc, "backend"):

@@ -284,6 +284,11 @@ def test_q10_partitioned_files_equal_the_oracle(parallelism: int, tmp_path: Path
         times = pq.read_table(part).column("dateTime")
         assert dt_dir == "dt=" + pc.strftime(pc.min(times), "%Y-%m-%d").as_py()
         assert hm_dir == "hm=" + pc.strftime(pc.max(times), "%H:%M").as_py().replace(":", "%3A")
+    # q10's partition commit: at the end of input every minute folder has its success file
+    committed = oracle.check_committed(out, want, ("dt", "hm"))
+    assert committed["ok"], committed
+    assert committed["committed"] == len(set(want.column("hm").to_pylist())) > 3
+    assert len(list(out.glob("*/*/_SUCCESS"))) == committed["committed"]
 
 
 def q22_input() -> dict[str, pa.Table]:
