@@ -108,7 +108,7 @@ def test_direct_and_through_the_source_count_the_same_rows_exactly(
 def test_direct_push_stays_exact_across_a_rescale_during_ingest(spark: Any) -> None:
     rows = 2_000_000  # the ingest outlasts the rescale's start (a new actor)
     df = spark.range(0, rows, numPartitions=4).selectExpr("(id * 7919) % 5003 as key", "id as seq")
-    src = rs.sources.spark(df, push_rows=10_000)
+    src = rs.sources.spark(df, push_rows=10_000, direct=True)
     job = rs.start(keycount("e2e-direct-rescale", src, slower_count), parallelism={"count": 2})
 
     def counted() -> int:
@@ -157,7 +157,7 @@ def test_a_task_that_dies_after_reserving_is_retried_without_double_counting(
     df = df.mapInArrow(_fail_after_first_batches, df.schema)
     job = rs.start(
         # small reservations, so attempt 0 reserves several before it dies
-        keycount("e2e-direct-retry", rs.sources.spark(df, push_rows=10_000, direct_rows=10_000)),
+        keycount("e2e-direct-retry", rs.sources.spark(df, push_rows=10_000, direct=True, direct_rows=10_000)),
         parallelism={"count": 2},
     )
     result = job.wait(300)
@@ -195,7 +195,7 @@ def test_direct_windows_fire_on_watermarks_from_the_reservations(
     flow = rs.Dataflow("e2e-direct-windows", num_key_groups=32, sub_groups=4)
     (
         flow.source(
-            rs.sources.spark(df, push_rows=2_000),
+            rs.sources.spark(df, push_rows=2_000, direct=True),
             event_time="ts",
             max_out_of_orderness_ms=OUT_OF_ORDERNESS_MS,
         )
@@ -222,7 +222,7 @@ def test_direct_push_stays_exact_across_a_move_during_ingest(spark: Any) -> None
 
     rows = 2_000_000
     df = spark.range(0, rows, numPartitions=4).selectExpr("(id * 7919) % 5003 as key", "id as seq")
-    src = rs.sources.spark(df, push_rows=10_000)
+    src = rs.sources.spark(df, push_rows=10_000, direct=True)
     job = rs.start(keycount("e2e-direct-move", src, slower_count), parallelism={"count": 2})
 
     def counted() -> int:

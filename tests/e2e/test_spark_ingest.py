@@ -79,7 +79,7 @@ def test_a_spark_dataframe_of_1m_rows_counts_exactly(spark: Any, tmp_path: Path)
     table = events(1_000_000, seed=11)
     pq.write_table(table, tmp_path / "events.parquet", row_group_size=125_000)
     df = spark.read.parquet(str(tmp_path / "events.parquet")).repartition(6)
-    src = rs.sources.spark(df)
+    src = rs.sources.spark(df, direct=True)
     flow = keycount("e2e-spark-batch", src)
     flow.steps["source"]  # noqa: B018 - the source step exists under its default name
     job = rs.start(flow, parallelism={"count": 2, "source": 2})
@@ -187,6 +187,7 @@ def test_structured_streaming_over_a_growing_directory_with_a_rescale(
         trigger={"processingTime": "500 milliseconds"},
         max_rows=total,
         idle_timeout_s=120,
+        direct=True,
     )
     job = rs.start(keycount("e2e-spark-stream", src), parallelism={"count": 2})
 
@@ -489,7 +490,7 @@ def test_a_spark_fed_job_recovers_exactly_once_from_a_keyed_and_a_source_kill(
         f"(id * 7919) % {REC_KEYS} as key", "id as seq"
     )
     out = tmp_path / "out"
-    source = rs.sources.spark(df, push_rows=2_000, capacity_rows=4_000)
+    source = rs.sources.spark(df, push_rows=2_000, capacity_rows=4_000, direct=True)
     job = _start_checkpointed("e2e-spark-recover", source, 2, out, tmp_path, batch_rows=2_000)
     try:
         _wait_for(job, "rows in a checkpoint", lambda s: _checkpointed(s) > 0)
