@@ -525,6 +525,13 @@ def _move_phases(
         "sealed": since(old.get("sealed_wall")),
         "first_on_demand_served": since(old.get("first_urgent_served_wall")),
         "all_arrived": since(new.get("all_arrived_wall")),
+        # old owner: its outgoing state left the cache (ready to go); new owner: it ran the
+        # records that waited for state (from, to; how many, the oldest's age at the start)
+        "ready": since(old.get("ready_wall")),
+        "first_release": since(new.get("first_release_wall")),
+        "first_drained": since(new.get("first_drained_wall")),
+        "first_release_rows": new.get("first_release_rows"),
+        "first_release_age_ms": new.get("first_release_age_ms"),
         "finished": [since(st.get("finished_wall")) for st in stats],
         "done": since(end),
         "fetch_calls": new.get("fetch_calls"),

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from raystream.dataflow import KeySpec, Step
 from raystream.errors import RescaleError, SourceError, context_of
@@ -887,10 +888,13 @@ class OperatorInstance:
             engine.handed_in_rows = 0
         released = engine.take_released()
         if released:
+            first = _first_release(engine.task, released)
             with self.metrics.busy():
                 queue = collections.deque(released)
                 while queue:
                     piece = queue.popleft()
+                    if first is not None:
+                        first.first_release_rows += piece.num_rows
                     # in slices: a backlog handed over with the state can be seconds of work,
                     # and calls (pushes, fetches, the controller's) are answered in between
                     start = 0
@@ -910,6 +914,8 @@ class OperatorInstance:
                         queue.extend(engine.take_released())
                 if self._wm_sent > WATERMARK_MIN:  # due timers of arrived sub-groups
                     await self._emit(self.processor.on_watermark(self._wm_sent))
+            if first is not None:
+                first.first_drained_wall = time.time()
         if self._wm_deferred is not None and not engine.holds_watermark:
             w, self._wm_deferred = self._wm_deferred, None
             await self._on_watermark(w)
@@ -1286,6 +1292,22 @@ class OperatorInstance:
             for c in channels:
                 await c.drain()
         await self._end_unconnected()
+
+
+def _first_release(task: Any, released: list[pa.RecordBatch]) -> Any:
+    """The task, if these are the first records it releases here (their timing is recorded on
+    it: when, and the age of the oldest since its ingest); else None."""
+    if task is None or task.first_release_wall is not None:
+        return None
+    now = time.time()
+    task.first_release_wall = now
+    stamps = [
+        pc.min(b.column(INGEST_TS)).as_py() for b in released if INGEST_TS in b.schema.names
+    ]
+    stamps = [t for t in stamps if t is not None]
+    if stamps:
+        task.first_release_age_ms = round((now * 1e9 - min(stamps)) / 1e6, 1)
+    return task
 
 
 async def _let_calls_in() -> None:

@@ -254,6 +254,13 @@ class MigrationTask:
     finished_wall: float | None = None
     # old owner: sealed, fenced and evicted: from then on it hands out state
     ready_wall: float | None = None
+    # new owner: when it first ran released records, how many ran before it went back to its
+    # inputs (the backlog that waited for state), how old the oldest of them was (ms since its
+    # ingest) and when that backlog was done
+    first_release_wall: float | None = None
+    first_release_rows: int = 0
+    first_release_age_ms: float | None = None
+    first_drained_wall: float | None = None
     # new owner, per old owner: state bytes taken in and when its last chunk arrived
     pair_bytes_in: dict[int, int] = field(default_factory=dict)
     pair_last_in_wall: dict[int, float] = field(default_factory=dict)
@@ -954,6 +961,10 @@ class MigrationEngine:
             "first_urgent_served_wall": t.first_urgent_served_wall,
             "all_arrived_wall": t.all_arrived_wall,
             "ready_wall": t.ready_wall,
+            "first_release_wall": t.first_release_wall,
+            "first_release_rows": t.first_release_rows,
+            "first_release_age_ms": t.first_release_age_ms,
+            "first_drained_wall": t.first_drained_wall,
             "pair_bytes_in": dict(t.pair_bytes_in),
             "pair_last_in_wall": dict(t.pair_last_in_wall),
             "fetch_log": list(t.fetch_log),

@@ -126,6 +126,8 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     move is done."""
     engine, task = _whole(inst, epoch)
     await task.sealed.wait()
+    # from the seal until this call went on (the seal's eviction and the loop's other work)
+    woke_ms = round((time.time() - (task.sealed_wall or time.time())) * 1000, 1)
     backend = inst.processor.backend
     # sealed: no record changes this state any more, so the changed rows are read now, while the
     # fence (sent before the seal) goes round downstream; a row written after this (none is
@@ -168,6 +170,7 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
         # reading the changed rows: at the seal (while the fence went round), and after the fence
         "changes_ms": round(early_ms + (time.monotonic() - t1) * 1000, 1),
         "fence_wait_ms": fence_wait_ms,  # after the rows were read, until the fence came back
+        "woke_ms": woke_ms,
         "late_rows": len(late),
         "handed_wall": time.time(),
     }
@@ -349,6 +352,7 @@ class FilesTakeOver:
                 "changes_ms": got["changes_ms"],
                 "fence_wait_ms": got.get("fence_wait_ms"),
                 "late_rows": got.get("late_rows"),
+                "woke_ms": got.get("woke_ms"),
                 # from the old instance's answer to its arrival here (the call's return path)
                 "answer_in_ms": round((received_wall - got["handed_wall"]) * 1000, 1),
                 "changed_rows": changes.num_rows,
