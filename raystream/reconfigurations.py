@@ -336,6 +336,12 @@ class Reconfigurations:
             *(self.handles[u].add_receivers.remote({new_iid: handle}) for u in upstream)
         )
         self._run(new_iid)
+        # connections opened now, not by the barrier's push to the new actor and its first
+        # output downstream (each waited ~50 ms on a busy node, records queued behind it)
+        await asyncio.gather(
+            handle.warm.remote(list(self._receivers_of(new_iid))),
+            *(self.handles[u].warm.remote([new_iid]) for u in upstream),
+        )
         files: dict[str, Any] | None = None
         if by_files:
             # the old instance's files copied and opened there, then the rows it changed since
@@ -525,13 +531,8 @@ def _move_phases(
         "sealed": since(old.get("sealed_wall")),
         "first_on_demand_served": since(old.get("first_urgent_served_wall")),
         "all_arrived": since(new.get("all_arrived_wall")),
-        # old owner: its outgoing state left the cache (ready to go); new owner: it ran the
-        # records that waited for state (from, to; how many, the oldest's age at the start)
+        # old owner: its outgoing state left the cache (ready to go)
         "ready": since(old.get("ready_wall")),
-        "first_release": since(new.get("first_release_wall")),
-        "first_drained": since(new.get("first_drained_wall")),
-        "first_release_rows": new.get("first_release_rows"),
-        "first_release_age_ms": new.get("first_release_age_ms"),
         "finished": [since(st.get("finished_wall")) for st in stats],
         "done": since(end),
         "fetch_calls": new.get("fetch_calls"),

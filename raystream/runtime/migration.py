@@ -256,7 +256,8 @@ class MigrationTask:
     ready_wall: float | None = None
     # new owner: when it first ran released records, how many ran before it went back to its
     # inputs (the backlog that waited for state), how old the oldest of them was (ms since its
-    # ingest) and when that backlog was done
+    # ingest) and when that backlog was done (set after the task is done: in the instance's
+    # final metrics, not in the move's record)
     first_release_wall: float | None = None
     first_release_rows: int = 0
     first_release_age_ms: float | None = None
