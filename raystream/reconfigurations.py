@@ -364,7 +364,7 @@ class Reconfigurations:
         peers = {i: self.handles[self._at(step, i)] for i in range(p)}
         base = {"epoch": epoch, "policy": policy, "incoming": {}, "outgoing": [], "heat": {}}
         tasks = {i: dict(base) for i in range(p)}
-        tasks[index] = {**base, "outgoing": groups}
+        tasks[index] = {**base, "outgoing": groups, "by_files": by_files}
         arriving = {**base, "incoming": dict.fromkeys(groups, index)}
         arriving["owner_ids"] = {index: old_iid[1]}  # its channels downstream (see AfterFences)
         arriving["heat"] = {g: float(heat[g]) for g in groups}

@@ -193,6 +193,7 @@ class InstanceEndpoint:
                 outgoing=set(task["outgoing"]),
                 heat=dict(task.get("heat", {})),
                 owner_ids=dict(task.get("owner_ids", {})),
+                by_files=bool(task.get("by_files", False)),
             ),
             fetch,
         )

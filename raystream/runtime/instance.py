@@ -301,6 +301,8 @@ class OperatorInstance:
         # a new owner's migration task whose AfterFences mark is still to go out (see _emit)
         self._after_fences: MigrationTask | None = None
         self.after_fences_sent = 0  # AfterFences marks sent (one per take-over)
+        # channels to moved-away instances, still to be acknowledged (see _redirect)
+        self._retiring: list[asyncio.Future[None]] = []
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
@@ -556,7 +558,9 @@ class OperatorInstance:
         await old.flush()
         await old.push(barrier)
         await old.push(EndOfStream())
-        await old.drain()
+        # acknowledged in the background: the old instance's loop is busy at its seal, and
+        # waiting for it here held every output of this instance (the new actor's barrier too)
+        self._retiring.append(asyncio.ensure_future(old.drain()))
         self._unconnected.discard(to)
         channels[index] = self._channel_to(to)
         if self._wm_sent > WATERMARK_MIN:  # the new instance catches up
@@ -1291,7 +1295,14 @@ class OperatorInstance:
         for _, channels in self.outputs:
             for c in channels:
                 await c.drain()
+        await self._drain_retired()
         await self._end_unconnected()
+
+    async def _drain_retired(self) -> None:
+        """Wait for the acknowledgements of channels a move retired (see :meth:`_redirect`)."""
+        retiring, self._retiring = self._retiring, []
+        for drained in retiring:
+            await drained
 
 
 def _first_release(task: Any, released: list[pa.RecordBatch]) -> Any:

@@ -202,6 +202,10 @@ class MigrationTask:
     fenced: asyncio.Event = field(default_factory=asyncio.Event)
     fence_ms: float | None = None  # milliseconds sending the fences took
     hands_out: bool = False  # sub-groups were to go out from here (``outgoing`` empties)
+    # old owner of a move by files (raystream.runtime.move_files): its whole state goes as
+    # RocksDB files and the rows changed since, read through its cache, which is then dropped
+    # (nothing is evicted at the seal)
+    by_files: bool = False
     # old owner: sealed, fenced and the outgoing sub-groups evicted: state may go out (set on
     # the instance's loop, read by the serving loop, which may run in another thread)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -519,7 +523,7 @@ class MigrationEngine:
         and the serving loop may read them."""
         if task.ready.is_set() or self.task is not task:
             return
-        if task.outgoing:
+        if task.outgoing and not task.by_files:
             self.backend.evict_sub_groups(divmod(g, self.sub_groups) for g in task.outgoing)
         task.evicted = True
         task.ready_wall = time.time()
