@@ -133,11 +133,14 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     # fence (sent before the seal) goes round downstream; a row written after this (none is
     # expected) is read again below
     t0 = time.monotonic()
+    cpu0 = time.thread_time()
     backend._write_pending(None)  # noqa: SLF001 - timers held in memory: written (and tracked)
     early = backend.take_tracked()
     backend.track_writes()
     changes = _changes_chunk(backend, early)
     early_ms = round((time.monotonic() - t0) * 1000, 1)
+    # this thread's CPU time in it: far below changes_ms, the thread waited (GIL, scheduler)
+    early_cpu_ms = round((time.thread_time() - cpu0) * 1000, 1)
     t_fence = time.monotonic()
     await task.fenced.wait()
     fence_wait_ms = round((time.monotonic() - t_fence) * 1000, 1)
@@ -171,6 +174,7 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
         "changes_ms": round(early_ms + (time.monotonic() - t1) * 1000, 1),
         "fence_wait_ms": fence_wait_ms,  # after the rows were read, until the fence came back
         "woke_ms": woke_ms,
+        "changes_cpu_ms": early_cpu_ms,
         "late_rows": len(late),
         "handed_wall": time.time(),
     }
@@ -353,6 +357,7 @@ class FilesTakeOver:
                 "fence_wait_ms": got.get("fence_wait_ms"),
                 "late_rows": got.get("late_rows"),
                 "woke_ms": got.get("woke_ms"),
+                "changes_cpu_ms": got.get("changes_cpu_ms"),
                 # from the old instance's answer to its arrival here (the call's return path)
                 "answer_in_ms": round((received_wall - got["handed_wall"]) * 1000, 1),
                 "changed_rows": changes.num_rows,
