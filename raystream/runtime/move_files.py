@@ -99,6 +99,25 @@ async def copy_files(inst: Any, epoch: int) -> dict[str, Any]:
     }
 
 
+def _compactions(backend: Any) -> dict[str, int | None]:
+    """RocksDB's compactions running now and files in its level 0 (they take CPU beside the
+    job: a move's window is read against them)."""
+    db = backend._db  # noqa: SLF001
+
+    def prop(name: str) -> int | None:
+        try:
+            v = db.property_value(name)
+        except Exception:  # noqa: BLE001 - a diagnostic only
+            return None
+        return int(v) if v not in (None, "") else None
+
+    return {
+        "running": prop("rocksdb.num-running-compactions"),
+        "pending_bytes": prop("rocksdb.estimate-pending-compaction-bytes"),
+        "l0_files": prop("rocksdb.num-files-at-level0"),
+    }
+
+
 def _changes_chunk(backend: Any, keys: list[bytes]) -> pa.RecordBatch:
     """The current value of each key (null: deleted), as a state chunk."""
     values = backend.multi_get(keys)
@@ -132,6 +151,7 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     # sealed: no record changes this state any more, so the changed rows are read now, while the
     # fence (sent before the seal) goes round downstream; a row written after this (none is
     # expected) is read again below
+    compacting = _compactions(backend)
     t0 = time.monotonic()
     cpu0 = time.thread_time()
     backend._write_pending(None)  # noqa: SLF001 - timers held in memory: written (and tracked)
@@ -175,6 +195,7 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
         "fence_wait_ms": fence_wait_ms,  # after the rows were read, until the fence came back
         "woke_ms": woke_ms,
         "changes_cpu_ms": early_cpu_ms,
+        "compactions_at_seal": compacting,
         "late_rows": len(late),
         "handed_wall": time.time(),
     }
@@ -278,6 +299,7 @@ class FilesTakeOver:
             "file_bytes": sum(size for _, size in got["files"]),
             "pulled_bytes": pulled,
             "same_node": same_node,
+            "compactions_at_open": _compactions(fresh),
         }
         return dict(self.stats)
 
@@ -358,6 +380,8 @@ class FilesTakeOver:
                 "late_rows": got.get("late_rows"),
                 "woke_ms": got.get("woke_ms"),
                 "changes_cpu_ms": got.get("changes_cpu_ms"),
+                "old_compactions_at_seal": got.get("compactions_at_seal"),
+                "compactions_at_hand_over": _compactions(backend),
                 # from the old instance's answer to its arrival here (the call's return path)
                 "answer_in_ms": round((received_wall - got["handed_wall"]) * 1000, 1),
                 "changed_rows": changes.num_rows,
