@@ -283,11 +283,13 @@ class InstanceEndpoint:
 
         return take_changes(self._instance)
 
-    async def catch_up(self) -> dict[str, Any]:
-        """New instance of a move, before its barrier: the rows changed since the copy."""
+    async def catch_up(self, rounds: int | None = None) -> dict[str, Any]:
+        """New instance of a move, before its barrier: the rows changed since the copy (or the
+        last round), in up to ``rounds`` rounds (default: ``move_files.CATCH_UP_ROUNDS``)."""
         take_over, old = self._take_over
         return await take_over.catch_up(
-            lambda: asyncio.wrap_future(old.take_changes.remote().future())
+            lambda: asyncio.wrap_future(old.take_changes.remote().future()),
+            **({"rounds": rounds} if rounds is not None else {}),
         )
 
     async def finish_take_over(self, epoch: int) -> dict[str, Any]:
