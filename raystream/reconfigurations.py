@@ -373,13 +373,6 @@ class Reconfigurations:
             *(peers[i].prepare_migration.remote(tasks[i], peers) for i in range(p)),
             handle.prepare_migration.remote(arriving, peers),
         )
-        if by_files and files is not None:
-            # one more round, as late as can be: fewer rows wait for the seal (if it fails,
-            # they all come at the seal)
-            try:
-                files.update(await handle.catch_up.remote(1))
-            except Exception as e:  # noqa: BLE001 - recorded; the seal carries the rows
-                files["late_catch_up_error"] = f"{type(e).__name__}: {e}"
         # by files: waits until the old instance sealed, then takes the rows changed since
         files_call = handle.finish_take_over.remote(epoch) if by_files else None
         payload = {

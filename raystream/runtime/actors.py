@@ -283,13 +283,11 @@ class InstanceEndpoint:
 
         return take_changes(self._instance)
 
-    async def catch_up(self, rounds: int | None = None) -> dict[str, Any]:
-        """New instance of a move, before its barrier: the rows changed since the copy (or the
-        last round), in up to ``rounds`` rounds (default: ``move_files.CATCH_UP_ROUNDS``)."""
+    async def catch_up(self) -> dict[str, Any]:
+        """New instance of a move, before its barrier: the rows changed since the copy."""
         take_over, old = self._take_over
         return await take_over.catch_up(
-            lambda: asyncio.wrap_future(old.take_changes.remote().future()),
-            **({"rounds": rounds} if rounds is not None else {}),
+            lambda: asyncio.wrap_future(old.take_changes.remote().future())
         )
 
     async def finish_take_over(self, epoch: int) -> dict[str, Any]:

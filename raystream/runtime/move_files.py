@@ -325,14 +325,15 @@ class FilesTakeOver:
         (each brings what was written during the one before) until a round is smaller than
         ``small_bytes`` or ``rounds`` were made; what is written after the last round comes
         at the seal (:meth:`finish`), so records wait only for that."""
-        sizes = self.stats.setdefault("catch_up_bytes", [])  # a later call adds its rounds
+        sizes = []
         for _ in range(rounds):
             changes = await take()
             self._apply(changes)
             sizes.append(changes.nbytes)
             if changes.nbytes < small_bytes:
                 break
-        return {"catch_up_bytes": list(sizes)}
+        self.stats["catch_up_bytes"] = sizes
+        return {"catch_up_bytes": sizes}
 
     async def finish(self, hand_over: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         """Once the old instance sealed (``hand_over`` answers then): write the rows it changed
