@@ -157,7 +157,11 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     backend._write_pending(None)  # noqa: SLF001 - timers held in memory: written (and tracked)
     early = backend.take_tracked()
     backend.track_writes()
+    reads0, t_read = backend.db_reads, time.monotonic()
     changes = _changes_chunk(backend, early)
+    # of which reading the rows (those not in the cache come from RocksDB)
+    read_ms = round((time.monotonic() - t_read) * 1000, 1)
+    db_reads = backend.db_reads - reads0
     early_ms = round((time.monotonic() - t0) * 1000, 1)
     # this thread's CPU time in it: far below changes_ms, the thread waited (GIL, scheduler)
     early_cpu_ms = round((time.thread_time() - cpu0) * 1000, 1)
@@ -195,6 +199,8 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
         "fence_wait_ms": fence_wait_ms,  # after the rows were read, until the fence came back
         "woke_ms": woke_ms,
         "changes_cpu_ms": early_cpu_ms,
+        "changes_read_ms": read_ms,
+        "changes_db_reads": db_reads,
         "compactions_at_seal": compacting,
         "late_rows": len(late),
         "handed_wall": time.time(),
@@ -380,6 +386,8 @@ class FilesTakeOver:
                 "late_rows": got.get("late_rows"),
                 "woke_ms": got.get("woke_ms"),
                 "changes_cpu_ms": got.get("changes_cpu_ms"),
+                "changes_read_ms": got.get("changes_read_ms"),
+                "changes_db_reads": got.get("changes_db_reads"),
                 "old_compactions_at_seal": got.get("compactions_at_seal"),
                 "compactions_at_hand_over": _compactions(backend),
                 # from the old instance's answer to its arrival here (the call's return path)
