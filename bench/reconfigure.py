@@ -32,6 +32,7 @@ count of the same seeded generator's stream; if they differ it writes nothing an
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -330,6 +331,7 @@ def main(
     duration_s = every_s * (len(changes) + 1) + AFTER_S + window_s + 5.0
     events = int(rate * duration_s)
     gen = rs.sources.generator(events=events, keys=keys, zipf=zipf, seed=seed, rate_eps=rate)
+    load_before = [round(x, 2) for x in os.getloadavg()]  # the machine's, 1/5/15 min
     started = _connect_ray()
     _pickle_by_value(("bench.keycount", "bench._latest", "bench._payload", "bench.reconfigure"))
     state_dir = None
@@ -418,6 +420,8 @@ def main(
                 "inserted": inserted,
                 "change_spares": change_spares,
                 "nodes": len({m.get("node_id") for m in result.metrics if m.get("node_id")}),
+                # the machine's load average (1, 5, 15 min) before the job and after it
+                "load_average": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
             },
             "exact": True,
             "elapsed_s": round(float(result.elapsed_s), 3),
