@@ -421,7 +421,10 @@ def main(
                 "change_spares": change_spares,
                 "nodes": len({m.get("node_id") for m in result.metrics if m.get("node_id")}),
                 # the machine's load average (1, 5, 15 min) before the job and after it
-                "load_average": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
+                "load_average": {
+                    "before": load_before,
+                    "after": [round(x, 2) for x in os.getloadavg()],
+                },
             },
             "exact": True,
             "elapsed_s": round(float(result.elapsed_s), 3),
