@@ -153,7 +153,7 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     # expected) is read again below
     compacting = _compactions(backend)
     t0 = time.monotonic()
-    cpu0 = time.thread_time()
+    cpu0, pcpu0 = time.thread_time(), time.process_time()
     backend._write_pending(None)  # noqa: SLF001 - timers held in memory: written (and tracked)
     early = backend.take_tracked()
     backend.track_writes()
@@ -165,6 +165,8 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     early_ms = round((time.monotonic() - t0) * 1000, 1)
     # this thread's CPU time in it: far below changes_ms, the thread waited (GIL, scheduler)
     early_cpu_ms = round((time.thread_time() - cpu0) * 1000, 1)
+    # and every thread's of this process: far above the thread's, another thread ran meanwhile
+    early_process_cpu_ms = round((time.process_time() - pcpu0) * 1000, 1)
     t_fence = time.monotonic()
     await task.fenced.wait()
     fence_wait_ms = round((time.monotonic() - t_fence) * 1000, 1)
@@ -200,6 +202,7 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
         "woke_ms": woke_ms,
         "changes_cpu_ms": early_cpu_ms,
         "changes_read_ms": read_ms,
+        "changes_process_cpu_ms": early_process_cpu_ms,
         "changes_db_reads": db_reads,
         "compactions_at_seal": compacting,
         "late_rows": len(late),
@@ -387,6 +390,7 @@ class FilesTakeOver:
                 "woke_ms": got.get("woke_ms"),
                 "changes_cpu_ms": got.get("changes_cpu_ms"),
                 "changes_read_ms": got.get("changes_read_ms"),
+                "changes_process_cpu_ms": got.get("changes_process_cpu_ms"),
                 "changes_db_reads": got.get("changes_db_reads"),
                 "old_compactions_at_seal": got.get("compactions_at_seal"),
                 "compactions_at_hand_over": _compactions(backend),
