@@ -155,6 +155,7 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     t0 = time.monotonic()
     cpu0, pcpu0 = time.thread_time(), time.process_time()
     backend._write_pending(None)  # noqa: SLF001 - timers held in memory: written (and tracked)
+    t_pending = time.monotonic()
     early = backend.take_tracked()
     backend.track_writes()
     reads0, t_read = backend.db_reads, time.monotonic()
@@ -202,6 +203,9 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
         "woke_ms": woke_ms,
         "changes_cpu_ms": early_cpu_ms,
         "changes_read_ms": read_ms,
+        # of which writing the rows held in memory (timers, resident states), and taking the keys
+        "changes_pending_ms": round((t_pending - t0) * 1000, 1),
+        "changes_keys_ms": round((t_read - t_pending) * 1000, 1),
         "changes_process_cpu_ms": early_process_cpu_ms,
         "changes_db_reads": db_reads,
         "compactions_at_seal": compacting,
@@ -390,6 +394,8 @@ class FilesTakeOver:
                 "woke_ms": got.get("woke_ms"),
                 "changes_cpu_ms": got.get("changes_cpu_ms"),
                 "changes_read_ms": got.get("changes_read_ms"),
+                "changes_pending_ms": got.get("changes_pending_ms"),
+                "changes_keys_ms": got.get("changes_keys_ms"),
                 "changes_process_cpu_ms": got.get("changes_process_cpu_ms"),
                 "changes_db_reads": got.get("changes_db_reads"),
                 "old_compactions_at_seal": got.get("compactions_at_seal"),
