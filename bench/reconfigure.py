@@ -32,6 +32,7 @@ count of the same seeded generator's stream; if they differ it writes nothing an
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -50,7 +51,7 @@ from bench._report import LATENCY_WEIGHTING, write_json
 from bench.compare_strategies import count_mismatch, independent_counts
 from bench.keycount import SINK, STEP, _connect_ray, _pickle_by_value, keycount_flow
 
-__all__ = ["CHANGES", "change_spans", "passthrough", "refill_span"]
+__all__ = ["CHANGES", "change_spans", "new_owner_backlog", "passthrough", "refill_span"]
 
 CHANGES = ("replace", "insert", "remove", "move")
 AFTER_S = 2.0  # the "during" span ends this long after a change (as the controller's records)
@@ -137,6 +138,34 @@ def refill_span(lat: rs.metrics.LatencyRecorder, refill: dict[str, Any]) -> dict
     end = start + float(sum(refill["process_starts_s"])) + 1.0
     s = lat.summary_between(start, end)
     return {**refill, "to_s": round(end, 3), "p99_ms": s["p99_ms"], "max_ms": s["max_ms"]}
+
+
+def new_owner_backlog(
+    metrics: list[dict[str, Any]], record: dict[str, Any], origin_s: float
+) -> dict[str, Any]:
+    """A move's new owner, from its final metrics: when it first ran the records that waited
+    for the moved state and when that backlog was done (seconds from the move's start), how
+    many rows, and how old the oldest was then (ms since its ingest). Empty for other changes."""
+    if record.get("kind") != "move" or not record.get("instance"):
+        return {}
+    step, index = record["instance"]
+    m = next((m for m in metrics if m.get("step") == step and m.get("index") == index), None)
+    mig = (m or {}).get("migration") or {}
+    if mig.get("first_release_wall") is None:
+        return {}
+    start = origin_s + float(record["start_s"])
+
+    def since(wall: float | None) -> float | None:
+        return None if wall is None else round(wall - start, 3)
+
+    return {
+        "new_owner_backlog": {
+            "first_release": since(mig["first_release_wall"]),
+            "drained": since(mig.get("first_drained_wall")),
+            "rows": mig.get("first_release_rows"),
+            "oldest_age_ms": mig.get("first_release_age_ms"),
+        }
+    }
 
 
 def _drive(
@@ -302,6 +331,7 @@ def main(
     duration_s = every_s * (len(changes) + 1) + AFTER_S + window_s + 5.0
     events = int(rate * duration_s)
     gen = rs.sources.generator(events=events, keys=keys, zipf=zipf, seed=seed, rate_eps=rate)
+    load_before = [round(x, 2) for x in os.getloadavg()]  # the machine's, 1/5/15 min
     started = _connect_ray()
     _pickle_by_value(("bench.keycount", "bench._latest", "bench._payload", "bench.reconfigure"))
     state_dir = None
@@ -346,6 +376,7 @@ def main(
             )
             sys.exit(1)
         lat = result.latency() or rs.metrics.LatencyRecorder(result.origin_ns)
+        origin_s = result.origin_ns / 1e9
         total = lat.summary()
         changes = []
         for rec in log:
@@ -362,6 +393,7 @@ def main(
                     "change": rec["change"],
                     "graph_version": rec["graph_version"],
                     **change_spans(lat, rec, window_s),
+                    **new_owner_backlog(result.metrics, rec, origin_s),
                 }
             )
         data = {
@@ -388,6 +420,11 @@ def main(
                 "inserted": inserted,
                 "change_spares": change_spares,
                 "nodes": len({m.get("node_id") for m in result.metrics if m.get("node_id")}),
+                # the machine's load average (1, 5, 15 min) before the job and after it
+                "load_average": {
+                    "before": load_before,
+                    "after": [round(x, 2) for x in os.getloadavg()],
+                },
             },
             "exact": True,
             "elapsed_s": round(float(result.elapsed_s), 3),

@@ -10,7 +10,8 @@ number of runs, and the median, min and max over them of the change's duration, 
 before it, its peak (max sink latency from its start to 2 s after its end), the peak over the
 steady p99, and how many runs were within 2x; for sets with warm spares, the same for the peak
 while the spares were refilled (``spare_refills`` other than the job's start) over the steady
-p99 before the change that used them.
+p99 before the change that used them. For moves, also the window at the barrier broken down
+(``move_window``: see :func:`move_window`; fields a report does not have are null).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from bench._report import write_json
 
-__all__ = ["summarise"]
+__all__ = ["move_window", "summarise"]
 
 
 def _stats(values: list[float]) -> dict[str, Any]:
@@ -66,6 +67,9 @@ def summarise(reports: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_over_steady_p99": _stats(ratios),
             "within_2x": sum(1 for r in ratios if r is not None and r <= 2.0),
         }
+    moves = [c for c in kinds.get("move", []) if c.get("phases_s")]
+    if moves:
+        out["move_window"] = move_window(moves)
     if refills:
         out["spare_refill"] = {
             "runs": len(refills),
@@ -73,6 +77,47 @@ def summarise(reports: list[dict[str, Any]]) -> dict[str, Any]:
             "within_2x": sum(1 for r in refills if r <= 2.0),
         }
     return out
+
+
+def _ms_between(phases: dict[str, Any], a: str, b: str) -> float | None:
+    """Milliseconds from phase ``a`` to phase ``b`` of a move (None if either is missing)."""
+    if phases.get(a) is None or phases.get(b) is None:
+        return None
+    return round((float(phases[b]) - float(phases[a])) * 1000, 1)
+
+
+def move_window(moves: list[dict[str, Any]]) -> dict[str, Any]:
+    """The moves' window at the barrier, median (min-max) over runs, in ms: the barrier's way to
+    the new actor (from its injection; from the old actor's seal, where a sender waited for the
+    old actor's acknowledgement before), the seal until the new actor had the rows changed since
+    the last catch-up round (those rows: how many, the old actor's wall and CPU time reading
+    them, the answer's way back), then until the new actor ran the records that waited, how
+    many and how old the oldest was then."""
+    rows: dict[str, list[Any]] = {}
+
+    def add(name: str, value: Any) -> None:
+        rows.setdefault(name, []).append(value)
+
+    for c in moves:
+        ph, files = c["phases_s"], c.get("files") or {}
+        backlog = c.get("new_owner_backlog") or {}
+        add("barrier_to_new_switch_ms", _ms_between(ph, "barrier_injected", "switched"))
+        add("seal_to_new_switch_ms", _ms_between(ph, "sealed", "switched"))
+        add("seal_to_state_in_ms", _ms_between(ph, "sealed", "all_arrived"))
+        add("changed_rows_at_seal", files.get("changed_rows"))
+        add("reading_them_ms", files.get("changes_ms"))
+        add("reading_them_cpu_ms", files.get("changes_cpu_ms"))
+        add("answer_in_ms", files.get("answer_in_ms"))
+        first = backlog.get("first_release")
+        arrived = ph.get("all_arrived")
+        add(
+            "state_in_to_first_release_ms",
+            None if first is None or arrived is None else round((first - arrived) * 1000, 1),
+        )
+        add("first_release_rows", backlog.get("rows"))
+        add("oldest_waiting_record_ms", backlog.get("oldest_age_ms"))
+        add("record_wait_p50_ms", (ph.get("record_wait_ms") or {}).get("p50"))
+    return {k: _stats(v) for k, v in rows.items()}
 
 
 @click.command()
@@ -89,6 +134,10 @@ def main(sets: tuple[str, ...], report: Path | None) -> None:
         reports = [json.loads(Path(f).read_text()) for f in files]
         data["sets"][label] = {"files": files, "changes": summarise(reports)}
         for kind, st in data["sets"][label]["changes"].items():
+            if kind == "move_window":
+                parts = [f"{k} {v['median']} ({v['min']}-{v['max']})" for k, v in st.items()]
+                click.echo(f"{label:10} move window: " + ", ".join(parts))
+                continue
             r = st["peak_over_steady_p99"]
             d = st.get("duration_s", {})
             click.echo(

@@ -336,6 +336,12 @@ class Reconfigurations:
             *(self.handles[u].add_receivers.remote({new_iid: handle}) for u in upstream)
         )
         self._run(new_iid)
+        # connections opened now, not by the barrier's push to the new actor and its first
+        # output downstream (each waited ~50 ms on a busy node, records queued behind it)
+        await asyncio.gather(
+            handle.warm.remote(list(self._receivers_of(new_iid))),
+            *(self.handles[u].warm.remote([new_iid]) for u in upstream),
+        )
         files: dict[str, Any] | None = None
         if by_files:
             # the old instance's files copied and opened there, then the rows it changed since
@@ -358,7 +364,7 @@ class Reconfigurations:
         peers = {i: self.handles[self._at(step, i)] for i in range(p)}
         base = {"epoch": epoch, "policy": policy, "incoming": {}, "outgoing": [], "heat": {}}
         tasks = {i: dict(base) for i in range(p)}
-        tasks[index] = {**base, "outgoing": groups}
+        tasks[index] = {**base, "outgoing": groups, "by_files": by_files}
         arriving = {**base, "incoming": dict.fromkeys(groups, index)}
         arriving["owner_ids"] = {index: old_iid[1]}  # its channels downstream (see AfterFences)
         arriving["heat"] = {g: float(heat[g]) for g in groups}
@@ -525,6 +531,8 @@ def _move_phases(
         "sealed": since(old.get("sealed_wall")),
         "first_on_demand_served": since(old.get("first_urgent_served_wall")),
         "all_arrived": since(new.get("all_arrived_wall")),
+        # old owner: its outgoing state left the cache (ready to go)
+        "ready": since(old.get("ready_wall")),
         "finished": [since(st.get("finished_wall")) for st in stats],
         "done": since(end),
         "fetch_calls": new.get("fetch_calls"),

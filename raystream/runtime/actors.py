@@ -184,6 +184,14 @@ class InstanceEndpoint:
         self._receivers.update(receivers)
         await self._instance.add_receivers(list(receivers))
 
+    async def warm(self, receivers: list[ChannelId]) -> None:
+        """Open the way to these receivers now, one ping each: the first call from this process
+        to a new actor waits for its address and a connection, and records queued behind a
+        move's or rescale's first push to it would wait for that too."""
+        await asyncio.gather(
+            *(self._receivers[r].ping.remote() for r in receivers if r in self._receivers)
+        )
+
     async def add_inputs(self, channels: list[ChannelId]) -> None:
         await self._instance.add_inputs(channels)
 
@@ -205,6 +213,7 @@ class InstanceEndpoint:
                 outgoing=set(task["outgoing"]),
                 heat=dict(task.get("heat", {})),
                 owner_ids=dict(task.get("owner_ids", {})),
+                by_files=bool(task.get("by_files", False)),
             ),
             fetch,
         )

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from raystream.dataflow import KeySpec, Step
 from raystream.direct import DirectSequencer
@@ -307,6 +308,8 @@ class OperatorInstance:
         self._direct_ready = asyncio.Event()  # the source loop started: direct set (or not)
         self._direct_rows = 0  # rows reserved ...
         self._direct_event_max: int | None = None  # ... and their newest event time
+        # channels to moved-away instances, still to be acknowledged (see _redirect)
+        self._retiring: list[asyncio.Future[None]] = []
 
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
@@ -562,7 +565,9 @@ class OperatorInstance:
         await old.flush()
         await old.push(barrier)
         await old.push(EndOfStream())
-        await old.drain()
+        # acknowledged in the background: the old instance's loop is busy at its seal, and
+        # waiting for it here held every output of this instance (the new actor's barrier too)
+        self._retiring.append(asyncio.ensure_future(old.drain()))
         self._unconnected.discard(to)
         channels[index] = self._channel_to(to)
         if self._wm_sent > WATERMARK_MIN:  # the new instance catches up
@@ -981,10 +986,13 @@ class OperatorInstance:
             engine.handed_in_rows = 0
         released = engine.take_released()
         if released:
+            first = _first_release(engine.task, released)
             with self.metrics.busy():
                 queue = collections.deque(released)
                 while queue:
                     piece = queue.popleft()
+                    if first is not None:
+                        first.first_release_rows += piece.num_rows
                     # in slices: a backlog handed over with the state can be seconds of work,
                     # and calls (pushes, fetches, the controller's) are answered in between
                     start = 0
@@ -1004,6 +1012,8 @@ class OperatorInstance:
                         queue.extend(engine.take_released())
                 if self._wm_sent > WATERMARK_MIN:  # due timers of arrived sub-groups
                     await self._emit(self.processor.on_watermark(self._wm_sent))
+            if first is not None:
+                first.first_drained_wall = time.time()
         if self._wm_deferred is not None and not engine.holds_watermark:
             w, self._wm_deferred = self._wm_deferred, None
             await self._on_watermark(w)
@@ -1379,7 +1389,30 @@ class OperatorInstance:
         for _, channels in self.outputs:
             for c in channels:
                 await c.drain()
+        await self._drain_retired()
         await self._end_unconnected()
+
+    async def _drain_retired(self) -> None:
+        """Wait for the acknowledgements of channels a move retired (see :meth:`_redirect`)."""
+        retiring, self._retiring = self._retiring, []
+        for drained in retiring:
+            await drained
+
+
+def _first_release(task: Any, released: list[pa.RecordBatch]) -> Any:
+    """The task, if these are the first records it releases here (their timing is recorded on
+    it: when, and the age of the oldest since its ingest); else None."""
+    if task is None or task.first_release_wall is not None:
+        return None
+    now = time.time()
+    task.first_release_wall = now
+    stamps = [
+        pc.min(b.column(INGEST_TS)).as_py() for b in released if INGEST_TS in b.schema.names
+    ]
+    stamps = [t for t in stamps if t is not None]
+    if stamps:
+        task.first_release_age_ms = round((now * 1e9 - min(stamps)) / 1e6, 1)
+    return task
 
 
 async def _let_calls_in() -> None:

@@ -202,6 +202,10 @@ class MigrationTask:
     fenced: asyncio.Event = field(default_factory=asyncio.Event)
     fence_ms: float | None = None  # milliseconds sending the fences took
     hands_out: bool = False  # sub-groups were to go out from here (``outgoing`` empties)
+    # old owner of a move by files (raystream.runtime.move_files): its whole state goes as
+    # RocksDB files and the rows changed since, read through its cache, which is then dropped
+    # (nothing is evicted at the seal)
+    by_files: bool = False
     # old owner: sealed, fenced and the outgoing sub-groups evicted: state may go out (set on
     # the instance's loop, read by the serving loop, which may run in another thread)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -254,6 +258,14 @@ class MigrationTask:
     finished_wall: float | None = None
     # old owner: sealed, fenced and evicted: from then on it hands out state
     ready_wall: float | None = None
+    # new owner: when it first ran released records, how many ran before it went back to its
+    # inputs (the backlog that waited for state), how old the oldest of them was (ms since its
+    # ingest) and when that backlog was done (set after the task is done: in the instance's
+    # final metrics, not in the move's record)
+    first_release_wall: float | None = None
+    first_release_rows: int = 0
+    first_release_age_ms: float | None = None
+    first_drained_wall: float | None = None
     # new owner, per old owner: state bytes taken in and when its last chunk arrived
     pair_bytes_in: dict[int, int] = field(default_factory=dict)
     pair_last_in_wall: dict[int, float] = field(default_factory=dict)
@@ -511,7 +523,7 @@ class MigrationEngine:
         and the serving loop may read them."""
         if task.ready.is_set() or self.task is not task:
             return
-        if task.outgoing:
+        if task.outgoing and not task.by_files:
             self.backend.evict_sub_groups(divmod(g, self.sub_groups) for g in task.outgoing)
         task.evicted = True
         task.ready_wall = time.time()
@@ -954,6 +966,10 @@ class MigrationEngine:
             "first_urgent_served_wall": t.first_urgent_served_wall,
             "all_arrived_wall": t.all_arrived_wall,
             "ready_wall": t.ready_wall,
+            "first_release_wall": t.first_release_wall,
+            "first_release_rows": t.first_release_rows,
+            "first_release_age_ms": t.first_release_age_ms,
+            "first_drained_wall": t.first_drained_wall,
             "pair_bytes_in": dict(t.pair_bytes_in),
             "pair_last_in_wall": dict(t.pair_last_in_wall),
             "fetch_log": list(t.fetch_log),

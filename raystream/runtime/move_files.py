@@ -57,6 +57,8 @@ PIECE_BYTES = 8 << 20  # a file pulled from another node comes in pieces of this
 # smaller than this (or this many were made): only what follows waits at the barrier
 CATCH_UP_ROUNDS = 4
 CATCH_UP_BYTES = 512 << 10
+# the old instance frees its cache this long after its hand-over answered (off the move's path)
+FREE_CACHE_AFTER_S = 1.0
 
 
 def _handoff_dir(backend_path: Path, epoch: int) -> Path:
@@ -99,6 +101,25 @@ async def copy_files(inst: Any, epoch: int) -> dict[str, Any]:
     }
 
 
+def _compactions(backend: Any) -> dict[str, int | None]:
+    """RocksDB's compactions running now and files in its level 0 (they take CPU beside the
+    job: a move's window is read against them)."""
+    db = backend._db  # noqa: SLF001
+
+    def prop(name: str) -> int | None:
+        try:
+            v = db.property_value(name)
+        except Exception:  # noqa: BLE001 - a diagnostic only
+            return None
+        return int(v) if v not in (None, "") else None
+
+    return {
+        "running": prop("rocksdb.num-running-compactions"),
+        "pending_bytes": prop("rocksdb.estimate-pending-compaction-bytes"),
+        "l0_files": prop("rocksdb.num-files-at-level0"),
+    }
+
+
 def _changes_chunk(backend: Any, keys: list[bytes]) -> pa.RecordBatch:
     """The current value of each key (null: deleted), as a state chunk."""
     values = backend.multi_get(keys)
@@ -126,16 +147,29 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     move is done."""
     engine, task = _whole(inst, epoch)
     await task.sealed.wait()
+    # from the seal until this call went on (the seal's eviction and the loop's other work)
+    woke_ms = round((time.time() - (task.sealed_wall or time.time())) * 1000, 1)
     backend = inst.processor.backend
     # sealed: no record changes this state any more, so the changed rows are read now, while the
     # fence (sent before the seal) goes round downstream; a row written after this (none is
     # expected) is read again below
+    compacting = _compactions(backend)
     t0 = time.monotonic()
+    cpu0, pcpu0 = time.thread_time(), time.process_time()
     backend._write_pending(None)  # noqa: SLF001 - timers held in memory: written (and tracked)
+    t_pending = time.monotonic()
     early = backend.take_tracked()
     backend.track_writes()
+    reads0, t_read = backend.db_reads, time.monotonic()
     changes = _changes_chunk(backend, early)
+    # of which reading the rows (those not in the cache come from RocksDB)
+    read_ms = round((time.monotonic() - t_read) * 1000, 1)
+    db_reads = backend.db_reads - reads0
     early_ms = round((time.monotonic() - t0) * 1000, 1)
+    # this thread's CPU time in it: far below changes_ms, the thread waited (GIL, scheduler)
+    early_cpu_ms = round((time.thread_time() - cpu0) * 1000, 1)
+    # and every thread's of this process: far above the thread's, another thread ran meanwhile
+    early_process_cpu_ms = round((time.process_time() - pcpu0) * 1000, 1)
     t_fence = time.monotonic()
     await task.fenced.wait()
     fence_wait_ms = round((time.monotonic() - t_fence) * 1000, 1)
@@ -151,7 +185,13 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     late = backend.take_tracked()
     if late:  # written between the seal and the fence: every changed row read again
         changes = _changes_chunk(backend, sorted(set(early) | set(late)))
-    backend.discard_cache()  # everything went: closing this instance writes none of it
+    # everything went: closing this instance writes none of it. The cache (the state of the
+    # hottest keys, tens of MB) is let go of after the answer went out: freeing it took the
+    # loop ~25 ms here, with every record of the moved instance waiting for this answer
+    cached, backend._cache = backend._cache, {}  # noqa: SLF001
+    dirty, backend._dirty = backend._dirty, {}  # noqa: SLF001
+    backend.discard_cache()
+    asyncio.get_running_loop().call_later(FREE_CACHE_AFTER_S, _free, cached, dirty)
     records = {g: list(pieces) for g, pieces in engine.handover.items()}
     # nothing is held or handed out here any more: the engine's part is done
     engine.handover = {}
@@ -168,9 +208,24 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
         # reading the changed rows: at the seal (while the fence went round), and after the fence
         "changes_ms": round(early_ms + (time.monotonic() - t1) * 1000, 1),
         "fence_wait_ms": fence_wait_ms,  # after the rows were read, until the fence came back
+        "woke_ms": woke_ms,
+        "changes_cpu_ms": early_cpu_ms,
+        "changes_read_ms": read_ms,
+        # of which writing the rows held in memory (timers, resident states), and taking the keys
+        "changes_pending_ms": round((t_pending - t0) * 1000, 1),
+        "changes_keys_ms": round((t_read - t_pending) * 1000, 1),
+        "changes_process_cpu_ms": early_process_cpu_ms,
+        "changes_db_reads": db_reads,
+        "compactions_at_seal": compacting,
         "late_rows": len(late),
         "handed_wall": time.time(),
     }
+
+
+def _free(*held: dict[Any, Any]) -> None:
+    """Let go of a handed-over instance's cache (see :func:`hand_over_changes`)."""
+    for d in held:
+        d.clear()
 
 
 def read_piece(directory: str, name: str, offset: int, size: int) -> bytes:
@@ -271,6 +326,7 @@ class FilesTakeOver:
             "file_bytes": sum(size for _, size in got["files"]),
             "pulled_bytes": pulled,
             "same_node": same_node,
+            "compactions_at_open": _compactions(fresh),
         }
         return dict(self.stats)
 
@@ -349,6 +405,15 @@ class FilesTakeOver:
                 "changes_ms": got["changes_ms"],
                 "fence_wait_ms": got.get("fence_wait_ms"),
                 "late_rows": got.get("late_rows"),
+                "woke_ms": got.get("woke_ms"),
+                "changes_cpu_ms": got.get("changes_cpu_ms"),
+                "changes_read_ms": got.get("changes_read_ms"),
+                "changes_pending_ms": got.get("changes_pending_ms"),
+                "changes_keys_ms": got.get("changes_keys_ms"),
+                "changes_process_cpu_ms": got.get("changes_process_cpu_ms"),
+                "changes_db_reads": got.get("changes_db_reads"),
+                "old_compactions_at_seal": got.get("compactions_at_seal"),
+                "compactions_at_hand_over": _compactions(backend),
                 # from the old instance's answer to its arrival here (the call's return path)
                 "answer_in_ms": round((received_wall - got["handed_wall"]) * 1000, 1),
                 "changed_rows": changes.num_rows,

@@ -237,6 +237,7 @@ def test_a_moves_phases_are_seconds_from_its_start_per_instance() -> None:
     t0 = 1_000.0
     old = {"sealed_wall": t0 + 2.0, "first_urgent_served_wall": t0 + 2.25, "chunks_out": 3}
     old["finished_wall"] = t0 + 2.5
+    old["ready_wall"] = t0 + 2.125
     peer = {"finished_wall": t0 + 1.75, "chunks_out": 0}
     new = {
         "activated_wall": t0 + 1.5,
@@ -253,6 +254,7 @@ def test_a_moves_phases_are_seconds_from_its_start_per_instance() -> None:
         "sealed": 2.0,
         "first_on_demand_served": 2.25,
         "all_arrived": 3.0,
+        "ready": 2.125,
         "finished": [1.75, 2.5, 3.25],
         "done": 3.5,
         "fetch_calls": 3,
