@@ -256,10 +256,17 @@ class DirectWriter:
         self.pushes = 0
         self.duplicate_pushes_lost = 0  # re-sent pieces whose receiver had retired (delivered)
 
-    def push(self, offset: int, batch: pa.RecordBatch) -> dict[str, int] | None:
+    def push(
+        self,
+        offset: int,
+        batch: pa.RecordBatch,
+        recut: Callable[[int, int], pa.RecordBatch] | None = None,
+    ) -> dict[str, int] | None:
         """Rows ``offset ..`` of the token (``batch`` sorted by key group, with its key-group
         column): accepted/duplicate rows, or None when the source takes no direct pushes (the
-        caller pushes the rows to it)."""
+        caller pushes the rows to it). ``recut(lo, hi)``: rows ``lo .. hi`` of this piece in
+        row order, sorted by key group (for a "split": an attempt that failed mid-partition
+        reserved a shorter piece at ``offset``; its rows go again under that reservation)."""
         import ray
 
         from raystream.presort import take_key_groups
@@ -303,6 +310,19 @@ class DirectWriter:
                 return None
             if status == "drop":
                 return {"accepted": 0, "duplicate": n}
+            if status == "split":
+                head = int(ans["rows"])
+                if recut is None or not 0 < head < n:
+                    msg = f"rows {offset}..{offset + n} of {self.token}: cannot cut at {head}"
+                    raise SourceError(msg)
+                first = self.push(offset, recut(0, head), recut)
+                rest = self.push(
+                    offset + head, recut(head, n), lambda lo, hi: recut(head + lo, head + hi)
+                )
+                if first is None or rest is None:  # the source took direct pushes a moment ago
+                    msg = f"source instance of {self.token} stopped taking direct pushes"
+                    raise SourceError(msg)
+                return {k: first[k] + rest[k] for k in ("accepted", "duplicate")}
             again = status == "again"
             assert stamped is not None and self.route is not None
             handles = ans["handles"] if again else [self.handles[i] for i, _ in pieces]

@@ -97,6 +97,7 @@ class IngestBuffer:
         self.rows_duplicate = 0
         # direct push: rows whose writer sent them to the keyed instances itself (reserve)
         self.rows_reserved = 0
+        self.reservations_split = 0  # reservations cut again where a failed attempt's ended
         self.reservations_again = 0  # reservations a writer's retry asked for again
         # (token, offset) -> (rows, what allocate() gave): a retried writer gets the same back
         self._reserved: dict[tuple[Token, int], tuple[int, dict[str, Any]]] = {}
@@ -144,6 +145,16 @@ class IngestBuffer:
                 except TimeoutError:
                     pass
             skip = done - offset
+            if 0 < skip < n and batch.schema.names[-1] == KEY_GROUP_COLUMN:
+                # a push sorted by key group is not in row order: its first `skip` rows in the
+                # sorted order are not the rows already taken
+                msg = (
+                    f"rows {offset}..{offset + n} of {token} partly overlap rows this source took "
+                    f"up to {done}, and the push is sorted by key group, so the rows already "
+                    "taken cannot be cut off; a writer must start where the source stands "
+                    "(resume_offset) or push unsorted rows"
+                )
+                raise SourceError(msg)
             fresh = batch.slice(skip) if skip else batch
             self._accepted[token] = offset + n
             self._advance(token)
@@ -188,6 +199,11 @@ class IngestBuffer:
                     self.rows_duplicate += rows
                     self.reservations_again += 1
                     return {"status": "again", **again[1]}
+                if again is not None and again[0] < rows:
+                    # an attempt that failed mid-partition reserved a shorter last piece here:
+                    # the writer re-sends those rows under that reservation, then the rest
+                    self.reservations_split += 1
+                    return {"status": "split", "rows": again[0]}
                 done = self._accepted.get(token, 0)
                 if self._complete or offset + rows <= done or self._below_floor(token):
                     self.rows_duplicate += rows
@@ -229,6 +245,13 @@ class IngestBuffer:
             self.rows_reserved += rows
             self._changed.notify_all()
             return {"status": "ok", **got}
+
+    def resume_offset(self, token: Token) -> int:
+        """Where a writer of ``token`` starts pushing: the rows before are taken (0 when the
+        piece is done anyway, so every push is dropped as before)."""
+        if self._complete or self._below_floor(token):
+            return 0
+        return self._accepted.get(token, 0)
 
     def _below_floor(self, token: Token) -> bool:
         return _batch_id(token) is not None and token[1] < self._floor.get(token[0], -1)
@@ -405,6 +428,7 @@ class IngestBuffer:
             "rows_presorted": self.rows_presorted,
             "rows_duplicate": self.rows_duplicate,
             "rows_reserved": self.rows_reserved,  # direct push: rows that never passed here
+            "reservations_split": self.reservations_split,
             "reservations_again": self.reservations_again,
             "queued_rows": self._rows,
             "max_queued_rows": self.max_queued_rows,

@@ -201,6 +201,16 @@ def _coalesce(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.Recor
         yield parts[0] if len(parts) == 1 else pa.concat_batches(parts)
 
 
+def _skip_rows(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
+    """``batches`` without their first ``rows`` rows."""
+    for b in batches:
+        if rows >= b.num_rows:
+            rows -= b.num_rows
+            continue
+        yield b.slice(rows) if rows else b
+        rows = 0
+
+
 def _job_gone(ctx: FeedContext, what: str) -> SourceError:
     """The error a writer gets when the job it pushes into is not there (any more)."""
     import ray
@@ -298,13 +308,29 @@ class _TaskPusher:
             writer = DirectWriter(actor, token, self.attempt, gone, self.max_inflight)
         # a direct writer's pieces are what a keyed instance processes as one batch: large
         rows = (self.ctx.direct_rows or self.push_rows) if writer is not None else self.push_rows
-        for batch in _coalesce(batches, rows):
-            if not batch.schema.equals(self.schema):
-                batch = batch.cast(self.schema)
+        if writer is None:
+            # a retry starts where the source stands: an attempt that failed mid-partition may
+            # have pushed a shorter last piece, and a push sorted by key group cannot be cut
+            # where that one ended (a direct writer re-cuts at the source's reservations instead)
+            try:
+                offset = ray.get(actor.resume_offset.remote(token, self.attempt))
+            except ray.exceptions.RayActorError:
+                what = f"source instance {partition % self.ctx.parallelism} is gone"
+                raise _job_gone(self.ctx, what) from None
+            batches = _skip_rows(batches, offset)
+            duplicate += offset  # taken by an earlier attempt
+        for raw in _coalesce(batches, rows):
+            if not raw.schema.equals(self.schema):
+                raw = raw.cast(self.schema)
+            batch = raw
             if plan is not None:  # the routing's per-row work here, in parallel Spark tasks
-                batch = sort_by_key_group(batch, plan.key_column, key_space)  # type: ignore[arg-type]
+                batch = sort_by_key_group(raw, plan.key_column, key_space)  # type: ignore[arg-type]
             if writer is not None:  # the rows go to the keyed step, the source sequences them
-                got = writer.push(offset, batch)
+
+                def recut(lo: int, hi: int, raw: pa.RecordBatch = raw) -> pa.RecordBatch:
+                    return sort_by_key_group(raw.slice(lo, hi - lo), plan.key_column, key_space)  # type: ignore[arg-type,union-attr]
+
+                got = writer.push(offset, batch, recut)
                 if got is not None:
                     accepted += got["accepted"]
                     duplicate += got["duplicate"]

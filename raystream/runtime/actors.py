@@ -145,6 +145,11 @@ class InstanceEndpoint:
         self._instance.check_attempt(attempt)
         return await self._instance.ingest_buffer().offer(token, offset, batch)
 
+    async def resume_offset(self, token: tuple[Any, ...], attempt: int | None = None) -> int:
+        """Where a writer of ``token`` (a retried Spark task) starts: the rows before are taken."""
+        self._instance.check_attempt(attempt)
+        return self._instance.ingest_buffer().resume_offset(token)
+
     async def reserve(
         self,
         token: tuple[Any, ...],

@@ -271,3 +271,44 @@ def test_rows_the_source_buffered_itself_go_out_before_a_reservation() -> None:
         return got
 
     assert asyncio.run(go()) == [1, 2, 3, 4, 5]
+
+
+def test_a_retry_longer_than_a_failed_attempts_last_reservation_is_split_there() -> None:
+    """Attempt 0 reserved rows 0..20 and a shorter last piece 20..30 (its input ended early as
+    it failed); the retry cuts 20..40: it is told to send 20..30 under the old reservation (the
+    same sequence numbers), then 30..40 is new."""
+
+    async def go() -> list[dict[str, Any]]:
+        buf = IngestBuffer(SCHEMA, capacity_rows=10)
+        out = [await buf.reserve(TOKEN, 0, 20, seqs(20)), await buf.reserve(TOKEN, 20, 10, seqs(10))]
+        out.append(await buf.reserve(TOKEN, 20, 20, seqs(20)))  # the retry's cut
+        out.append(await buf.reserve(TOKEN, 20, 10, seqs(10)))  # its first part: the same again
+        out.append(await buf.reserve(TOKEN, 30, 10, seqs(10)))  # the rest: new rows
+        return out + [buf.stats()]
+
+    *answers, stats = asyncio.run(go())
+    assert [a["status"] for a in answers] == ["ok", "ok", "split", "again", "ok"]
+    assert answers[2]["rows"] == 10
+    assert answers[3]["pieces"] == answers[1]["pieces"]
+    assert stats["rows_accepted"] == 40 and stats["reservations_split"] == 1
+
+
+def test_a_sorted_push_that_partly_overlaps_is_refused_and_a_writer_resumes_where_the_source_stands() -> None:
+    """Rows sorted by key group are not in row order: cutting off the rows already taken would
+    take the wrong ones (the old behaviour counted some twice and lost others). A retried writer
+    asks where to start instead."""
+    space = KeySpace(num_key_groups=16)
+
+    async def go() -> tuple[int, int, dict[str, Any]]:
+        buf = IngestBuffer(SCHEMA, capacity_rows=1_000)
+        keys = pa.record_batch({"key": pa.array(np.arange(40) % 7, pa.int64())})
+        await buf.offer(TOKEN, 0, sort_by_key_group(keys.slice(0, 25), "key", space))
+        start = buf.resume_offset(TOKEN)
+        with pytest.raises(SourceError, match="sorted by key group"):
+            await buf.offer(TOKEN, 20, sort_by_key_group(keys.slice(20, 20), "key", space))
+        await buf.offer(TOKEN, start, sort_by_key_group(keys.slice(start), "key", space))
+        return start, buf.resume_offset(("q", 0, 2)), buf.stats()
+
+    start, other, stats = asyncio.run(go())
+    assert start == 25 and other == 0
+    assert stats["rows_accepted"] == 40 and stats["rows_duplicate"] == 0
