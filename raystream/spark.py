@@ -7,11 +7,11 @@
 * :func:`spark_stream` - a Structured Streaming DataFrame (file stream, rate, any source). Each
   micro-batch is pushed the same way from ``foreachBatch``.
 
-Direct push (``direct=True``, when the step after the source is ``key_by(column)``): each
-task sorts its rows by key group, asks its source instance for sequence numbers (a small call
+Direct push (the default when the step after the source is ``key_by(column)``): each task
+sorts its rows by key group, asks its source instance for sequence numbers (a small call
 without data; the source keeps the dedupe table below) and pushes the rows straight to the
 keyed step's instances, so no row takes the hop through the source (:mod:`raystream.direct`).
-Off by default (see :func:`spark`); then every row goes through the source instance.
+``direct=False`` sends every row through the source instance.
 
 Exactly-once hand-off: each push carries ``(stream, batch id, partition)`` and the row offset
 inside that partition; the source's :class:`~raystream.ingest.IngestBuffer` takes every row once,
@@ -703,7 +703,7 @@ class SparkSource(PushSource):
     presort_key_groups: bool = True
     # ... and send the rows to the keyed instances themselves: the source instance only hands
     # out sequence numbers (raystream.direct)
-    direct: bool = False
+    direct: bool = True
     # rows per reservation of a direct task (its pieces, one per keyed instance, are what each
     # instance processes as one batch); 0: 2 * push_rows
     direct_rows: int = 0
@@ -785,7 +785,7 @@ def spark(
     push_rows: int = 100_000,
     capacity_rows: int | None = None,
     presort_key_groups: bool = True,
-    direct: bool = False,
+    direct: bool = True,
     direct_rows: int | None = None,
 ) -> SparkSource:
     """Read a batch Spark DataFrame: its tasks push Arrow batches of up to ``push_rows`` rows into
@@ -796,12 +796,11 @@ def spark(
     sorts its pushes by key group, so the source instance routes them without hashing
     (raystream.presort); ``False`` leaves the routing's work to the source instance.
 
-    ``direct=True``: then (presorted, the step after the source is ``key_by(column)``), each
-    task sends its rows straight to the keyed step's instances; the source instance only hands
-    out sequence numbers and keeps the exactly-once hand-off (raystream.direct). Off by default:
-    a task that fails mid-partition can leave a shorter last reservation than its retry cuts,
-    and the retry is then refused (the job fails with a SourceError) instead of re-cut. ``False``:
-    every row passes through the source instance. ``direct_rows`` (default ``2 * push_rows``): rows a
+    ``direct``: then (presorted, the step after the source is ``key_by(column)``), each task
+    sends its rows straight to the keyed step's instances; the source instance only hands out
+    sequence numbers and keeps the exactly-once hand-off (raystream.direct; a retried task
+    re-sends a failed attempt's reservations under their numbers). ``False``: every row passes
+    through the source instance. ``direct_rows`` (default ``2 * push_rows``): rows a
     task sequences at once; each keyed instance gets its share of them as one push (the batch
     it processes), so larger is cheaper per row."""
     _check_dataframe(dataframe, streaming=False)
@@ -827,7 +826,7 @@ def spark_stream(
     push_rows: int = 100_000,
     capacity_rows: int | None = None,
     presort_key_groups: bool = True,
-    direct: bool = False,
+    direct: bool = True,
     direct_rows: int | None = None,
 ) -> SparkStreamSource:
     """Read a Structured Streaming DataFrame (file, rate, any source) through ``foreachBatch``.
