@@ -78,7 +78,7 @@ class ChangeSpares:
                     namespace=NAMESPACE,
                     max_concurrency=10_000,
                     scheduling_strategy="SPREAD",
-                ).remote(None)
+                ).remote(None, self._self)  # the controller's handle now, not at the change
                 node = await h.ping.remote()
                 if self.state != "running":  # the job ended meanwhile: do not leak it
                     ray.kill(h, no_restart=True)
