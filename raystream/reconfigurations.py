@@ -260,7 +260,21 @@ class Reconfigurations:
                     )
                     raise ReconfigurationError(msg)
                 self._check_still_running(attempt, f"{step!r}/{index} was not moved")
-                return await self._move(step, index, node_id, fetch)
+                try:
+                    return await self._move(step, index, node_id, fetch)
+                except Exception as e:
+                    import ray
+
+                    ended = self.state != "running" or self._sources_done()
+                    if not (ended and isinstance(e, ray.exceptions.RayActorError)):
+                        raise
+                    msg = (
+                        f"job {self.flow.name!r} is {self.state}"
+                        f"{' and its sources finished' if self._sources_done() else ''}: an "
+                        f"actor of the move of {step!r}/{index} ended during it "
+                        f"({type(e).__name__}); move instances while the sources still read"
+                    )
+                    raise ReconfigurationError(msg) from None
         finally:
             self._queued = max(0, self._queued)
 
