@@ -85,7 +85,7 @@ CASES: dict[str, list[str]] = {
     # gen_p2 without warm standby actors: what migration support costs per batch, without the
     # one-time start of the two standbys a job with it keeps (not in the default set)
     "gen_p2_no_standby": ["--events", "6000000", "--parallelism", "2", "--standby-instances", "0"],
-    # gen_p2 with the standbys starting beside the running job (before standby_before_sources)
+    # gen_p2 with the standbys starting beside the running job (RuntimeConfig's default)
     "gen_p2_standby_after": ["--events", "6000000", "--parallelism", "2", "--standbys-after-start"],
     "parquet_p1": ["--parallelism", "1"],
     "parquet_p2": ["--parallelism", "2"],

@@ -473,7 +473,8 @@ def _stop(job: rs.Job) -> None:
     "--standbys-before-sources/--standbys-after-start",
     default=True,
     help="Start the warm standbys with the job's actors, the sources once they are up (the "
-    "default), or beside the running job.",
+    "benchmark's default; RuntimeConfig(standby_before_sources=True)), or beside the running "
+    "job (the library's default).",
 )
 @click.option(
     "--checkpoint-interval",

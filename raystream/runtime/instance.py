@@ -92,7 +92,7 @@ class RuntimeConfig:
     migration_support: bool = True  # False: no per-sub-group tracking, rescale refused
     standby_instances: int = 2  # warm spare actors per job, so a scale-out starts no process
     standby_delay_s: float = 0.0  # ... started this long after the job starts (0: at once)
-    standby_before_sources: bool = True  # with no delay: started with the job's actors, sources after
+    standby_before_sources: bool = False  # True: started with the job's actors, sources after
     change_spares: int = 0  # warm actors under neutral names an insert or a move configures
     change_spare_refill_delay_s: float = 5.0  # ... refilled one by one this long after a change
     state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)

@@ -94,12 +94,9 @@ def shuffled(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-# every stateful query under meces (but q16: q15's design with another grouping); one sliding
-# and one session window query also under a second strategy (all of them under both would add
-# minutes to the suite)
-RESCALE_RUNS = [(q, "meces") for q in STATEFUL if q != "q16"] + [
-    (q, "all_at_once") for q in ("q5", "q11") if q in STATEFUL
-]
+# every stateful query under meces (but q16: q15's design with another grouping); the window
+# operators under the other strategies: tests/integration/test_windows_rescale.py
+RESCALE_RUNS = [(q, "meces") for q in STATEFUL if q != "q16"]
 
 
 @pytest.mark.parametrize(("query", "strategy"), RESCALE_RUNS)

@@ -48,7 +48,14 @@ def _out(result: rs.JobResult) -> pa.Table:
 
 def test_a_scale_out_takes_prepared_standbys_and_counts_exactly() -> None:
     gen = generator("int", True, seed=11)
-    with live_job("prepared-standby", gen, 1, standby_instances=2, standby_delay_s=0.0) as live:
+    with live_job(
+        "prepared-standby",
+        gen,
+        1,
+        standby_instances=2,
+        standby_delay_s=0.0,
+        standby_before_sources=True,
+    ) as live:
         # the first deploy started the standbys beside the job's actors and ran the sources
         # only once they were up (standby_before_sources): none starts beside the first events
         status = live.job.status()
