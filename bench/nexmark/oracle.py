@@ -319,12 +319,20 @@ def _counts(*of: str) -> list[tuple[str, pa.DataType]]:
     ]
 
 
+# the bid's first columns, and a whole bid row as q18-q20 carry it
+_BID_KEY = [("auction", pa.int64()), ("bidder", pa.int64()), ("price", pa.int64())]
+_BID_ROW = [
+    *_BID_KEY,
+    ("channel", pa.string()),
+    ("url", pa.string()),
+    ("dateTime", pa.timestamp("ms")),
+    ("extra", pa.string()),
+]
+
 SCHEMA: dict[str, pa.Schema] = {
     "q10": pa.schema(
         [
-            ("auction", pa.int64()),
-            ("bidder", pa.int64()),
-            ("price", pa.int64()),
+            *_BID_KEY,
             ("dateTime", pa.timestamp("ms")),
             ("extra", pa.string()),
             ("dt", pa.string()),
@@ -333,9 +341,7 @@ SCHEMA: dict[str, pa.Schema] = {
     ),
     "q0": pa.schema(
         [
-            ("auction", pa.int64()),
-            ("bidder", pa.int64()),
-            ("price", pa.int64()),
+            *_BID_KEY,
             ("dateTime", pa.timestamp("ms")),
             ("extra", pa.string()),
         ]
@@ -425,32 +431,18 @@ SCHEMA: dict[str, pa.Schema] = {
     ),
     "q18": pa.schema(
         [
-            ("auction", pa.int64()),
-            ("bidder", pa.int64()),
-            ("price", pa.int64()),
-            ("channel", pa.string()),
-            ("url", pa.string()),
-            ("dateTime", pa.timestamp("ms")),
-            ("extra", pa.string()),
+            *_BID_ROW,
         ]
     ),
     "q19": pa.schema(
         [
-            ("auction", pa.int64()),
-            ("bidder", pa.int64()),
-            ("price", pa.int64()),
-            ("channel", pa.string()),
-            ("url", pa.string()),
-            ("dateTime", pa.timestamp("ms")),
-            ("extra", pa.string()),
+            *_BID_ROW,
             ("rank_number", pa.int64()),
         ]
     ),
     "q20": pa.schema(
         [
-            ("auction", pa.int64()),
-            ("bidder", pa.int64()),
-            ("price", pa.int64()),
+            *_BID_KEY,
             ("channel", pa.string()),
             ("url", pa.string()),
             ("bid_dateTime", pa.timestamp("ms")),
@@ -469,9 +461,7 @@ SCHEMA: dict[str, pa.Schema] = {
     "q6": pa.schema([("seller", pa.int64()), ("id", pa.int64()), ("avg_price", pa.int64())]),
     "q13": pa.schema(
         [
-            ("auction", pa.int64()),
-            ("bidder", pa.int64()),
-            ("price", pa.int64()),
+            *_BID_KEY,
             ("dateTime", pa.timestamp("ms")),
             ("value", pa.string()),
         ]
@@ -490,18 +480,14 @@ SCHEMA: dict[str, pa.Schema] = {
     ),
     "q21": pa.schema(
         [
-            ("auction", pa.int64()),
-            ("bidder", pa.int64()),
-            ("price", pa.int64()),
+            *_BID_KEY,
             ("channel", pa.string()),
             ("channel_id", pa.string()),
         ]
     ),
     "q22": pa.schema(
         [
-            ("auction", pa.int64()),
-            ("bidder", pa.int64()),
-            ("price", pa.int64()),
+            *_BID_KEY,
             ("channel", pa.string()),
             ("dir1", pa.string()),
             ("dir2", pa.string()),
