@@ -88,6 +88,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self.retired: set[ChannelId] = set()
         self.rescales: list[dict[str, Any]] = []
         self._rescale_lock = asyncio.Lock()
+        self._waiters = 0  # wait() calls for the end in flight (a driver's, a CLI's)
         self._queued = 0
         self._run_futures: dict[ChannelId, asyncio.Future[Any]] = {}
         self._run_handles: dict[ChannelId, Any] = {}
@@ -325,13 +326,17 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
     async def wait(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Wait until the job finished or failed; returns the outcome."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.state in ("created", "running", "recovering"):
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.05)
-        if self.state not in ("created", "running"):
-            await self._rescales_settled(10.0)
-        return self.outcome()
+        self._waiters += 1
+        try:
+            while self.state in ("created", "running", "recovering"):
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            if self.state not in ("created", "running"):
+                await self._rescales_settled(10.0)
+            return self.outcome()
+        finally:
+            self._waiters -= 1
 
     def outcome(self) -> dict[str, Any]:
         return {
@@ -368,7 +373,17 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         if self.state in ("created", "running", "recovering"):
             self.state = "stopped"
             await self._stop_all()
+        await self._waiters_answered(15.0)
         return self.outcome()
+
+    async def _waiters_answered(self, timeout_s: float) -> None:
+        """Until every wait() for the end has its answer: the process that stopped the job
+        removes this controller next, and a driver waiting on the job must see "stopped",
+        not a killed controller."""
+        deadline = time.monotonic() + timeout_s
+        while self._waiters and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # their answers leave before this one
 
     async def _stop_all(self) -> None:
         live = [h for iid, h in self.handles.items() if iid not in self.outcomes]
