@@ -1,5 +1,5 @@
 """NEXMark q12 (bids per bidder per 10 s processing-time window) on Ray: across a live rescale
-of its window step (meces) and after a killed window instance, the windows of every bidder add
+of its window step (meces) followed by a killed window instance, the windows of every bidder add
 up to its bids exactly, are aligned, none is emitted twice and none fires before its end (but
 the ones still open when the input ends): the checks of ``bench.nexmark.processing_time``,
 with DuckDB over the bids. Each run replays the bids for about 10 s of wall clock, so windows
@@ -58,28 +58,12 @@ def _checked(result: pa.Table, data: Path) -> dict[str, Any]:
     return checks
 
 
-def test_q12_windows_add_up_across_a_live_rescale(data: Path) -> None:
-    errors: list[str] = []
-    result = cli.run_query(
-        "q12",
-        _sources(data),
-        parallelism=2,
-        rescales=[(3, 4.0)],
-        strategy="meces",
-        timeout_s=90,
-        errors=errors,
-        batch_rows=1024,
-        linger_ms=10,
-    )
-    assert errors == []
-    assert result.state == "finished"
-    assert [r["to"] for r in result.rescales] == [3]
-    _checked(result.table(queries.SINK), data)
-
-
-def test_q12_windows_add_up_after_a_killed_instance(data: Path, tmp_path: Path) -> None:
-    """A window instance killed with Ray's own API after two checkpoints: the job restores the
-    last one and replays the bids after it, which join the windows of the time they are
+def test_q12_windows_add_up_across_a_live_rescale_and_a_killed_instance(
+    data: Path, tmp_path: Path
+) -> None:
+    """A live 2 -> 3 rescale of the window step (meces), a checkpoint at the new parallelism,
+    then a window instance killed with Ray's own API: the job restores that checkpoint (or a
+    later one) and replays the bids after it, which join the windows of the time they are
     replayed; the exactly-once Parquet output still counts every bid once."""
     out = tmp_path / "out"
     flow, spec = queries.build_flow("q12", _sources(data), rs.sinks.parquet(str(out)))
@@ -94,12 +78,15 @@ def test_q12_windows_add_up_after_a_killed_instance(data: Path, tmp_path: Path) 
     )
     try:
         wait_checkpoints(job, 2)
+        job.rescale(spec.step, 3, "meces")
+        after_rescale = job.checkpoint()
         ray.kill(ray.get_actor(instance_actor_name(job.name, spec.step, 0), namespace=NAMESPACE))
         result = job.wait(90)
     finally:
         job.cancel()
-    assert result.state == "finished"
+    assert result.state == "finished", result.error
+    assert [r["to"] for r in result.rescales] == [3]
     assert len(result.recoveries) >= 1, result.recoveries
-    assert result.recoveries[0]["checkpoint_id"] is not None
+    assert result.recoveries[0]["checkpoint_id"] >= after_rescale["checkpoint_id"]
     rows = duckdb.connect().sql(f"SELECT * FROM read_parquet('{out}/*.parquet')").to_arrow_table()
     _checked(rows, data)
