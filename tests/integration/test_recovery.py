@@ -244,8 +244,13 @@ def test_stop_takes_a_final_checkpoint_and_the_job_resumes_from_it(tmp_path: Pat
     flow = _flow("rec-resume", out, events, 50_000)
     job = _start(flow, tmp_path, checkpoint_interval_s=0.0)
     time.sleep(1.5)
-    stopped = job.stop()
+    assert job.wait(0.01).state == "running"  # this handle's wait for the end is now in flight
+    stopped = rs.attach(flow.name).stop()  # another handle stops it (as `raystream stop` does)
     assert stopped is not None and stopped.state == "stopped"
+    # the first handle's wait gets the same answer (the stopping handle removes the controller
+    # right after its own: it must not go before the waiting one's answer)
+    seen = job.wait(30)
+    assert seen.state == "stopped" and seen.checkpoints["last"] == stopped.checkpoints["last"]
     assert stopped.checkpoints["completed"] == 1
     offset = next(iter(stopped.checkpoints["last"]["source_offsets"].values()))
     assert 0 < offset < events
