@@ -150,6 +150,9 @@ def build_report(
         "timeline": timeline,
         "parallelism": final_parallelism,
         "rescales": rescales,
+        # warm standbys started again after a scale-out: when (after the rescale ended) and
+        # how long their processes took to come up (they share the machine with the job)
+        "standby_refills": list(getattr(result, "standby_refills", []) or []),
         "state_backend": "rocksdb",
         "instances": [
             {
