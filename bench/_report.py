@@ -123,6 +123,9 @@ def build_report(
                         "max_chunk_bytes",
                         "max_inflight_chunks",
                         "transfer",
+                        # per instance: when it switched, sealed, served its first on-demand
+                        # chunk, had all state in, finished; every serve call's times
+                        "move_phases_s",
                     )
                 },
                 **impact,
