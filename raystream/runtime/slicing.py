@@ -8,6 +8,11 @@ would make it slice, learn a higher cost per record from the smaller slices and 
 When the batches had nearly the same size the two parts cannot be told apart: the fixed part
 found last stays (none yet: the whole cost counts per record, so a barrier never waits longer than
 planned) and the rest of the mean cost goes on the records; slices of other sizes settle it.
+
+A slice is processed in *calls* (:meth:`BatchCost.call_rows`): a rescale's control call that comes
+while a slice runs ends it after the call in progress. Calls are smaller than a slice only where
+the fixed part is known and small beside a call's work: a vectorised step whose cost per call is
+high keeps its slice in one call.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class BatchCost:
         self._skipped_first = False
         self._fixed = 0.0  # the learnt parts
         self._per_row = 0.0
+        self._parts_known = False  # the two parts were told apart at least once
 
     def learn(self, elapsed_s: float, rows: int) -> None:
         """Record a batch of ``rows`` records that took ``elapsed_s``. An instance's first batch
@@ -74,6 +80,7 @@ class BatchCost:
             self._per_row = (my - self._fixed) / mx
             return
         per_row = (self._xy / self._w - mx * my) / var
+        self._parts_known = True
         if per_row <= 0:
             self._fixed, self._per_row = my, 0.0
         elif my - per_row * mx < 0:
@@ -92,6 +99,17 @@ class BatchCost:
         if per_row <= 0 or room <= 0:
             return _UNSLICED
         return max(min_rows, int(room / per_row)) if math.isfinite(room / per_row) else _UNSLICED
+
+
+    def call_rows(self, target_s: float, max_overhead: float, min_rows: int) -> int:
+        """Rows of one call inside a slice: about ``target_s`` of work, or more, so that the fixed
+        part per call is at most ``max_overhead`` of a call's time. One call per slice (a large
+        value) until the fixed part was told apart from the per-record one: a step that costs
+        much per call (a vectorised count's distinct keys per batch) is not split on a guess."""
+        if not self._parts_known:
+            return _UNSLICED
+        fixed, _ = self.parts()
+        return self.slice_rows(max(target_s, fixed / max_overhead), min_rows, _UNSLICED)
 
 
 _UNSLICED = 1 << 62

@@ -106,3 +106,37 @@ def test_a_fixed_cost_found_once_is_kept_while_batches_are_alike() -> None:
     calls = _run(cost, fixed_s=0.15, per_row_s=0.0, batch_rows=2000, batches=60)
     assert len(calls) <= 62, f"{len(calls)} calls for 60 batches"
     assert calls[-50:] == [2000] * 50
+
+
+CALL_S = 0.02
+MAX_OVERHEAD = 0.05
+
+
+def test_a_slice_is_one_call_until_the_fixed_part_is_told_apart() -> None:
+    # same-sized batches: the fixed part is unknown, so a slice is not split into calls on the
+    # guess that it is none (a vectorised step pays it on every call)
+    cost = BatchCost()
+    cost.learn(1.0, 10)
+    for _ in range(5):
+        cost.learn(0.1, 1000)
+    assert cost.slice_rows(TARGET_S, MIN_ROWS, UNMEASURED) in (999, 1000)  # float rounding
+    assert cost.call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS) > 10**9
+
+
+def test_calls_of_a_cost_per_record_take_the_call_target() -> None:
+    cost = BatchCost()
+    cost.learn(1.0, 10)
+    for rows in (500, 1000, 500, 1000):
+        cost.learn(0.0001 + 1e-4 * rows, rows)  # 0.1 ms per call, 100 us per record
+    # (20 ms - 0.1 ms) / 100 us
+    assert cost.call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS) == 199
+
+
+def test_a_fixed_part_per_call_makes_calls_larger() -> None:
+    # a vectorised count: ~3 ms per call, 0.3 us per record; calls of 20 ms would cost 15 % more;
+    # at most 5 %: calls of 60 ms, i.e. (60 - 3) ms / 0.3 us = 190,000 records
+    cost = BatchCost()
+    cost.learn(1.0, 10)
+    for rows in (20_000, 100_000, 50_000, 100_000, 20_000):
+        cost.learn(0.003 + 3e-7 * rows, rows)
+    assert cost.call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS) == pytest.approx(190_000, rel=0.01)
