@@ -86,6 +86,8 @@ class Job(LoopJob):
         cost = self.count.batch_cost
         for rows in (500, 1000, 500, 1000, 500, 1000):
             cost.learn(COST_S * rows, rows)
+        # and kept: a slow call on a loaded machine does not change the slices under test
+        self.count._learn_cost = lambda elapsed_s, rows: None  # type: ignore[method-assign]
         self.calls: list[tuple[int, int]] = []  # (rows of the call, records_in before it)
 
     def log_calls(self, during_first: Any) -> None:
@@ -242,3 +244,4 @@ def test_a_rescale_barrier_pushed_during_a_slice_waits_for_one_call(tmp_path: Pa
     assert old_task is not None and new_task is not None and new_task.done.is_set()
     assert old_task.handover_rows_out > 0  # the queued rest of moving sub-groups went along
     _check_exact(job)
+
