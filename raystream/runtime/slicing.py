@@ -10,9 +10,10 @@ found last stays (none yet: the whole cost counts per record, so a barrier never
 planned) and the rest of the mean cost goes on the records; slices of other sizes settle it.
 
 A slice is processed in *calls* (:meth:`BatchCost.call_rows`): a rescale's control call that comes
-while a slice runs ends it after the call in progress. Calls are smaller than a slice only where
-the fixed part is known and small beside a call's work: a vectorised step whose cost per call is
-high keeps its slice in one call.
+while a slice runs ends it after the call in progress. A call is large enough that the fixed part
+is small beside its work: a vectorised step whose cost per call is high keeps a slice in one call.
+Until the fixed part is known it is taken as none, as for slices: the calls, of other sizes than
+the batches, then reveal it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ class BatchCost:
         self._skipped_first = False
         self._fixed = 0.0  # the learnt parts
         self._per_row = 0.0
-        self._parts_known = False  # the two parts were told apart at least once
 
     def learn(self, elapsed_s: float, rows: int) -> None:
         """Record a batch of ``rows`` records that took ``elapsed_s``. An instance's first batch
@@ -80,7 +80,6 @@ class BatchCost:
             self._per_row = (my - self._fixed) / mx
             return
         per_row = (self._xy / self._w - mx * my) / var
-        self._parts_known = True
         if per_row <= 0:
             self._fixed, self._per_row = my, 0.0
         elif my - per_row * mx < 0:
@@ -103,11 +102,9 @@ class BatchCost:
 
     def call_rows(self, target_s: float, max_overhead: float, min_rows: int) -> int:
         """Rows of one call inside a slice: about ``target_s`` of work, or more, so that the fixed
-        part per call is at most ``max_overhead`` of a call's time. One call per slice (a large
-        value) until the fixed part was told apart from the per-record one: a step that costs
-        much per call (a vectorised count's distinct keys per batch) is not split on a guess."""
-        if not self._parts_known:
-            return _UNSLICED
+        part per call is at most ``max_overhead`` of a call's time (a vectorised count pays a few
+        ms per call for its batch's distinct keys: its calls stay whole batches). One call per
+        slice (a large value) while unmeasured."""
         fixed, _ = self.parts()
         return self.slice_rows(max(target_s, fixed / max_overhead), min_rows, _UNSLICED)
 

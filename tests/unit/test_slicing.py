@@ -112,15 +112,42 @@ CALL_S = 0.02
 MAX_OVERHEAD = 0.05
 
 
-def test_a_slice_is_one_call_until_the_fixed_part_is_told_apart() -> None:
-    # same-sized batches: the fixed part is unknown, so a slice is not split into calls on the
-    # guess that it is none (a vectorised step pays it on every call)
+def _run_calls(cost: BatchCost, fixed_s: float, per_row_s: float, batch_rows: int,
+               batches: int) -> list[list[int]]:
+    """As :func:`_run`, each slice in calls of :meth:`BatchCost.call_rows`; returns each batch's
+    calls."""
+    out = []
+    for _ in range(batches):
+        calls = []
+        start = 0
+        while start < batch_rows:
+            end = min(start + cost.slice_rows(TARGET_S, MIN_ROWS, UNMEASURED), batch_rows)
+            while start < end:
+                n = min(cost.call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS), end - start)
+                cost.learn(fixed_s + per_row_s * n, n)
+                calls.append(n)
+                start += n
+        out.append(calls)
+    return out
+
+
+def test_unmeasured_a_slice_is_one_call() -> None:
+    assert BatchCost().call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS) > 10**9
+
+
+def test_calls_reveal_a_fixed_part_and_a_vectorised_step_keeps_whole_batches() -> None:
+    # a vectorised count: 3 ms per call and 0.3 us per record, every batch 100,000 records
+    # (33 ms: one slice). Alike batches hide the fixed part; the first calls, of 20 ms, reveal
+    # it, and calls then take whole batches (a call of 20 ms would cost 15 % more than its
+    # records; the limit is 5 %)
     cost = BatchCost()
     cost.learn(1.0, 10)
     for _ in range(5):
-        cost.learn(0.1, 1000)
-    assert cost.slice_rows(TARGET_S, MIN_ROWS, UNMEASURED) in (999, 1000)  # float rounding
-    assert cost.call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS) > 10**9
+        cost.learn(0.033, 100_000)
+    assert cost.call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS) < 100_000  # fixed part taken as none
+    calls = _run_calls(cost, 0.003, 3e-7, 100_000, 30)
+    assert sum(len(c) > 1 for c in calls) <= 3, calls[:5]
+    assert calls[-20:] == [[100_000]] * 20
 
 
 def test_calls_of_a_cost_per_record_take_the_call_target() -> None:
