@@ -20,6 +20,7 @@ generator's own stream (numpy bincount).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,7 @@ def main(
         trace_dir.mkdir(parents=True, exist_ok=True)
         for old in trace_dir.glob("sink-*.parquet"):
             old.unlink()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]  # the machine's, 1/5/15 min
     started_ray = _connect_ray()
     _pickle_by_value(("bench.loadstep", "bench._latest", "bench._latency_trace"))
     try:
@@ -379,6 +381,7 @@ def main(
             "catch_up_s": catch_up_s,
             "standby_instances": standby_instances,
         },
+        "machine_load": {"start": load_at_start, "end": [round(x, 2) for x in os.getloadavg()]},
         "exact": exact,
         "mismatch": mismatch,
         "origin_ns": result.origin_ns,

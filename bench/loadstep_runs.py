@@ -63,6 +63,9 @@ def first_scale_out(report: dict[str, Any]) -> dict[str, Any]:
         "low_p99_ms": low,
         "high_p99_ms": high,
         "high_over_low_p99": (high / low) if low and high else None,
+        "within_2x": (high / low) <= 2.0 if low and high else None,
+        # the machine's 1-minute load average when the run started (None: not recorded)
+        "load_at_start": ((report.get("machine_load") or {}).get("start") or [None])[0],
         "decision_after_step_s": report["reaction_s"]["first_scale_out_after_step"],
         **latency_recovery(report),
     }
@@ -141,6 +144,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "max": max(nums),
             }
     out["exact_runs"] = sum(bool(r.get("exact")) for r in rows)
+    out["runs_within_2x"] = sum(r.get("within_2x") is True for r in rows)
     out["runs"] = len(rows)
     return out
 
@@ -163,6 +167,7 @@ def main(reports: tuple[Path, ...], out: Path) -> None:
         if isinstance(s, dict):
             click.echo(f"  {key}: median {s['median']:.3f} (range {s['min']:.3f} - {s['max']:.3f})")
     click.echo(f"  exact: {summary['exact_runs']} of {summary['runs']} runs")
+    click.echo(f"  high p99 within 2x of low: {summary['runs_within_2x']} of {summary['runs']} runs")
     click.echo(f"wrote {out}")
 
 

@@ -38,6 +38,9 @@ NAMESPACE = "raystream"
 # concurrency group of this name, so an old owner answers fetches while it processes records
 TRANSFER_GROUP = "transfer"
 TRANSFER_CONCURRENCY = 64  # serve calls taken at once (they queue by urgency inside)
+# a rescale's heads-up (expect_rescale) runs on a loop and thread of its own, at once, while the
+# instance's loop processes a slice of records: that slice ends after the call in progress
+CONTROL_GROUP = "control"
 
 
 def controller_name(job: str) -> str:
@@ -241,9 +244,11 @@ class InstanceEndpoint:
     async def sub_group_load(self) -> Any:
         return self._instance.sub_group_load()
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def expect_rescale(self, hold_s: float) -> None:
         """A rescale of this instance's step starts: its barrier comes soon (see
-        :meth:`OperatorInstance.expect_rescale`)."""
+        :meth:`OperatorInstance.expect_rescale`). Runs on the control group's thread, not
+        behind the slice of records in progress: that slice ends after its call in progress."""
         self._instance.expect_rescale(hold_s)
 
     async def snapshot_state(self, directory: str) -> dict[str, Any]:
@@ -467,7 +472,9 @@ class _InstanceActor(InstanceEndpoint):
 
 
 InstanceActor = ray.remote(
-    num_cpus=0, max_restarts=0, concurrency_groups={TRANSFER_GROUP: TRANSFER_CONCURRENCY}
+    num_cpus=0,
+    max_restarts=0,
+    concurrency_groups={TRANSFER_GROUP: TRANSFER_CONCURRENCY, CONTROL_GROUP: 1},
 )(_InstanceActor)
 
 

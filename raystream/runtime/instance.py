@@ -71,6 +71,9 @@ SLICE_TARGET_S = 0.1  # a keyed step takes a large batch in slices of about this
 SLICE_MIN_ROWS = 64  # ... of at least this many rows, so a rescale barrier waits one slice at most
 SERVE_SLICE_TARGET_S = 0.02  # ... and of this much while it hands out state (fetches wait less)
 CALL_TURNS = 4  # event-loop turns between two slices of records of a keyed step
+SLICE_CALL_TARGET_S = 0.02  # a slice is processed in calls of about this much work ...
+SLICE_CALL_MAX_OVERHEAD = 0.05  # ... where the fixed cost per call is at most this share of it
+BARRIER_TURNS = 2  # event-loop turns between two calls of a slice: a rescale barrier gets in
 TASK_WAIT_S = 60.0  # a rescale barrier waits at most this long for its migration task
 WATERMARK_TIMELINE_MAX = 50_000  # points a source keeps of its watermark timeline
 
@@ -436,7 +439,11 @@ class OperatorInstance:
         """The controller starts a rescale of this step: for the next ``hold_s`` seconds (or
         until the migration task comes: then :meth:`_serving` decides) take slices of
         SERVE_SLICE_TARGET_S, so that the barrier, coming a little later (after the plan and the
-        new instances' configuration), waits for a short slice, not a SLICE_TARGET_S one."""
+        new instances' configuration), waits for a short slice, not a SLICE_TARGET_S one.
+
+        The actor runs this on a thread of its own while a slice is processed (it only sets a
+        deadline): the slice in progress then ends after its call in progress
+        (:meth:`_process_slice`)."""
         self._rescale_expected_until = time.monotonic() + max(0.0, hold_s)
 
     def prepare_migration(self, task: MigrationTask, fetcher: Any) -> None:
@@ -1052,27 +1059,19 @@ class OperatorInstance:
                     self.latency.record(ingest, now, weights)
                 self.writer.write(batch)
                 m.record_in(batch.num_rows, now)
-        elif keyed and batch.num_rows > self._slice_rows():
+        elif keyed and batch.num_rows > min(self._slice_rows(), self._call_rows()):
             # a large batch in slices (processed as smaller batches would be; order kept):
             # fetches of moved state are served in between, and a rescale barrier that
             # arrives meanwhile overtakes the rest (put back in front of the queue). Busy time
-            # is counted per slice, with the slice's records, so a rate of records per busy
+            # is counted per call, with the call's records, so a rate of records per busy
             # second (the autoscaler's true rate) never sees records without their time.
             start = 0
             while start < batch.num_rows:
                 if (self.inbox.overtaking or self.inbox.incoming_overtaking) and start:
                     self.inbox.put_back(channel, [batch.slice(start)])
                     return
-                n = self._slice_rows()
-                piece = batch.slice(start, n)
                 self._give_way()
-                with m.busy():
-                    t0 = time.perf_counter()
-                    outs = self.processor.process(piece, **kw)
-                    self._learn_cost(time.perf_counter() - t0, piece.num_rows)
-                    m.record_in(piece.num_rows)
-                    await self._emit(outs)
-                start += n
+                start += await self._process_slice(batch, start, kw)
                 await _let_calls_in()
         else:
             if keyed:
@@ -1084,6 +1083,45 @@ class OperatorInstance:
                     self._learn_cost(time.perf_counter() - t0, batch.num_rows)
                 m.record_in(batch.num_rows)
                 await self._emit(outs)
+
+    async def _process_slice(self, batch: pa.RecordBatch, start: int, kw: dict[str, Any]) -> int:
+        """Process one slice of ``batch`` from row ``start``; returns its rows. A slice is
+        :meth:`_slice_rows` of work, processed in calls of :meth:`_call_rows`. After each call
+        the slice ends early when it is no longer due: a control call that ran meanwhile in
+        another thread made the slice smaller (:meth:`expect_rescale`), or, after a few turns of
+        the event loop, a rescale barrier was pushed. So that barrier waits for one call, not for
+        the whole slice. The slice's output goes out once, at its end, as one call's would."""
+        m = self.metrics
+        outs: list[pa.RecordBatch] = []
+        pos = start
+        while pos < batch.num_rows:
+            n = min(self._call_rows(), self._slice_rows() - (pos - start))
+            if n <= 0:  # the slice is done (or became smaller meanwhile)
+                break
+            if pos > start:  # between two calls: a rescale barrier pushed meanwhile ends it
+                for _ in range(BARRIER_TURNS):
+                    await asyncio.sleep(0)
+                if self.inbox.overtaking or self.inbox.incoming_overtaking:
+                    break
+                n = min(self._call_rows(), self._slice_rows() - (pos - start))
+                if n <= 0:
+                    break
+            piece = batch.slice(pos, n)
+            with m.busy():
+                t0 = time.perf_counter()
+                outs.extend(self.processor.process(piece, **kw))
+                self._learn_cost(time.perf_counter() - t0, piece.num_rows)
+                m.record_in(piece.num_rows)
+            pos += piece.num_rows
+        with m.busy():
+            await self._emit(outs)
+        return pos - start
+
+    def _call_rows(self) -> int:
+        """Rows of one processor call inside a slice (see :meth:`BatchCost.call_rows`)."""
+        return self.batch_cost.call_rows(
+            SLICE_CALL_TARGET_S, SLICE_CALL_MAX_OVERHEAD, SLICE_MIN_ROWS
+        )
 
     def _slice_rows(self) -> int:
         """Rows of a slice: about SLICE_TARGET_S of work at the learnt cost (SERVE_SLICE_ROWS

@@ -8,6 +8,12 @@ would make it slice, learn a higher cost per record from the smaller slices and 
 When the batches had nearly the same size the two parts cannot be told apart: the fixed part
 found last stays (none yet: the whole cost counts per record, so a barrier never waits longer than
 planned) and the rest of the mean cost goes on the records; slices of other sizes settle it.
+
+A slice is processed in *calls* (:meth:`BatchCost.call_rows`): a rescale's control call that comes
+while a slice runs ends it after the call in progress. A call is large enough that the fixed part
+is small beside its work: a vectorised step whose cost per call is high keeps a slice in one call.
+Until the fixed part is known it is taken as none, as for slices: the calls, of other sizes than
+the batches, then reveal it.
 """
 
 from __future__ import annotations
@@ -92,6 +98,15 @@ class BatchCost:
         if per_row <= 0 or room <= 0:
             return _UNSLICED
         return max(min_rows, int(room / per_row)) if math.isfinite(room / per_row) else _UNSLICED
+
+
+    def call_rows(self, target_s: float, max_overhead: float, min_rows: int) -> int:
+        """Rows of one call inside a slice: about ``target_s`` of work, or more, so that the fixed
+        part per call is at most ``max_overhead`` of a call's time (a vectorised count pays a few
+        ms per call for its batch's distinct keys: its calls stay whole batches). One call per
+        slice (a large value) while unmeasured."""
+        fixed, _ = self.parts()
+        return self.slice_rows(max(target_s, fixed / max_overhead), min_rows, _UNSLICED)
 
 
 _UNSLICED = 1 << 62

@@ -65,6 +65,12 @@ def test_the_first_scale_out_after_the_step_and_the_median_and_range_over_runs()
     assert s["high_p99_ms"] == {"median": 300.0, "min": 200.0, "max": 900.0}
     assert s["exact_runs"] == 3 and s["runs"] == 3
     assert "rescale" not in s  # not a number
+    # high p99 200 ms against 100 ms low: the one run within 2x
+    assert [r["within_2x"] for r in rows] == [False, True, False]
+    assert s["runs_within_2x"] == 1
+    assert rows[0]["load_at_start"] is None  # the report recorded no machine load
+    loaded = {**_report(0.9, 300.0), "machine_load": {"start": [2.5, 3.0, 3.1], "end": [1, 1, 1]}}
+    assert first_scale_out(loaded)["load_at_start"] == 2.5
 
 
 def test_a_run_without_a_scale_out_after_the_step_has_no_rescale_figures() -> None:

@@ -106,3 +106,64 @@ def test_a_fixed_cost_found_once_is_kept_while_batches_are_alike() -> None:
     calls = _run(cost, fixed_s=0.15, per_row_s=0.0, batch_rows=2000, batches=60)
     assert len(calls) <= 62, f"{len(calls)} calls for 60 batches"
     assert calls[-50:] == [2000] * 50
+
+
+CALL_S = 0.02
+MAX_OVERHEAD = 0.05
+
+
+def _run_calls(cost: BatchCost, fixed_s: float, per_row_s: float, batch_rows: int,
+               batches: int) -> list[list[int]]:
+    """As :func:`_run`, each slice in calls of :meth:`BatchCost.call_rows`; returns each batch's
+    calls."""
+    out = []
+    for _ in range(batches):
+        calls = []
+        start = 0
+        while start < batch_rows:
+            end = min(start + cost.slice_rows(TARGET_S, MIN_ROWS, UNMEASURED), batch_rows)
+            while start < end:
+                n = min(cost.call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS), end - start)
+                cost.learn(fixed_s + per_row_s * n, n)
+                calls.append(n)
+                start += n
+        out.append(calls)
+    return out
+
+
+def test_unmeasured_a_slice_is_one_call() -> None:
+    assert BatchCost().call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS) > 10**9
+
+
+def test_calls_reveal_a_fixed_part_and_a_vectorised_step_keeps_whole_batches() -> None:
+    # a vectorised count: 3 ms per call and 0.3 us per record, every batch 100,000 records
+    # (33 ms: one slice). Alike batches hide the fixed part; the first calls, of 20 ms, reveal
+    # it, and calls then take whole batches (a call of 20 ms would cost 15 % more than its
+    # records; the limit is 5 %)
+    cost = BatchCost()
+    cost.learn(1.0, 10)
+    for _ in range(5):
+        cost.learn(0.033, 100_000)
+    assert cost.call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS) < 100_000  # fixed part taken as none
+    calls = _run_calls(cost, 0.003, 3e-7, 100_000, 30)
+    assert sum(len(c) > 1 for c in calls) <= 3, calls[:5]
+    assert calls[-20:] == [[100_000]] * 20
+
+
+def test_calls_of_a_cost_per_record_take_the_call_target() -> None:
+    cost = BatchCost()
+    cost.learn(1.0, 10)
+    for rows in (500, 1000, 500, 1000):
+        cost.learn(0.0001 + 1e-4 * rows, rows)  # 0.1 ms per call, 100 us per record
+    # (20 ms - 0.1 ms) / 100 us
+    assert cost.call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS) == 199
+
+
+def test_a_fixed_part_per_call_makes_calls_larger() -> None:
+    # a vectorised count: ~3 ms per call, 0.3 us per record; calls of 20 ms would cost 15 % more;
+    # at most 5 %: calls of 60 ms, i.e. (60 - 3) ms / 0.3 us = 190,000 records
+    cost = BatchCost()
+    cost.learn(1.0, 10)
+    for rows in (20_000, 100_000, 50_000, 100_000, 20_000):
+        cost.learn(0.003 + 3e-7 * rows, rows)
+    assert cost.call_rows(CALL_S, MAX_OVERHEAD, MIN_ROWS) == pytest.approx(190_000, rel=0.01)
