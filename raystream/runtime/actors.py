@@ -267,10 +267,19 @@ class InstanceEndpoint:
         return self._instance.read_snapshot(path, key_groups)
 
     # ---- moving a whole instance by its RocksDB files (raystream.runtime.move_files) ---------
-    async def copy_files(self, epoch: int) -> dict[str, Any]:
+    async def copy_files(self, epoch: int, mirror_to: Any = None) -> dict[str, Any]:
+        """Old instance of a move: a checkpoint of its files; with ``mirror_to`` (the new
+        instance's actor), the rows it changes from then on are pushed there until its seal."""
         from raystream.runtime.move_files import copy_files
 
-        return await copy_files(self._instance, epoch)
+        send = None
+        if mirror_to is not None:
+
+            def send(number: int, changes: Any) -> Any:
+                ref = mirror_to.mirror_changes.remote(epoch, number, changes)
+                return asyncio.wrap_future(ref.future())
+
+        return await copy_files(self._instance, epoch, send)
 
     async def hand_over_changes(self, epoch: int) -> dict[str, Any]:
         from raystream.runtime.move_files import hand_over_changes
@@ -296,24 +305,28 @@ class InstanceEndpoint:
             return asyncio.wrap_future(ref.future())
 
         self._take_over = (FilesTakeOver(self._instance, epoch), old)
+        me = ray.get_runtime_context().current_actor
         return await self._take_over[0].begin(
             same_node,
-            lambda: call(old.copy_files.remote(epoch)),
+            lambda: call(old.copy_files.remote(epoch, me)),
             lambda d, n, o, k: call(old.read_moved_file.remote(d, n, o, k)),
             lambda d: call(old.drop_moved_files.remote(d)),
         )
 
-    async def take_changes(self) -> Any:
-        from raystream.runtime.move_files import take_changes
+    async def mirror_changes(self, epoch: int, number: int, changes: Any) -> None:
+        """New instance of a move: push ``number`` of the rows the old instance changed since
+        its checkpoint (written here in the order of the numbers)."""
+        held = getattr(self, "_take_over", None)
+        take_over = held[0] if held is not None else None
+        if take_over is None or take_over.epoch != epoch:
+            from raystream.errors import StateError
 
-        return take_changes(self._instance)
-
-    async def catch_up(self) -> dict[str, Any]:
-        """New instance of a move, before its barrier: the rows changed since the copy."""
-        take_over, old = self._take_over
-        return await take_over.catch_up(
-            lambda: asyncio.wrap_future(old.take_changes.remote().future())
-        )
+            msg = (
+                f"{self._instance.spec.id} got rows of move epoch {epoch}, but takes over "
+                f"{'nothing' if take_over is None else f'epoch {take_over.epoch}'}"
+            )
+            raise StateError(msg)
+        take_over.mirrored(number, changes)
 
     async def finish_take_over(self, epoch: int) -> dict[str, Any]:
         take_over, old = self._take_over
