@@ -358,12 +358,13 @@ class Reconfigurations:
         )
         files: dict[str, Any] | None = None
         if by_files:
-            # the old instance's files copied and opened there; the rows it changes from the
-            # checkpoint on are pushed there as it goes (what is left at the seal: the last
-            # few milliseconds of writes)
+            # the old instance's files copied and opened there, then the rows it changed since
+            # in rounds; from the last round on, every write is pushed there as it goes (what
+            # is left at the seal: the last few milliseconds of writes)
             same_node = self.nodes.get(old_iid) == self.nodes[new_iid]
             try:
                 files = await handle.begin_take_over.remote(epoch, old, same_node)
+                files.update(await handle.catch_up.remote())
             except Exception as e:  # noqa: BLE001 - the rows go instead; the record says why
                 by_files = False
                 files = {"error": f"{type(e).__name__}: {e}; moved by rows instead"}

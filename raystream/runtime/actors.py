@@ -267,19 +267,10 @@ class InstanceEndpoint:
         return self._instance.read_snapshot(path, key_groups)
 
     # ---- moving a whole instance by its RocksDB files (raystream.runtime.move_files) ---------
-    async def copy_files(self, epoch: int, mirror_to: Any = None) -> dict[str, Any]:
-        """Old instance of a move: a checkpoint of its files; with ``mirror_to`` (the new
-        instance's actor), the rows it changes from then on are pushed there until its seal."""
+    async def copy_files(self, epoch: int) -> dict[str, Any]:
         from raystream.runtime.move_files import copy_files
 
-        send = None
-        if mirror_to is not None:
-
-            def send(number: int, changes: Any) -> Any:
-                ref = mirror_to.mirror_changes.remote(epoch, number, changes)
-                return asyncio.wrap_future(ref.future())
-
-        return await copy_files(self._instance, epoch, send)
+        return await copy_files(self._instance, epoch)
 
     async def hand_over_changes(self, epoch: int) -> dict[str, Any]:
         from raystream.runtime.move_files import hand_over_changes
@@ -305,12 +296,37 @@ class InstanceEndpoint:
             return asyncio.wrap_future(ref.future())
 
         self._take_over = (FilesTakeOver(self._instance, epoch), old)
-        me = ray.get_runtime_context().current_actor
         return await self._take_over[0].begin(
             same_node,
-            lambda: call(old.copy_files.remote(epoch, me)),
+            lambda: call(old.copy_files.remote(epoch)),
             lambda d, n, o, k: call(old.read_moved_file.remote(d, n, o, k)),
             lambda d: call(old.drop_moved_files.remote(d)),
+        )
+
+    async def take_changes(self) -> Any:
+        from raystream.runtime.move_files import take_changes
+
+        return take_changes(self._instance)
+
+    async def mirror_from_now(self, epoch: int, mirror_to: Any) -> Any:
+        """Old instance of a move: the rows changed since the last catch-up round; from now on
+        every write is pushed to ``mirror_to`` (the new instance's actor) until the seal."""
+        from raystream.runtime.move_files import mirror_from_now
+
+        def send(number: int, changes: Any) -> Any:
+            ref = mirror_to.mirror_changes.remote(epoch, number, changes)
+            return asyncio.wrap_future(ref.future())
+
+        return mirror_from_now(self._instance, epoch, send)
+
+    async def catch_up(self) -> dict[str, Any]:
+        """New instance of a move, before its barrier: the rows changed since the copy, then
+        every write of the old instance mirrored here until its seal."""
+        take_over, old = self._take_over
+        me = ray.get_runtime_context().current_actor
+        return await take_over.catch_up(
+            lambda: asyncio.wrap_future(old.take_changes.remote().future()),
+            lambda: asyncio.wrap_future(old.mirror_from_now.remote(take_over.epoch, me).future()),
         )
 
     async def mirror_changes(self, epoch: int, number: int, changes: Any) -> None:

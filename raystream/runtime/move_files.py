@@ -10,11 +10,11 @@ no cold sub-groups. Instead, in two steps:
    its records go on) and from that moment tracks the keys it writes. The new instance puts
    the checkpoint in place (renamed on the same node, a copy on another filesystem; from
    another node pulled in pieces, actor to actor) and opens it as its own RocksDB.
-   From the checkpoint on, the old instance mirrors what it writes: once the checkpoint is
-   taken, the rows changed while it was taken, then every ``MIRROR_EVERY_S`` the rows changed
-   since its last push (:class:`Mirror`, numbered 1, 2, ...),
-   and the new instance writes them in that order (:meth:`FilesTakeOver.mirrored`; those
-   that come before its RocksDB is open wait for it).
+   Then, still before the barrier, the rows it changed since come over in rounds (each
+   brings what was written during the one before) until a round is small; with the last one
+   the old instance starts mirroring what it writes: every ``MIRROR_EVERY_S`` it pushes the
+   rows it changed since its last push (:class:`Mirror`, numbered 1, 2, ...), and the new
+   instance writes them in that order (:meth:`FilesTakeOver.mirrored`).
 2. At the barrier nothing waits for the files any more: once the old instance sealed (the
    barrier came on every input, and what it sent downstream was read: the migration engine's
    seal and fence), it stops mirroring and hands over only the rows it wrote or deleted since
@@ -53,6 +53,7 @@ __all__ = [
     "Mirror",
     "copy_files",
     "hand_over_changes",
+    "mirror_from_now",
     "read_piece",
     "take_changes",
 ]
@@ -60,8 +61,12 @@ __all__ = [
 # the fetch policy of a move by files: the migration engine fetches nothing by itself
 FILES_POLICY = FetchPolicy(on_demand=False, background="none")
 PIECE_BYTES = 8 << 20  # a file pulled from another node comes in pieces of this size
-# the old instance pushes the rows it changed to the new one this often, from its checkpoint
-# until its seal: at the seal only the rows of the last few milliseconds are left to hand over
+# rows changed since the copy are caught up before the barrier in rounds, until one is
+# smaller than this (or this many were made)
+CATCH_UP_ROUNDS = 4
+CATCH_UP_BYTES = 512 << 10
+# after the rounds, the old instance pushes the rows it changes to the new one this often until
+# its seal: at the seal only the rows of the last few milliseconds are left to hand over
 MIRROR_EVERY_S = 0.01
 # the new instance waits this long at most for a push the old one said it made
 MIRROR_WAIT_S = 30.0
@@ -88,19 +93,11 @@ def _whole(inst: Any, epoch: int | None) -> tuple[Any, Any]:
     return engine, task
 
 
-async def copy_files(
-    inst: Any,
-    epoch: int,
-    send: Callable[[int, pa.RecordBatch], Awaitable[Any]] | None = None,
-    every_s: float = MIRROR_EVERY_S,
-) -> dict[str, Any]:
+async def copy_files(inst: Any, epoch: int) -> dict[str, Any]:
     """Old instance, before the move barrier: a checkpoint of its whole RocksDB (hard links,
     after writing its cached entries and flushing the memtable, in a thread: records go on
-    meanwhile); from that moment on the keys it writes are tracked and, with ``send(number,
-    rows)``, pushed to the new instance (:class:`Mirror`): once the checkpoint is taken what
-    was written meanwhile, then every ``every_s`` until the seal.
-    Returns the folder, its files (name, bytes), the key groups it holds and the time the
-    checkpoint took."""
+    meanwhile); from that moment on the keys it writes are tracked. Returns the folder, its
+    files (name, bytes), the key groups it holds and the time the checkpoint took."""
     engine, _ = _whole(inst, None)
     backend = inst.processor.backend
     t0 = time.monotonic()
@@ -108,26 +105,36 @@ async def copy_files(
     if directory.exists():  # left by a failed attempt
         shutil.rmtree(directory)
     old = getattr(inst, MIRROR_ATTR, None)
-    if old is not None:  # a mirror of a failed attempt
+    if old is not None:  # the mirror of a failed attempt
         old.stop()
+        setattr(inst, MIRROR_ATTR, None)
     taken = backend.snapshot_async(directory)  # the state of this moment ...
     backend.track_writes()  # ... and every key written after it
     await asyncio.wrap_future(taken)
-    if send is not None:
-        # from the end of the checkpoint on: with pushes while its thread ran, one move's
-        # checkpoint took 0.88 s instead of 0.23-0.33 (reconfigure_100mb_move_mirror_diag_run1)
-        mirror = Mirror(inst, epoch, send, every_s)
-        setattr(inst, MIRROR_ATTR, mirror)
-        mirror.push()  # what was written while the checkpoint was taken
-        mirror.start()
     s = engine.sub_groups
     return {
         "directory": str(directory),
         "files": sorted((f.name, f.stat().st_size) for f in directory.iterdir() if f.is_file()),
         "key_groups": sorted({g // s for g in np.flatnonzero(engine.held).tolist()}),
         "checkpoint_ms": round((time.monotonic() - t0) * 1000, 1),
-        "mirror_every_ms": round(every_s * 1000, 1) if send is not None else None,
     }
+
+
+def mirror_from_now(
+    inst: Any,
+    epoch: int,
+    send: Callable[[int, pa.RecordBatch], Awaitable[Any]],
+    every_s: float = MIRROR_EVERY_S,
+) -> pa.RecordBatch:
+    """Old instance, after the catch-up rounds: the rows changed since the last round
+    (:func:`take_changes`), and from this moment on every write mirrored to the new instance
+    (:class:`Mirror`, every ``every_s``) until the seal."""
+    _whole(inst, None)
+    changes = take_changes(inst)
+    mirror = Mirror(inst, epoch, send, every_s)  # no write between the take and this
+    setattr(inst, MIRROR_ATTR, mirror)
+    mirror.start()
+    return changes
 
 
 MIRROR_ATTR = "move_mirror"  # the instance's running Mirror, if any
@@ -432,8 +439,8 @@ class FilesTakeOver:
 
     def mirrored(self, number: int, changes: pa.RecordBatch) -> None:
         """Push ``number`` of the old instance's changed rows: written here in the order of
-        the numbers (a push that overtook an earlier one waits for it; every push waits until
-        the files are open)."""
+        the numbers (a push that overtook an earlier one waits for it; every push waits for
+        the answer that started the mirror, :meth:`catch_up`)."""
         if self.failed is not None:
             msg = (
                 f"{self.inst.spec.id}'s take-over of move epoch {self.epoch} failed: "
@@ -519,21 +526,13 @@ class FilesTakeOver:
         # held stays empty: each sub-group is held once its buffered records are released
         # (take_released), so no record of it runs before those that waited
         proc.swap_backend(fresh, [])
-        # the pushes that came meanwhile (the rows changed since the checkpoint), in order
         t_open = time.monotonic()
-        waiting = len(self._mirrored)
-        self._opened = True
-        self._apply_mirrored()
         self.key_groups = list(got["key_groups"])
         self.stats = {
             "checkpoint_ms": got["checkpoint_ms"],
             "copied_s": round(t_copied - t0, 3),
             "placed_ms": round((t_placed - t_copied) * 1000, 1),
             "opened_ms": round((t_open - t_placed) * 1000, 1),
-            "mirror_every_ms": got.get("mirror_every_ms"),
-            # pushes that waited for the files, and writing them once they were open
-            "mirrored_at_open": waiting,
-            "mirrored_at_open_ms": round((time.monotonic() - t_open) * 1000, 1),
             "files": len(got["files"]),
             "file_bytes": sum(size for _, size in got["files"]),
             "pulled_bytes": pulled,
@@ -553,6 +552,33 @@ class FilesTakeOver:
         puts = [k for k, d in zip(keys, deleted, strict=True) if not d]
         gone = [k for k, d in zip(keys, deleted, strict=True) if d]
         self.inst.processor.backend.write_direct(puts, value.drop_null().to_pylist(), deletes=gone)
+
+    async def catch_up(
+        self,
+        take: Callable[[], Awaitable[pa.RecordBatch]],
+        mirror_from_now: Callable[[], Awaitable[pa.RecordBatch]],
+        rounds: int = CATCH_UP_ROUNDS,
+        small_bytes: int = CATCH_UP_BYTES,
+    ) -> dict[str, Any]:
+        """Before the barrier: the rows the old instance changed since the copy, in rounds
+        (each brings what was written during the one before) until a round is smaller than
+        ``small_bytes`` or ``rounds`` were made; then those changed since the last round, with
+        every later write pushed here (``mirror_from_now``, :meth:`mirrored`): what is left at
+        the seal (:meth:`finish`) is the last push's few milliseconds of writes."""
+        sizes = []
+        for _ in range(rounds):
+            changes = await take()
+            self._apply(changes)
+            sizes.append(changes.nbytes)
+            if changes.nbytes < small_bytes:
+                break
+        changes = await mirror_from_now()
+        self._apply(changes)
+        sizes.append(changes.nbytes)
+        self._opened = True  # pushes write here from now on, in order (after that answer)
+        self._apply_mirrored()
+        self.stats["catch_up_bytes"] = sizes
+        return {"catch_up_bytes": sizes}
 
     async def finish(self, hand_over: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         """Once the old instance sealed (``hand_over`` answers then): write the rows it changed

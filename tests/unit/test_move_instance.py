@@ -36,7 +36,9 @@ from raystream.runtime.move_files import (
     FilesTakeOver,
     copy_files,
     hand_over_changes,
+    mirror_from_now,
     read_piece,
+    take_changes,
 )
 
 EVENTS = 6_000
@@ -123,7 +125,7 @@ async def _move(
             take.mirrored(number, changes)
 
         async def copy() -> dict[str, Any]:
-            copied.update(await copy_files(insts[OLD], 1, mirror, every_s=0.005))
+            copied.update(await copy_files(insts[OLD], 1))
             return copied
 
         async def read(directory: str, name: str, offset: int, size: int) -> bytes:
@@ -133,6 +135,13 @@ async def _move(
             shutil.rmtree(directory)
 
         await take.begin(transfer == "files_same_node", copy, read, release)
+        await asyncio.sleep(0.05)  # records run on at the old instance meanwhile
+        rounds = await take.catch_up(
+            lambda: _now(take_changes(insts[OLD])),
+            lambda: _now(mirror_from_now(insts[OLD], 1, mirror, every_s=0.005)),
+            small_bytes=1,
+        )
+        assert rounds["catch_up_bytes"] and rounds["catch_up_bytes"][0] > 0
         await asyncio.sleep(0.05)  # records run on at the old instance, mirrored meanwhile
         assert take.applied > 0, "no write of the old instance was mirrored before the barrier"
         taking = asyncio.ensure_future(take.finish(lambda: hand_over_changes(insts[OLD], 1)))
@@ -147,6 +156,10 @@ async def _move(
         assert not Path(copied["directory"]).exists()  # renamed, or pulled and dropped
         return insts, {**taking.result(), "copied": copied}
     return insts, None
+
+
+async def _now(value: Any) -> Any:
+    return value
 
 
 @pytest.mark.parametrize("transfer", ["rows", "files_same_node", "files_pulled"])

@@ -1,9 +1,9 @@
 """A move by files mirrors the old instance's writes to the new one (no Ray, real RocksDB).
 
-From the old instance's checkpoint on, every write it makes reaches the new instance in pushes
-(:class:`raystream.runtime.move_files.Mirror`), written there in the order of their numbers even
-when a push overtakes an earlier one, and those that come before the new instance's RocksDB is
-open wait for it. The oracle is the old instance's own log of writes: at the seal, the new
+After the old instance's checkpoint and its catch-up rounds, every write it makes reaches the
+new instance in pushes (:class:`raystream.runtime.move_files.Mirror`), written there in the
+order of their numbers even when a push overtakes an earlier one, and those that come before
+the answer that started the mirror is written wait for it. The oracle is the old instance's own log of writes: at the seal, the new
 instance's state equals the old one's, every key got a subsequence of the values written to it
 (each write at most once, in the order made), and nothing written before the last push is left
 for the hand-over at the seal.
@@ -23,7 +23,12 @@ import pyarrow as pa
 import pytest
 
 from raystream.errors import StateError
-from raystream.runtime.move_files import FilesTakeOver, copy_files, take_changes
+from raystream.runtime.move_files import (
+    FilesTakeOver,
+    copy_files,
+    mirror_from_now,
+    take_changes,
+)
 from raystream.state.rocks import RocksStateBackend
 
 KEYS = [f"k{i:03d}".encode() for i in range(120)]
@@ -75,11 +80,14 @@ def test_writes_after_the_checkpoint_reach_the_new_instance_once_in_order_none_l
 
         take._apply = logged  # type: ignore[method-assign]
         arrived: list[int] = []
+        early: list[int] = []  # pushes that came before the answer that started the mirror
 
         async def send(number: int, changes: pa.RecordBatch) -> None:
             # even pushes take longer on their way: the next one overtakes them
             await asyncio.sleep(0.006 if number % 2 == 0 else 0.0)
             arrived.append(number)
+            if not take._opened:  # noqa: SLF001
+                early.append(number)
             take.mirrored(number, changes)
 
         # the oracle: every write the old instance makes after the checkpoint, per key
@@ -103,10 +111,18 @@ def test_writes_after_the_checkpoint_reach_the_new_instance_once_in_order_none_l
         copied: dict[str, Any] = {}
 
         async def copy() -> dict[str, Any]:
-            copied.update(await copy_files(old, 1, send, every_s=EVERY_S))
+            copied.update(await copy_files(old, 1))
             writer.append(asyncio.ensure_future(write()))  # from the checkpoint's moment on
-            await asyncio.sleep(0.03)  # pushes come before the files are open: they wait
             return copied
+
+        async def take_round() -> pa.RecordBatch:
+            await asyncio.sleep(0.01)
+            return take_changes(old)
+
+        async def start_mirror() -> pa.RecordBatch:
+            changes = mirror_from_now(old, 1, send, every_s=EVERY_S)
+            await asyncio.sleep(0.03)  # pushes come before this answer is written: they wait
+            return changes
 
         writer: list[asyncio.Task[None]] = []
 
@@ -116,8 +132,10 @@ def test_writes_after_the_checkpoint_reach_the_new_instance_once_in_order_none_l
         async def release(directory: str) -> None:
             shutil.rmtree(directory)
 
-        stats = await take.begin(True, copy, no_read, release)
-        assert stats["mirrored_at_open"] > 0, "no push came before the files were open"
+        await take.begin(True, copy, no_read, release)
+        rounds = await take.catch_up(take_round, start_mirror, rounds=2, small_bytes=1)
+        assert len(rounds["catch_up_bytes"]) == 3 and all(rounds["catch_up_bytes"][:2])
+        assert early, "no push came before the answer that started the mirror"
         await wrote_last.wait()
         await asyncio.sleep(EVERY_S * 10)  # the mirror pushes what was written last
         # the seal: the mirror stops; what is left goes in the hand-over
