@@ -311,13 +311,33 @@ class InstanceEndpoint:
     async def mirror_from_now(self, epoch: int, mirror_to: Any) -> Any:
         """Old instance of a move: the rows changed since the last catch-up round; from now on
         every write is pushed to ``mirror_to`` (the new instance's actor) until the seal."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from raystream.runtime.move_files import mirror_from_now
 
-        def send(number: int, changes: Any) -> Any:
-            ref = mirror_to.mirror_changes.remote(epoch, number, changes)
-            return asyncio.wrap_future(ref.future())
+        # the call (serialising the rows, the object store) in a thread of its own, so the
+        # loop goes back to its records; one thread: the pushes leave in order
+        pool = ThreadPoolExecutor(1, thread_name_prefix="move-mirror")
+        loop = asyncio.get_running_loop()
+        mirror: Any = None
 
-        return mirror_from_now(self._instance, epoch, send)
+        def submit(number: int, changes: Any) -> Any:
+            t0 = time.monotonic()
+            ref = mirror_to.mirror_changes.remote(epoch, number, changes)
+            if mirror is not None:
+                mirror.send_ms.append(round((time.monotonic() - t0) * 1000, 1))
+            return ref.future()
+
+        async def send(number: int, changes: Any) -> Any:
+            sent = await loop.run_in_executor(pool, submit, number, changes)
+            return await asyncio.wrap_future(sent)
+
+        changes = mirror_from_now(self._instance, epoch, send)
+        from raystream.runtime.move_files import MIRROR_ATTR
+
+        mirror = getattr(self._instance, MIRROR_ATTR)
+        mirror.on_stop = lambda: pool.shutdown(wait=False)
+        return changes
 
     async def catch_up(self) -> dict[str, Any]:
         """New instance of a move, before its barrier: the rows changed since the copy, then

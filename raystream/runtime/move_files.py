@@ -167,9 +167,12 @@ class Mirror:
         self.largest_bytes = 0
         self.stopped = False
         self.push_ms: list[float] = []  # each push's time in the loop (reading, sending)
+        self.read_ms: list[float] = []  # of which taking the keys and reading their rows
+        self.send_ms: list[float] = []  # the call's submission (where ``send`` reports it)
         self.at: list[float] = []  # when each push was made (monotonic)
         self._sent: list[asyncio.Future[Any]] = []
         self._runner: asyncio.Task[None] | None = None
+        self.on_stop: Callable[[], Any] = lambda: None  # e.g. the sending thread let go of
 
     def start(self) -> None:
         self._runner = asyncio.get_running_loop().create_task(self._run())
@@ -186,6 +189,7 @@ class Mirror:
         self.failure()  # a push that failed: no later one goes (the hand-over raises)
         t0 = time.monotonic()
         changes = take_changes(self.inst)
+        t_read = time.monotonic()
         if not changes.num_rows:
             return
         self.pushed += 1
@@ -196,6 +200,7 @@ class Mirror:
         self._sent.append(asyncio.ensure_future(self.send(self.pushed, changes)))
         self.at.append(t0)
         self.push_ms.append(round((time.monotonic() - t0) * 1000, 1))
+        self.read_ms.append(round((t_read - t0) * 1000, 1))
 
     def failure(self) -> None:
         """Raise the error of a push that failed (the new instance would wait for it)."""
@@ -214,6 +219,7 @@ class Mirror:
         self.stopped = True
         if self._runner is not None and not self._runner.done():
             self._runner.cancel()
+        self.on_stop()
         return self.pushed
 
     def stats(self) -> dict[str, Any]:
@@ -223,6 +229,8 @@ class Mirror:
             "mirror_bytes": self.bytes,
             "mirror_largest_bytes": self.largest_bytes,
             "mirror_push_ms": self.push_ms,
+            "mirror_read_ms": self.read_ms,
+            "mirror_send_ms": self.send_ms,
             # the gaps between pushes (the loop took longer than every_s to come round)
             "mirror_gaps_ms": [round((b - a) * 1000, 1) for a, b in zip(self.at, self.at[1:])],
         }
@@ -648,6 +656,8 @@ class FilesTakeOver:
                 "mirror_bytes": got.get("mirror_bytes", 0),
                 "mirror_largest_bytes": got.get("mirror_largest_bytes", 0),
                 "mirror_push_ms": got.get("mirror_push_ms"),
+                "mirror_read_ms": got.get("mirror_read_ms"),
+                "mirror_send_ms": got.get("mirror_send_ms"),
                 "mirror_gaps_ms": got.get("mirror_gaps_ms"),
                 "mirror_apply_ms": list(self.apply_ms),
                 # pushes still to write when the answer came, and the wait for them
