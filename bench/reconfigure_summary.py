@@ -119,6 +119,9 @@ def move_window(moves: list[dict[str, Any]]) -> dict[str, Any]:
         add("reading_them_ms", files.get("changes_ms"))
         add("reading_them_cpu_ms", files.get("changes_cpu_ms"))
         add("answer_in_ms", files.get("answer_in_ms"))
+        # records the barrier overtook at the old actor (the rest of a batch it was working
+        # through): they go with the answer, and run first at the new actor
+        add("records_handed_over", files.get("handover_rows"))
         add("mirror_pushes", files.get("mirror_pushed"))
         add("mirror_largest_kb", _kb(files.get("mirror_largest_bytes")))
         add("mirror_behind_at_hand_over", files.get("mirror_behind_at_hand_over"))
