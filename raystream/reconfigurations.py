@@ -359,8 +359,7 @@ class Reconfigurations:
         files: dict[str, Any] | None = None
         if by_files:
             # the old instance's files copied and opened there, then the rows it changed since
-            # in rounds; from the last round on, every write is pushed there as it goes (what
-            # is left at the seal: the last few milliseconds of writes)
+            # in rounds: last before the barrier (what is written meanwhile waits at the seal)
             same_node = self.nodes.get(old_iid) == self.nodes[new_iid]
             try:
                 files = await handle.begin_take_over.remote(epoch, old, same_node)

@@ -308,61 +308,12 @@ class InstanceEndpoint:
 
         return take_changes(self._instance)
 
-    async def mirror_from_now(self, epoch: int, mirror_to: Any) -> Any:
-        """Old instance of a move: the rows changed since the last catch-up round; from now on
-        every write is pushed to ``mirror_to`` (the new instance's actor) until the seal."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from raystream.runtime.move_files import mirror_from_now
-
-        # the call (serialising the rows, the object store) in a thread of its own, so the
-        # loop goes back to its records; one thread: the pushes leave in order
-        pool = ThreadPoolExecutor(1, thread_name_prefix="move-mirror")
-        loop = asyncio.get_running_loop()
-        mirror: Any = None
-
-        def submit(number: int, changes: Any) -> Any:
-            t0 = time.monotonic()
-            ref = mirror_to.mirror_changes.remote(epoch, number, changes)
-            if mirror is not None:
-                mirror.send_ms.append(round((time.monotonic() - t0) * 1000, 1))
-            return ref.future()
-
-        async def send(number: int, changes: Any) -> Any:
-            sent = await loop.run_in_executor(pool, submit, number, changes)
-            return await asyncio.wrap_future(sent)
-
-        changes = mirror_from_now(self._instance, epoch, send)
-        from raystream.runtime.move_files import MIRROR_ATTR
-
-        mirror = getattr(self._instance, MIRROR_ATTR)
-        mirror.on_stop = lambda: pool.shutdown(wait=False)
-        return changes
-
     async def catch_up(self) -> dict[str, Any]:
-        """New instance of a move, before its barrier: the rows changed since the copy, then
-        every write of the old instance mirrored here until its seal."""
+        """New instance of a move, before its barrier: the rows changed since the copy."""
         take_over, old = self._take_over
-        me = ray.get_runtime_context().current_actor
         return await take_over.catch_up(
-            lambda: asyncio.wrap_future(old.take_changes.remote().future()),
-            lambda: asyncio.wrap_future(old.mirror_from_now.remote(take_over.epoch, me).future()),
+            lambda: asyncio.wrap_future(old.take_changes.remote().future())
         )
-
-    async def mirror_changes(self, epoch: int, number: int, changes: Any) -> None:
-        """New instance of a move: push ``number`` of the rows the old instance changed since
-        its checkpoint (written here in the order of the numbers)."""
-        held = getattr(self, "_take_over", None)
-        take_over = held[0] if held is not None else None
-        if take_over is None or take_over.epoch != epoch:
-            from raystream.errors import StateError
-
-            msg = (
-                f"{self._instance.spec.id} got rows of move epoch {epoch}, but takes over "
-                f"{'nothing' if take_over is None else f'epoch {take_over.epoch}'}"
-            )
-            raise StateError(msg)
-        take_over.mirrored(number, changes)
 
     async def finish_take_over(self, epoch: int) -> dict[str, Any]:
         take_over, old = self._take_over

@@ -11,18 +11,13 @@ no cold sub-groups. Instead, in two steps:
    the checkpoint in place (renamed on the same node, a copy on another filesystem; from
    another node pulled in pieces, actor to actor) and opens it as its own RocksDB.
    Then, still before the barrier, the rows it changed since come over in rounds (each
-   brings what was written during the one before) until a round is small; with the last one
-   the old instance starts mirroring what it writes: every ``MIRROR_EVERY_S`` it pushes the
-   rows it changed since its last push (:class:`Mirror`, numbered 1, 2, ...), and the new
-   instance writes them in that order (:meth:`FilesTakeOver.mirrored`).
+   brings what was written during the one before) until a round is small.
 2. At the barrier nothing waits for the files any more: once the old instance sealed (the
    barrier came on every input, and what it sent downstream was read: the migration engine's
-   seal and fence), it stops mirroring and hands over only the rows it wrote or deleted since
-   its last push (a few milliseconds of writes), the number of that push, and the records it
-   had queued but not applied (a move barrier overtakes its queue). The new instance writes
-   every push up to that number, then those rows, then runs the handed-over records and those
-   that waited here, per sub-group in the order sent: each write once, in the order made, and
-   none after the seal (the mirror stopped before the last rows were taken).
+   seal and fence), it hands over only the rows it wrote or deleted since the last round, and
+   the records it had queued but not applied (a move barrier overtakes its queue). The new
+   instance writes those rows, then runs the handed-over records and those that waited here,
+   per sub-group in the order sent.
 
 Both sides run inside a migration task prepared as for a row-by-row move (every sub-group of
 the old instance outgoing, incoming at the new one) whose fetch policy fetches nothing itself
@@ -47,13 +42,10 @@ from raystream.rescale import FetchPolicy
 
 __all__ = [
     "FILES_POLICY",
-    "MIRROR_EVERY_S",
     "PIECE_BYTES",
     "FilesTakeOver",
-    "Mirror",
     "copy_files",
     "hand_over_changes",
-    "mirror_from_now",
     "read_piece",
     "take_changes",
 ]
@@ -62,16 +54,9 @@ __all__ = [
 FILES_POLICY = FetchPolicy(on_demand=False, background="none")
 PIECE_BYTES = 8 << 20  # a file pulled from another node comes in pieces of this size
 # rows changed since the copy are caught up before the barrier in rounds, until one is
-# smaller than this (or this many were made)
+# smaller than this (or this many were made): only what follows waits at the barrier
 CATCH_UP_ROUNDS = 4
 CATCH_UP_BYTES = 512 << 10
-# after the rounds, the old instance pushes the rows it changes to the new one this often until
-# its seal: at the seal only the rows of the last few milliseconds are left to hand over
-MIRROR_EVERY_S = 0.01
-# the new instance waits this long at most for a push the old one said it made
-MIRROR_WAIT_S = 30.0
-# the old instance reports its part of the move done this long after its hand-over answered
-DONE_AFTER_S = 0.02
 # the old instance frees its cache this long after its hand-over answered (off the move's path)
 FREE_CACHE_AFTER_S = 1.0
 
@@ -104,10 +89,6 @@ async def copy_files(inst: Any, epoch: int) -> dict[str, Any]:
     directory = _handoff_dir(Path(backend.path), epoch)
     if directory.exists():  # left by a failed attempt
         shutil.rmtree(directory)
-    old = getattr(inst, MIRROR_ATTR, None)
-    if old is not None:  # the mirror of a failed attempt
-        old.stop()
-        setattr(inst, MIRROR_ATTR, None)
     taken = backend.snapshot_async(directory)  # the state of this moment ...
     backend.track_writes()  # ... and every key written after it
     await asyncio.wrap_future(taken)
@@ -118,122 +99,6 @@ async def copy_files(inst: Any, epoch: int) -> dict[str, Any]:
         "key_groups": sorted({g // s for g in np.flatnonzero(engine.held).tolist()}),
         "checkpoint_ms": round((time.monotonic() - t0) * 1000, 1),
     }
-
-
-def mirror_from_now(
-    inst: Any,
-    epoch: int,
-    send: Callable[[int, pa.RecordBatch], Awaitable[Any]],
-    every_s: float = MIRROR_EVERY_S,
-) -> pa.RecordBatch:
-    """Old instance, after the catch-up rounds: the rows changed since the last round
-    (:func:`take_changes`), and from this moment on every write mirrored to the new instance
-    (:class:`Mirror`, every ``every_s``) until the seal."""
-    _whole(inst, None)
-    changes = take_changes(inst)
-    mirror = Mirror(inst, epoch, send, every_s)  # no write between the take and this
-    setattr(inst, MIRROR_ATTR, mirror)
-    mirror.start()
-    return changes
-
-
-MIRROR_ATTR = "move_mirror"  # the instance's running Mirror, if any
-
-
-class Mirror:
-    """Old instance of a move by files, from its checkpoint until its seal: every ``every_s``
-    the rows it wrote or deleted since its last push (:func:`take_changes`: their values now,
-    null for a deleted key) go to the new instance as push 1, 2, ... (``send(number, rows)``).
-    Nothing is pushed after :meth:`stop`, which gives the number of the last push: the hand-over
-    at the seal takes what was written since, so every write reaches the new instance once."""
-
-    def __init__(
-        self,
-        inst: Any,
-        epoch: int,
-        send: Callable[[int, pa.RecordBatch], Awaitable[Any]],
-        every_s: float,
-    ) -> None:
-        if not every_s > 0:
-            msg = f"a move's mirror pushes every every_s > 0 seconds, got {every_s!r}"
-            raise StateError(msg)
-        self.inst = inst
-        self.epoch = epoch
-        self.send = send
-        self.every_s = every_s
-        self.pushed = 0  # the number of the last push
-        self.rows = 0
-        self.bytes = 0
-        self.largest_bytes = 0
-        self.stopped = False
-        self.push_ms: list[float] = []  # each push's time in the loop (reading, sending)
-        self.read_ms: list[float] = []  # of which taking the keys and reading their rows
-        self.send_ms: list[float] = []  # the call's submission (where ``send`` reports it)
-        self.at: list[float] = []  # when each push was made (monotonic)
-        self._sent: list[asyncio.Future[Any]] = []
-        self._runner: asyncio.Task[None] | None = None
-        self.on_stop: Callable[[], Any] = lambda: None  # e.g. the sending thread let go of
-
-    def start(self) -> None:
-        self._runner = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while not self.stopped:
-            await asyncio.sleep(self.every_s)
-            if self.stopped:
-                break
-            self.push()
-
-    def push(self) -> None:
-        """The rows changed since the last push, to the new instance (none: nothing sent)."""
-        self.failure()  # a push that failed: no later one goes (the hand-over raises)
-        t0 = time.monotonic()
-        changes = take_changes(self.inst)
-        t_read = time.monotonic()
-        if not changes.num_rows:
-            return
-        self.pushed += 1
-        self.rows += changes.num_rows
-        self.bytes += changes.nbytes
-        self.largest_bytes = max(self.largest_bytes, changes.nbytes)
-        self._sent = [f for f in self._sent if not f.done() or _failed(f)]
-        self._sent.append(asyncio.ensure_future(self.send(self.pushed, changes)))
-        self.at.append(t0)
-        self.push_ms.append(round((time.monotonic() - t0) * 1000, 1))
-        self.read_ms.append(round((t_read - t0) * 1000, 1))
-
-    def failure(self) -> None:
-        """Raise the error of a push that failed (the new instance would wait for it)."""
-        for f in self._sent:
-            if _failed(f):
-                self.stop()
-                why = "cancelled" if f.cancelled() else repr(f.exception())
-                msg = (
-                    f"{self.inst.spec.id}: a push of the rows changed since the move's "
-                    f"checkpoint (epoch {self.epoch}) did not reach the new instance: {why}"
-                )
-                raise StateError(msg)
-
-    def stop(self) -> int:
-        """No push after this; returns the number of the last one."""
-        self.stopped = True
-        if self._runner is not None and not self._runner.done():
-            self._runner.cancel()
-        self.on_stop()
-        return self.pushed
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "mirror_pushes": self.pushed,
-            "mirror_rows": self.rows,
-            "mirror_bytes": self.bytes,
-            "mirror_largest_bytes": self.largest_bytes,
-            "mirror_push_ms": self.push_ms,
-            "mirror_read_ms": self.read_ms,
-            "mirror_send_ms": self.send_ms,
-            # the gaps between pushes (the loop took longer than every_s to come round)
-            "mirror_gaps_ms": [round((b - a) * 1000, 1) for a, b in zip(self.at, self.at[1:])],
-        }
 
 
 def _compactions(backend: Any) -> dict[str, int | None]:
@@ -263,16 +128,12 @@ def _changes_chunk(backend: Any, keys: list[bytes]) -> pa.RecordBatch:
     )
 
 
-def _failed(f: asyncio.Future[Any]) -> bool:
-    return f.done() and (f.cancelled() or f.exception() is not None)
-
-
 def take_changes(inst: Any) -> pa.RecordBatch:
     """Old instance, before the move barrier (records still run here): the rows written or
     deleted since :func:`copy_files` or the last call; tracking starts over from now."""
     backend = inst.processor.backend
     # rows held in memory (timers, resident states) are written (and tracked) first, so they go
-    # in this push rather than all in the final, blocking hand-over
+    # in this catch-up round rather than all in the final, blocking hand-over
     backend._write_pending(None)  # noqa: SLF001
     keys = backend.take_tracked()
     backend.track_writes()  # at once: no write between the two
@@ -281,19 +142,11 @@ def take_changes(inst: Any) -> pa.RecordBatch:
 
 async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     """Old instance, once sealed and fenced: the rows it wrote or deleted since
-    :func:`copy_files` or, when it mirrored them, since its last push (a state chunk; a null
-    value deletes the key; ``mirror_pushed``: the number of that push), and the records it had
+    :func:`copy_files` (a state chunk; a null value deletes the key) and the records it had
     not applied (sub-group -> batches). The instance then holds nothing and its part of the
     move is done."""
     engine, task = _whole(inst, epoch)
     await task.sealed.wait()
-    # sealed: no push after this one, what was written since goes in this answer
-    mirror = getattr(inst, MIRROR_ATTR, None)
-    pushed = 0
-    if mirror is not None:
-        pushed = mirror.stop()
-        setattr(inst, MIRROR_ATTR, None)
-        mirror.failure()
     # from the seal until this call went on (the seal's eviction and the loop's other work)
     woke_ms = round((time.time() - (task.sealed_wall or time.time())) * 1000, 1)
     backend = inst.processor.backend
@@ -348,13 +201,9 @@ async def hand_over_changes(inst: Any, epoch: int) -> dict[str, Any]:
     task.bytes_out = changes.nbytes
     task.chunks_out = 1
     task.first_urgent_served_wall = time.time()
-    # the engine's own completion check, with its report to the controller (~10 ms of stats
-    # and a call): after this answer went out, not before it
-    asyncio.get_running_loop().call_later(DONE_AFTER_S, engine._check_done)  # noqa: SLF001
+    engine._check_done()  # noqa: SLF001 - the engine's own completion check
     return {
         "changes": changes,
-        "mirror_pushed": pushed,
-        **(mirror.stats() if mirror is not None else {}),
         "records": records,
         # reading the changed rows: at the seal (while the fence went round), and after the fence
         "changes_ms": round(early_ms + (time.monotonic() - t1) * 1000, 1),
@@ -428,66 +277,14 @@ async def _pull_files(
 
 class FilesTakeOver:
     """New instance's side of a move by files: :meth:`begin` before the move barrier (the old
-    instance's files in place and open, holding nothing yet), :meth:`mirrored` for each push
-    of the rows the old instance changed since, :meth:`finish` after the barrier (the pushes
-    it made, the rows changed since its last one, the records it had not applied, then
-    release)."""
+    instance's files in place and open, holding nothing yet), :meth:`finish` after it (the
+    rows changed since, the records the old instance had not applied, then release)."""
 
     def __init__(self, inst: Any, epoch: int) -> None:
         self.inst = inst
         self.epoch = epoch
         self.stats: dict[str, Any] = {}
         self.key_groups: list[int] = []
-        self.failed: BaseException | None = None
-        self._opened = False
-        self._mirrored: dict[int, pa.RecordBatch] = {}  # pushes not written yet, by number
-        self.applied = 0  # the number of the last push written here
-        self.apply_ms: list[float] = []  # writing each push here
-        self._applied_event = asyncio.Event()
-
-    def mirrored(self, number: int, changes: pa.RecordBatch) -> None:
-        """Push ``number`` of the old instance's changed rows: written here in the order of
-        the numbers (a push that overtook an earlier one waits for it; every push waits for
-        the answer that started the mirror, :meth:`catch_up`)."""
-        if self.failed is not None:
-            msg = (
-                f"{self.inst.spec.id}'s take-over of move epoch {self.epoch} failed: "
-                f"{self.failed!r}; push {number} is refused"
-            )
-            raise StateError(msg)
-        if number <= self.applied or number in self._mirrored:
-            msg = (
-                f"{self.inst.spec.id} got push {number} of move epoch {self.epoch} twice (pushes "
-                f"up to {self.applied} are written)"
-            )
-            raise StateError(msg)
-        self._mirrored[number] = changes
-        if self._opened:
-            self._apply_mirrored()
-
-    def _apply_mirrored(self) -> None:
-        while self.applied + 1 in self._mirrored:
-            t0 = time.monotonic()
-            self._apply(self._mirrored.pop(self.applied + 1))
-            self.applied += 1
-            self.apply_ms.append(round((time.monotonic() - t0) * 1000, 1))
-        self._applied_event.set()
-
-    async def _mirrored_up_to(self, number: int) -> None:
-        """Until every push up to ``number`` is written here."""
-        deadline = time.monotonic() + MIRROR_WAIT_S
-        while self.applied < number:
-            left = deadline - time.monotonic()
-            self._applied_event.clear()
-            try:
-                await asyncio.wait_for(self._applied_event.wait(), max(left, 0.0))
-            except TimeoutError:
-                msg = (
-                    f"{self.inst.spec.id} waited {MIRROR_WAIT_S} s for the old instance's "
-                    f"pushes up to {number} of move epoch {self.epoch}; pushes up to "
-                    f"{self.applied} came (and {sorted(self._mirrored)[:8]} after a gap)"
-                )
-                raise StateError(msg) from None
 
     async def begin(
         self,
@@ -499,22 +296,7 @@ class FilesTakeOver:
         """Ask the old instance for a copy of its files (``copy``), put them in place (renamed
         on ``same_node``; else pulled with ``read(directory, name, offset, size)``, then the old
         folder dropped with ``release(directory)``) and open them as this instance's RocksDB.
-        Nothing is held here yet: records of the moving key groups wait for :meth:`finish`.
-        On a failure, pushes are refused from then on (the old instance stops mirroring)."""
-        try:
-            return await self._begin(same_node, copy, read, release)
-        except BaseException as e:
-            self.failed = e
-            self._mirrored.clear()
-            raise
-
-    async def _begin(
-        self,
-        same_node: bool,
-        copy: Callable[[], Awaitable[dict[str, Any]]],
-        read: Callable[[str, str, int, int], Awaitable[bytes]],
-        release: Callable[[str], Awaitable[Any]],
-    ) -> dict[str, Any]:
+        Nothing is held here yet: records of the moving key groups wait for :meth:`finish`."""
         inst = self.inst
         t0 = time.monotonic()
         got = await copy()
@@ -534,13 +316,12 @@ class FilesTakeOver:
         # held stays empty: each sub-group is held once its buffered records are released
         # (take_released), so no record of it runs before those that waited
         proc.swap_backend(fresh, [])
-        t_open = time.monotonic()
         self.key_groups = list(got["key_groups"])
         self.stats = {
             "checkpoint_ms": got["checkpoint_ms"],
             "copied_s": round(t_copied - t0, 3),
             "placed_ms": round((t_placed - t_copied) * 1000, 1),
-            "opened_ms": round((t_open - t_placed) * 1000, 1),
+            "opened_ms": round((time.monotonic() - t_placed) * 1000, 1),
             "files": len(got["files"]),
             "file_bytes": sum(size for _, size in got["files"]),
             "pulled_bytes": pulled,
@@ -564,15 +345,13 @@ class FilesTakeOver:
     async def catch_up(
         self,
         take: Callable[[], Awaitable[pa.RecordBatch]],
-        mirror_from_now: Callable[[], Awaitable[pa.RecordBatch]],
         rounds: int = CATCH_UP_ROUNDS,
         small_bytes: int = CATCH_UP_BYTES,
     ) -> dict[str, Any]:
         """Before the barrier: the rows the old instance changed since the copy, in rounds
         (each brings what was written during the one before) until a round is smaller than
-        ``small_bytes`` or ``rounds`` were made; then those changed since the last round, with
-        every later write pushed here (``mirror_from_now``, :meth:`mirrored`): what is left at
-        the seal (:meth:`finish`) is the last push's few milliseconds of writes."""
+        ``small_bytes`` or ``rounds`` were made; what is written after the last round comes
+        at the seal (:meth:`finish`), so records wait only for that."""
         sizes = []
         for _ in range(rounds):
             changes = await take()
@@ -580,11 +359,6 @@ class FilesTakeOver:
             sizes.append(changes.nbytes)
             if changes.nbytes < small_bytes:
                 break
-        changes = await mirror_from_now()
-        self._apply(changes)
-        sizes.append(changes.nbytes)
-        self._opened = True  # pushes write here from now on, in order (after that answer)
-        self._apply_mirrored()
         self.stats["catch_up_bytes"] = sizes
         return {"catch_up_bytes": sizes}
 
@@ -617,11 +391,6 @@ class FilesTakeOver:
             received_wall = time.time()
             changes = got["changes"]
             backend = inst.processor.backend
-            # every push before the seal is written first (in flight ones: waited for), then
-            # the rows changed since the last of them
-            applied_before = self.applied
-            await self._mirrored_up_to(int(got.get("mirror_pushed", 0)))
-            t_mirrored = time.monotonic()
             self._apply(changes)
             for g, pieces in got["records"].items():
                 engine._hand_in(task, int(g), pieces)  # noqa: SLF001 - before those buffered here
@@ -651,21 +420,8 @@ class FilesTakeOver:
                 "changed_bytes": changes.nbytes,
                 "applied_ms": round((time.monotonic() - t_handed) * 1000, 1),
                 "handover_rows": int(sum(p.num_rows for ps in got["records"].values() for p in ps)),
-                "mirror_pushed": got.get("mirror_pushed", 0),
-                "mirror_rows": got.get("mirror_rows", 0),
-                "mirror_bytes": got.get("mirror_bytes", 0),
-                "mirror_largest_bytes": got.get("mirror_largest_bytes", 0),
-                "mirror_push_ms": got.get("mirror_push_ms"),
-                "mirror_read_ms": got.get("mirror_read_ms"),
-                "mirror_send_ms": got.get("mirror_send_ms"),
-                "mirror_gaps_ms": got.get("mirror_gaps_ms"),
-                "mirror_apply_ms": list(self.apply_ms),
-                # pushes still to write when the answer came, and the wait for them
-                "mirror_behind_at_hand_over": int(got.get("mirror_pushed", 0)) - applied_before,
-                "mirror_wait_ms": round((t_mirrored - t_handed) * 1000, 1),
             }
         except BaseException as e:
-            self.failed = e
             engine.error = e if isinstance(e, Exception) else StateError(repr(e))
             engine.poke()
             raise
