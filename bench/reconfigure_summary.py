@@ -86,12 +86,23 @@ def _ms_between(phases: dict[str, Any], a: str, b: str) -> float | None:
     return round((float(phases[b]) - float(phases[a])) * 1000, 1)
 
 
+def _kb(n: Any) -> float | None:
+    return None if n is None else round(n / 1024, 1)
+
+
+def _mb(mirror: Any, rounds: Any) -> float | None:
+    """Bytes of changed rows sent before the seal: pushed by the mirror, or in catch-up rounds."""
+    n = mirror if mirror is not None else (sum(rounds) if rounds else None)
+    return None if n is None else round(n / (1 << 20), 2)
+
+
 def move_window(moves: list[dict[str, Any]]) -> dict[str, Any]:
     """The moves' window at the barrier, median (min-max) over runs, in ms: the barrier's way to
     the new actor (from its injection; from the old actor's seal, where a sender waited for the
     old actor's acknowledgement before), the seal until the new actor had the rows changed since
-    the last catch-up round (those rows: how many, the old actor's wall and CPU time reading
-    them, the answer's way back), then until the new actor ran the records that waited, how
+    the last catch-up round or mirror push (those rows: how many, the old actor's wall and CPU
+    time reading them, the answer's way back; with a mirror: its pushes and the wait at the new
+    actor for those still in flight), then until the new actor ran the records that waited, how
     many and how old the oldest was then."""
     rows: dict[str, list[Any]] = {}
 
@@ -108,6 +119,14 @@ def move_window(moves: list[dict[str, Any]]) -> dict[str, Any]:
         add("reading_them_ms", files.get("changes_ms"))
         add("reading_them_cpu_ms", files.get("changes_cpu_ms"))
         add("answer_in_ms", files.get("answer_in_ms"))
+        # records the barrier overtook at the old actor (the rest of a batch it was working
+        # through): they go with the answer, and run first at the new actor
+        add("records_handed_over", files.get("handover_rows"))
+        add("mirror_pushes", files.get("mirror_pushed"))
+        add("mirror_largest_kb", _kb(files.get("mirror_largest_bytes")))
+        add("mirror_behind_at_hand_over", files.get("mirror_behind_at_hand_over"))
+        add("mirror_wait_ms", files.get("mirror_wait_ms"))
+        add("catch_up_or_mirror_mb", _mb(files.get("mirror_bytes"), files.get("catch_up_bytes")))
         first = backlog.get("first_release")
         arrived = ph.get("all_arrived")
         add(
