@@ -23,6 +23,7 @@ from raystream.errors import (
 from raystream.ingest import FeedContext
 from raystream.metrics import LatencyRecorder
 from raystream.presort import plan_for
+from raystream.runtime import wire
 from raystream.runtime.actors import NAMESPACE, controller_actor_class, controller_name
 from raystream.runtime.instance import RuntimeConfig
 
@@ -32,13 +33,13 @@ __all__ = ["Job", "JobResult", "attach", "ensure_ray", "run", "start"]
 def ensure_ray() -> None:
     """Connect to Ray: the cluster in ``RAY_ADDRESS`` (as under ``ray job submit``), else a new
     embedded local one (never silently attaching to a cluster that happens to run here)."""
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS") or "local"
-    kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": True}
-    if address == "local":
-        kwargs["include_dashboard"] = False
-    ray.init(address=address, **kwargs)
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or "local"
+        kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": True}
+        if address == "local":
+            kwargs["include_dashboard"] = False
+        ray.init(address=address, **kwargs)
+    wire.register()  # batches this process sends (push writers) go as their rows only
 
 
 @dataclass

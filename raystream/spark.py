@@ -53,6 +53,7 @@ from raystream.direct import DirectWriter
 from raystream.errors import ConfigError, SchemaError, SourceError
 from raystream.ingest import FeedContext, PushSource
 from raystream.presort import sort_by_key_group
+from raystream.runtime import wire
 
 __all__ = ["SparkSource", "SparkStreamSource", "check_spark", "session", "spark", "spark_stream"]
 
@@ -179,6 +180,7 @@ def _connect(address: str, namespace: str, auth_mode: str | None) -> None:
                 return
             ray.shutdown()
         ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
+        wire.register()  # pieces of Spark's batches go as their rows only
 
 
 def _coalesce(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from raystream.runtime import wire
 from raystream.runtime.chain import Chain, ChainSpec
 from raystream.runtime.instance import InstanceSpec, OperatorInstance
 from raystream.runtime.messages import Barrier, ChannelId
@@ -64,6 +65,7 @@ class InstanceEndpoint:
         """``spec=None`` makes a warm standby: process started and imports done; a scale-out
         gives it its spec with :meth:`configure` instead of waiting for a new process."""
         init_at = time.time()
+        wire.register()  # slices this actor sends (a router's pieces, hand-overs) as their rows
         with contextlib.suppress(ImportError):  # pandas is optional (the [spark] extra) ...
             import pandas  # noqa: F401 - ... pyarrow's to_numpy imports it lazily: pay that here
         pandas_at = time.time()
