@@ -32,6 +32,7 @@ from raystream.runtime.messages import Barrier, ChannelId, Watermark
 from raystream.runtime.migration import MigrationEngine, MigrationTask
 from raystream.state.rocks import RocksStateBackend
 from tests._loop_job import LoopJob
+from tests._ordered_count import ordered_count as ordered_count_costing
 
 CH: ChannelId = ("up", 0)
 
@@ -213,20 +214,7 @@ SINK = ("out", 0)
 FINISH_S = 30.0
 
 
-@rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
-def ordered_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
-    """Count per key; ``out_of_order``: records whose ``seq`` does not continue the key's count
-    (lost, applied twice, or out of order)."""
-    time.sleep(len(batch) * COST_S)
-    seen = state.get(batch.keys)
-    counts = batch.counts
-    rank = np.arange(len(batch)) - np.repeat(batch.offsets[:-1], counts)
-    expected = np.repeat(seen, counts) + rank
-    seq = batch.records.column("seq").to_numpy()
-    bad = np.add.reduceat((seq != expected).astype(np.int64), batch.offsets[:-1])
-    new = seen + counts
-    state.put(batch.keys, new)
-    return batch.output({"count": new, "out_of_order": bad})
+ordered_count = ordered_count_costing(COST_S)
 
 
 def _generator() -> Any:

@@ -30,6 +30,7 @@ from raystream.runtime.instance import OperatorInstance, RuntimeConfig, _stamp
 from raystream.runtime.messages import Barrier, ChannelId, EndOfStream
 from raystream.runtime.migration import MigrationTask
 from tests._loop_job import LoopJob
+from tests._ordered_count import ordered_count as ordered_count_costing
 
 COST_S = 100e-6  # per record: a slice (SLICE_TARGET_S, 0.1 s) is 1,000 records, ...
 CALL_ROWS = 200  # ... a call (SLICE_CALL_TARGET_S, 0.02 s) 200
@@ -43,19 +44,7 @@ NEW: ChannelId = ("count", 1)
 SINK: ChannelId = ("out", 0)
 
 
-@rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
-def ordered_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
-    """Count per key; ``out_of_order``: records whose ``seq`` does not continue the key's count."""
-    time.sleep(len(batch) * COST_S)
-    seen = state.get(batch.keys)
-    counts = batch.counts
-    rank = np.arange(len(batch)) - np.repeat(batch.offsets[:-1], counts)
-    expected = np.repeat(seen, counts) + rank
-    seq = batch.records.column("seq").to_numpy()
-    bad = np.add.reduceat((seq != expected).astype(np.int64), batch.offsets[:-1])
-    new = seen + counts
-    state.put(batch.keys, new)
-    return batch.output({"count": new, "out_of_order": bad})
+ordered_count = ordered_count_costing(COST_S)
 
 
 def _generator() -> Any:
