@@ -380,6 +380,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         """Until every wait() for the end has its answer: the process that stopped the job
         removes this controller next, and a driver waiting on the job must see "stopped",
         not a killed controller."""
+        if not self._waiters:
+            return
         deadline = time.monotonic() + timeout_s
         while self._waiters and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
