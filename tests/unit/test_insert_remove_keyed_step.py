@@ -35,7 +35,7 @@ from raystream.state.rocks import RocksStateBackend
 from raystream.step_changes import check_removal_state, inserted_step
 from tests.integration._helpers import Batches
 
-EVENTS = 6_000
+EVENTS = 12_000  # 1.2 s of input at 10k events/s: both barriers come well before its end
 SOURCE, SINK = ("source", 0), ("out", 0)
 COUNT_P = 2
 FINISH_S = 30.0
