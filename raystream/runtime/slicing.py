@@ -99,7 +99,6 @@ class BatchCost:
             return _UNSLICED
         return max(min_rows, int(room / per_row)) if math.isfinite(room / per_row) else _UNSLICED
 
-
     def call_rows(self, target_s: float, max_overhead: float, min_rows: int) -> int:
         """Rows of one call inside a slice: about ``target_s`` of work, or more, so that the fixed
         part per call is at most ``max_overhead`` of a call's time (a vectorised count pays a few
