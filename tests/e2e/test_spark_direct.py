@@ -105,11 +105,12 @@ def test_direct_and_through_the_source_count_the_same_rows_exactly(
         assert all(i["direct"] for i in ingest), ingest
 
 
-def test_direct_push_stays_exact_across_a_rescale_during_ingest(spark: Any) -> None:
-    rows = 2_000_000  # the ingest outlasts the rescale's start (a new actor)
+def _ingesting(spark: Any, name: str, rows: int) -> tuple[rs.Job, Any]:
+    """A key-count over ``rows`` Spark rows pushed straight to its (slower) count, running;
+    returns it once the count took 50,000 rows, and a reading of the rows it took so far."""
     df = spark.range(0, rows, numPartitions=4).selectExpr("(id * 7919) % 5003 as key", "id as seq")
     src = rs.sources.spark(df, push_rows=10_000, direct=True)
-    job = rs.start(keycount("e2e-direct-rescale", src, slower_count), parallelism={"count": 2})
+    job = rs.start(keycount(name, src, slower_count), parallelism={"count": 2})
 
     def counted() -> int:
         instances = job.metrics()["instances"]
@@ -118,6 +119,12 @@ def test_direct_push_stays_exact_across_a_rescale_during_ingest(spark: Any) -> N
     deadline = time.monotonic() + 120
     while counted() < 50_000 and time.monotonic() < deadline:
         time.sleep(0.05)
+    return job, counted
+
+
+def test_direct_push_stays_exact_across_a_rescale_during_ingest(spark: Any) -> None:
+    rows = 2_000_000  # the ingest outlasts the rescale's start (a new actor)
+    job, counted = _ingesting(spark, "e2e-direct-rescale", rows)
     assert 0 < counted() < rows // 2, "the rescale would not run during the ingest"
     stats = job.rescale("count", 3)
     assert stats["to"] == 3
@@ -221,17 +228,7 @@ def test_direct_push_stays_exact_across_a_move_during_ingest(spark: Any) -> None
     import ray
 
     rows = 2_000_000
-    df = spark.range(0, rows, numPartitions=4).selectExpr("(id * 7919) % 5003 as key", "id as seq")
-    src = rs.sources.spark(df, push_rows=10_000, direct=True)
-    job = rs.start(keycount("e2e-direct-move", src, slower_count), parallelism={"count": 2})
-
-    def counted() -> int:
-        instances = job.metrics()["instances"]
-        return sum(int(m.get("records_in", 0)) for m in instances if m.get("step") == "count")
-
-    deadline = time.monotonic() + 120
-    while counted() < 50_000 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    job, counted = _ingesting(spark, "e2e-direct-move", rows)
     node = ray.get_runtime_context().get_node_id()
     moves = [job.move("count", 1, node)]  # the sources must still run (its barrier starts there)
     assert counted() < rows, "the moves would not run during the ingest"
