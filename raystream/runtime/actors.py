@@ -118,13 +118,15 @@ class InstanceEndpoint:
         finally:
             self._stop_metrics_export(exporter)
         inst = self._instance
+        origin = self._error_origin()
+        failed = self._chain_instance(origin) if origin is not None else inst
         return {
             "instance": inst.spec.id,
             "result": inst.result,
-            "error": inst.error,
-            "error_instance": self._error_origin(),
-            "traceback": inst.error_traceback,
-            "context": inst.error_context,
+            "error": failed.error if inst.error is not None else None,
+            "error_instance": origin,
+            "traceback": failed.error_traceback,
+            "context": failed.error_context,
             "metrics": {**inst.snapshot_metrics(), **_where()},
             "acked": sorted(inst.acked),
             "sink_state": inst.final_sink_state,
@@ -136,6 +138,9 @@ class InstanceEndpoint:
     def _error_origin(self) -> ChannelId | None:
         """The instance an error came from when it is not this one (a chained step's)."""
         return None
+
+    def _chain_instance(self, iid: ChannelId) -> OperatorInstance:
+        return self._instance
 
     async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
         await self._instance.push(channel, seq, item)
@@ -430,6 +435,17 @@ class _ChainMember(InstanceEndpoint):
     async def _run_instance(self) -> None:
         await self._chain.done.wait()  # the head's loop drives this instance
 
+    def _error_origin(self) -> ChannelId | None:
+        # a member the head's end took down reports the chained instance that failed, so the
+        # job's error names that step whichever of the chain's outcomes the controller reads first
+        head = self._chain.head
+        if head.error is None:
+            return None
+        return self._chain.origin() or head.spec.id
+
+    def _chain_instance(self, iid: ChannelId) -> OperatorInstance:
+        return self._chain.by_id()[iid]
+
 
 class _InstanceActor(InstanceEndpoint):
     """An operator instance as an async Ray actor, or an operator chain (a ChainSpec): the
@@ -466,6 +482,9 @@ class _InstanceActor(InstanceEndpoint):
 
     def _error_origin(self) -> ChannelId | None:
         return self._chain.origin() if self._chain is not None else None
+
+    def _chain_instance(self, iid: ChannelId) -> OperatorInstance:
+        return self._chain.by_id()[iid] if self._chain is not None else self._instance
 
     async def call_member(self, iid: ChannelId, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` of chained instance ``iid`` (what its MemberHandle forwards)."""

@@ -614,3 +614,38 @@ def test_a_parquet_sink_restored_with_a_retired_writers_parts_publishes_them_onc
     assert names == ["part-00000-00000004.parquet", "part-00002-00000004.parquet"]
     rows = pq.read_table(str(tmp_path / "out")).sort_by("key")
     assert rows["key"].to_pylist() == [1, 2, 3] and done.rows == 3
+
+
+def test_every_outcome_of_a_failed_chain_names_the_step_that_failed(monkeypatch: Any) -> None:
+    """The controller takes the first outcome it reads: the chain's members that the head's end
+    took down must name the failed step (and carry its traceback), not themselves."""
+    from raystream.runtime import actors
+
+    monkeypatch.setattr(actors, "_where", lambda: {})
+
+    @rs.map_batches
+    def broken_parser(batch: pa.RecordBatch) -> pa.RecordBatch:
+        raise ValueError("price column holds 'abc'")
+
+    flow = rs.Dataflow("chain-outcomes")
+    flow.source(_gen(), name="source").apply(broken_parser, name="parse").sink(
+        rs.sinks.collect(), name="out"
+    )
+    config = RuntimeConfig(metrics_export_s=0)
+    plan = physical_plan(flow, None, config, time.time_ns(), tempfile.mkdtemp())
+    (ids,) = plan.chains.values()
+    actor = actors._InstanceActor(ChainSpec(tuple(plan.instances[i] for i in ids)))  # noqa: SLF001
+    actor._instance.connect(lambda *a: None, lambda *a: None)  # noqa: SLF001
+    for m in actor._chain.members:  # noqa: SLF001
+        m.connect(lambda *a: None, lambda *a: None)
+
+    async def outcomes() -> list[dict[str, Any]]:
+        members = [actor._members[i].run() for i in ids[1:]]  # noqa: SLF001
+        return await asyncio.gather(actor.run(), *members)
+
+    results = asyncio.run(outcomes())
+    assert [r["instance"] for r in results] == list(ids)
+    for r in results:
+        assert r["error_instance"] == ("parse", 0), r
+        assert r["error"] == "ValueError: price column holds 'abc'", r
+        assert "in broken_parser" in r["traceback"], r
