@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "nexmark" / "README.md"]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "nexmark" / "README.md",
+        ROOT / "examples" / "README.md"]
 
 # A results path: bench/results/ then name characters, braces, globs; "{a,\nb}" never spans lines.
 RESULTS_PATH = re.compile(r"bench/results/[A-Za-z0-9_.,*?\[\]{}<>\-/]*")
