@@ -90,7 +90,9 @@ def test_direct_and_through_the_source_count_the_same_rows_exactly(
     for direct in (True, False):
         src = rs.sources.spark(df, push_rows=20_000, direct=direct)
         job = rs.start(
-            keycount(f"e2e-direct-{direct}", src), parallelism={"count": 2, "source": 2}
+            keycount(f"e2e-direct-{direct}", src),
+            parallelism={"count": 2, "source": 2},
+            standby_instances=0,
         )
         result = job.wait(300)
         assert result.state == "finished"
@@ -166,6 +168,7 @@ def test_a_task_that_dies_after_reserving_is_retried_without_double_counting(
         # small reservations, so attempt 0 reserves several before it dies
         keycount("e2e-direct-retry", rs.sources.spark(df, push_rows=10_000, direct=True, direct_rows=10_000)),
         parallelism={"count": 2},
+        standby_instances=0,
     )
     result = job.wait(300)
     assert result.state == "finished"
@@ -210,7 +213,9 @@ def test_direct_windows_fire_on_watermarks_from_the_reservations(
         .apply(windows.tumbling(1_000, [ops.count(), ops.sum("x"), ops.max("x")]), name="window")
         .sink(rs.sinks.collect(), name="out")
     )
-    result = rs.run(flow, parallelism={"window": 2}, timeout_s=300, linger_ms=5.0)
+    result = rs.run(
+        flow, parallelism={"window": 2}, timeout_s=300, linger_ms=5.0, standby_instances=0
+    )
     assert result.state == "finished"
     out = result.table("out")
     got = window_rows(out, "k", "window_start", "count", "x_sum", "x_max")

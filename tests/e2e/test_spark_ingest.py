@@ -82,7 +82,7 @@ def test_a_spark_dataframe_of_1m_rows_counts_exactly(spark: Any, tmp_path: Path)
     src = rs.sources.spark(df, direct=True)
     flow = keycount("e2e-spark-batch", src)
     flow.steps["source"]  # noqa: B018 - the source step exists under its default name
-    job = rs.start(flow, parallelism={"count": 2, "source": 2})
+    job = rs.start(flow, parallelism={"count": 2, "source": 2}, standby_instances=0)
     result = job.wait(300)
     assert result.state == "finished"
     assert final_counts(result) == oracle(table.column("key").to_numpy())
@@ -106,7 +106,7 @@ def test_backpressure_reaches_spark_tasks_and_the_buffer_stays_bounded(spark: An
     src = rs.sources.spark(df, push_rows=10_000, capacity_rows=20_000)
     flow = rs.Dataflow("e2e-spark-backpressure", num_key_groups=64)
     flow.source(src).apply(slow).options(chain=False).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
-    job = rs.start(flow, batch_rows=10_000, max_inflight=1, inbox_capacity=1)
+    job = rs.start(flow, batch_rows=10_000, max_inflight=1, inbox_capacity=1, standby_instances=0)
     result = job.wait(300)
     assert final_counts(result) == oracle(np.arange(120_000) % 997)
     (ingest,) = [m["ingest"] for m in result.metrics if "ingest" in m]
@@ -148,7 +148,7 @@ def test_a_spark_task_that_fails_once_is_retried_without_double_counting(
     df = df.mapInArrow(_fail_first_attempt_midway, df.schema)
     # small pushes, so attempt 0 delivers some rows before it dies
     src = rs.sources.spark(df, push_rows=push_rows, direct=direct)
-    job = rs.start(keycount(f"e2e-spark-retry-{int(direct)}", src))
+    job = rs.start(keycount(f"e2e-spark-retry-{int(direct)}", src), standby_instances=0)
     result = job.wait(300)
     assert result.state == "finished", result.error
     assert final_counts(result) == oracle(table.column("key").to_numpy())
@@ -172,7 +172,7 @@ def test_a_spark_failure_fails_the_job_with_sparks_error(spark: Any) -> None:
     df = spark.range(0, 1000, numPartitions=2).selectExpr("id as key", "id as seq")
     df = df.mapInArrow(always_fails, df.schema)
     with pytest.raises(rs.JobFailedError, match="the input is corrupt"):
-        rs.run(keycount("e2e-spark-fail", rs.sources.spark(df)), timeout_s=300)
+        rs.run(keycount("e2e-spark-fail", rs.sources.spark(df)), timeout_s=300, standby_instances=0)
 
 
 def test_structured_streaming_over_a_growing_directory_with_a_rescale(
@@ -242,7 +242,7 @@ def test_the_rate_source_streams_every_value_exactly_once(spark: Any, tmp_path: 
     )
     flow = rs.Dataflow("e2e-spark-rate", num_key_groups=64)
     flow.source(src).key_by("value").apply(count).sink(rs.sinks.collect(), name="out")
-    job = rs.start(flow, parallelism={"count": 2})
+    job = rs.start(flow, parallelism={"count": 2}, standby_instances=0)
     result = job.wait(300)
     t = result.table("out")
     per_value: dict[int, int] = {}
@@ -272,7 +272,7 @@ def test_a_micro_batch_spark_replays_after_a_restart_is_not_counted_twice(
     schema = first.schema
     checkpoint = tmp_path / "checkpoint"
     flow = keycount("e2e-spark-replay", rs.sources.push(schema))
-    job = rs.start(flow, parallelism={"source": 1, "count": 2})
+    job = rs.start(flow, parallelism={"source": 1, "count": 2}, standby_instances=0)
     ctx = FeedContext(
         "e2e-spark-replay",
         "source",
@@ -348,7 +348,7 @@ def test_the_spark_example_job_file_counts_exactly(
     namespace = runpy.run_path(str(example), run_name="__raystream_job__")
     flows = [v for v in namespace.values() if isinstance(v, rs.Dataflow)]
     assert len(flows) == 1
-    result = rs.run(flows[0], parallelism={"count": 2}, timeout_s=300)
+    result = rs.run(flows[0], parallelism={"count": 2}, timeout_s=300, standby_instances=0)
     assert result.state == "finished"
     got = pq.read_table(tmp_path / "out")
     counts: dict[int, int] = {}

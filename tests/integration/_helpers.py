@@ -18,6 +18,16 @@ import pyarrow.compute as pc
 import raystream as rs
 
 # ------------------------------------------------------------------------------------------
+# jobs no test scales out
+
+# A job with a keyed step keeps ``standby_instances`` warm actors for its scale-outs (two by
+# default): each is a process start (~1 CPU-s) beside the job's own on the suite's two cores.
+# Jobs that are never scaled out (no rescale, no autoscaler) run without them; every test that
+# scales out keeps the default, so the standbys' paths stay tested there.
+NOT_SCALED_OUT: dict[str, Any] = {"standby_instances": 0}
+
+
+# ------------------------------------------------------------------------------------------
 # the key-count operator, in both forms
 
 

@@ -12,6 +12,7 @@ import pyarrow as pa
 
 import raystream as rs
 from tests.integration._helpers import (
+    NOT_SCALED_OUT,
     assert_counts_equal,
     count_vec,
     last_counts,
@@ -23,6 +24,7 @@ SLEEP_S = 0.05
 MAX_INFLIGHT = 2
 INBOX_CAPACITY = 2
 CONFIG = {
+    **NOT_SCALED_OUT,
     "max_inflight": MAX_INFLIGHT,
     "inbox_capacity": INBOX_CAPACITY,
     "batch_rows": 2_000,

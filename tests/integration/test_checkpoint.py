@@ -17,6 +17,7 @@ from raystream.runtime.processors import make_processor
 from raystream.state.handles import KeyedStates
 from raystream.state.rocks import RocksStateBackend
 from tests.integration._helpers import (
+    NOT_SCALED_OUT,
     assert_counts_equal,
     keycount_flow,
     last_counts,
@@ -53,7 +54,12 @@ def test_checkpoint_holds_the_prefix_and_restores(tmp_path: Path) -> None:
     key_space = flow.key_space
     chk = tmp_path / "chk"
     job = rs.start(
-        flow, parallelism={"count": 2}, batch_rows=10_000, linger_ms=10.0, checkpoint_dir=str(chk)
+        flow,
+        parallelism={"count": 2},
+        batch_rows=10_000,
+        linger_ms=10.0,
+        checkpoint_dir=str(chk),
+        **NOT_SCALED_OUT,
     )
     with stop_on_error(job):
         _wait_for(lambda: _count_step_in(job) >= 30_000, 30, "records to reach the count step")

@@ -39,7 +39,7 @@ import ray
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
 from tests._s3 import local_s3_bucket
-from tests.integration._helpers import running_count_carrying
+from tests.integration._helpers import NOT_SCALED_OUT, running_count_carrying
 
 KEYS = 2_000
 SHIFT = 1_000_000  # keys of the short source in the union: apart from the long source's
@@ -132,6 +132,7 @@ def test_checkpoints_complete_after_a_branch_finished_and_recovery_restores_it(
         restart_delay_s=0.2,
         batch_rows=5_000,
         linger_ms=10.0,
+        **NOT_SCALED_OUT,
     )
     try:
         deadline = time.monotonic() + 60

@@ -11,6 +11,7 @@ import pyarrow as pa
 import ray
 
 import raystream as rs
+from tests.integration._helpers import NOT_SCALED_OUT
 
 CLI = str(Path(sys.executable).parent / "raystream")
 
@@ -64,7 +65,7 @@ def test_list_and_watch_by_address_and_a_failed_run_exits_1_with_its_traceback(
         flow = rs.Dataflow("cli-listed", num_key_groups=16)
         gen = rs.sources.generator(events=400_000, keys=100, seed=2, rate_eps=40_000)
         flow.source(gen).key_by("key").apply(cli_count, name="count").sink(rs.sinks.collect())
-        job = rs.start(flow, parallelism={"count": 2})
+        job = rs.start(flow, parallelism={"count": 2}, **NOT_SCALED_OUT)
         try:
             # --address alone finds the cluster (RAY_ADDRESS unset for these)
             listed = _cli("list", "--address", gcs, cwd=tmp_path, address=None)

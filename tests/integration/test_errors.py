@@ -13,6 +13,7 @@ import pytest
 
 import raystream as rs
 from tests.integration._helpers import (
+    NOT_SCALED_OUT,
     assert_counts_equal,
     count_vec,
     keycount_flow,
@@ -88,6 +89,7 @@ def null_key_failure(ray_session: None, tmp_path_factory: pytest.TempPathFactory
         parallelism={"count": 2},
         batch_rows=2_000,
         linger_ms=5.0,
+        **NOT_SCALED_OUT,
     )
     with stop_on_error(job):
         deadline = time.monotonic() + 30
@@ -117,7 +119,8 @@ def test_null_keys_fail_the_job_and_write_nothing(
     clean = tmp_path / "clean.parquet"
     pq.write_table(run.table.filter(pa.compute.is_valid(run.table["key"])), clean)
     out_dir = tmp_path / "out"
-    res = rs.run(_null_key_flow("nullkeys", rs.sources.parquet(clean), out_dir), timeout_s=60)
+    flow = _null_key_flow("nullkeys", rs.sources.parquet(clean), out_dir)
+    res = rs.run(flow, timeout_s=60, **NOT_SCALED_OUT)
     assert res.state == "finished"
     (written,) = res.results["out"]
     assert written.path == str(out_dir / "part-00000.parquet")
@@ -138,4 +141,4 @@ def test_run_raises_job_failed_error(tmp_path: Path) -> None:
     _write_with_nulls(path, groups=1, rows=2_000)
     flow = _null_key_flow("run-fails", rs.sources.parquet(path), tmp_path / "out")
     with pytest.raises(rs.JobFailedError, match="null"):
-        rs.run(flow, timeout_s=60)
+        rs.run(flow, timeout_s=60, **NOT_SCALED_OUT)

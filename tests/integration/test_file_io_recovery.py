@@ -14,7 +14,7 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
-from tests.integration._helpers import running_count_carrying, wait_checkpoints
+from tests.integration._helpers import NOT_SCALED_OUT, running_count_carrying, wait_checkpoints
 
 EVENTS = 120_000
 RATE = 30_000  # ~4 s of stream
@@ -51,6 +51,7 @@ def test_file_source_rewinds_and_rolling_sink_is_exactly_once(tmp_path: Path) ->
         checkpoint_dir=str(tmp_path / "chk"),
         restart_delay_s=0.2,
         linger_ms=10.0,
+        **NOT_SCALED_OUT,
     )
     try:
         wait_checkpoints(job, 2)

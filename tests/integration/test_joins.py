@@ -10,6 +10,7 @@ import pytest
 from raystream.operators import joins
 
 import raystream as rs
+from tests.integration._helpers import NOT_SCALED_OUT
 from tests.integration._window_helpers import (
     OUT_OF_ORDERNESS_MS,
     equi_join_oracle,
@@ -20,7 +21,7 @@ from tests.integration._window_helpers import (
 )
 
 N = 12_000
-RUNTIME = {"linger_ms": 5.0, "source_batch_rows": 1_000}
+RUNTIME = {"linger_ms": 5.0, "source_batch_rows": 1_000, **NOT_SCALED_OUT}
 
 
 def _run(name: str, op: Any, parallelism: int, left: pa.Table, right: pa.Table) -> pa.Table:

@@ -13,6 +13,7 @@ import pytest
 import raystream as rs
 from tests.integration._helpers import (
     COUNT_COLUMN,
+    NOT_SCALED_OUT,
     assert_counts_equal,
     count_vec,
     keycount_flow,
@@ -23,7 +24,12 @@ from tests.integration._helpers import (
 
 EVENTS = 100_000
 # small batches: many batches per key and instance, so counts build up across batches
-SMALL_BATCHES = {"batch_rows": 10_000, "source_batch_rows": 10_000, "linger_ms": 5.0}
+SMALL_BATCHES = {
+    "batch_rows": 10_000,
+    "source_batch_rows": 10_000,
+    "linger_ms": 5.0,
+    **NOT_SCALED_OUT,
+}
 
 # A pairwise-covering selection over parallelism {1, 2, 4} x key type {int, str} x distribution
 # {uniform, hot} x input {generator, parquet} x form {vectorised, per-key}: every pair of values
@@ -117,6 +123,7 @@ def test_per_key_order_is_kept() -> None:
         batch_rows=2_000,
         source_batch_rows=2_000,
         linger_ms=2.0,
+        **NOT_SCALED_OUT,
     )
 
     out = res.table("out")
@@ -135,7 +142,8 @@ def test_order_check_fails_the_job_on_disorder() -> None:
         {"key": pa.array([7] * 4, pa.int64()), "seq": pa.array([0, 1, 3, 2], pa.int64())}
     )
     flow = _ordered_flow("order-broken", rs.sources.from_table(table))
-    job = rs.start(flow)  # not rs.run: see test_errors.py::test_run_raises_job_failed_error
+    # not rs.run: see test_errors.py::test_run_raises_job_failed_error
+    job = rs.start(flow, **NOT_SCALED_OUT)
     with pytest.raises(rs.JobFailedError, match="seq out of order"):
         job.wait(60)
 
@@ -169,7 +177,7 @@ def test_stateless_steps_in_a_flow() -> None:
         .apply(count_vec, name="count")
         .sink(rs.sinks.collect(), name="out")
     )
-    job = rs.start(flow, parallelism={"count": 2})
+    job = rs.start(flow, parallelism={"count": 2}, **NOT_SCALED_OUT)
     res = job.wait(60)
     expected = {k: n for k, n in oracle_counts(gen.generate_all()).items() if k % 7 != 0}
     assert_counts_equal(last_counts(res.table("out")), expected)

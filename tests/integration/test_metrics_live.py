@@ -9,6 +9,7 @@ from typing import Any
 import raystream as rs
 from raystream.metrics import WindowedCounter
 from tests.integration._helpers import (
+    NOT_SCALED_OUT,
     assert_counts_equal,
     keycount_flow,
     last_counts,
@@ -27,7 +28,8 @@ def _in(snapshot: dict[str, Any], step: str) -> list[int]:
 
 def test_metrics_while_running() -> None:
     gen = rs.sources.generator(events=EVENTS, keys=5_000, zipf=0.0, seed=8, rate_eps=RATE_EPS)
-    job = rs.start(keycount_flow("live", gen), parallelism={"count": 2}, batch_rows=5_000)
+    flow = keycount_flow("live", gen)
+    job = rs.start(flow, parallelism={"count": 2}, batch_rows=5_000, **NOT_SCALED_OUT)
     with stop_on_error(job):
         deadline = time.monotonic() + 30
         while True:  # until both count instances and the sink saw records

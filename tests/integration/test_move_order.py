@@ -27,7 +27,7 @@ import ray
 
 import raystream as rs
 
-from ._helpers import finished_after_gate
+from ._helpers import NOT_SCALED_OUT, finished_after_gate
 from ._rescale_helpers import RUNTIME, UntilGate, prefix_counts
 
 STEP = "count"
@@ -112,7 +112,8 @@ def _stalled(flag: Path, change: Any) -> Any:
 def test_moved_instances_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path) -> None:
     gen = _gen(11)
     gate, flag = str(tmp_path / "gate"), tmp_path / "stall"
-    job = rs.start(_flow("move-order", gen, gate, str(flag)), parallelism={STEP: 2}, **ONE_BY_ONE)
+    flow = _flow("move-order", gen, gate, str(flag))
+    job = rs.start(flow, parallelism={STEP: 2}, **ONE_BY_ONE, **NOT_SCALED_OUT)  # moves only
     moves = []
     try:
         time.sleep(2.0)

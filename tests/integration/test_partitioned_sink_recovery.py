@@ -15,7 +15,7 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
-from tests.integration._helpers import wait_checkpoints
+from tests.integration._helpers import NOT_SCALED_OUT, wait_checkpoints
 
 EVENTS = 60_000
 RATE = 20_000  # ~3 s of stream
@@ -59,6 +59,7 @@ def test_killed_partitioned_sink_instance_is_exactly_once(tmp_path: Path) -> Non
         checkpoint_dir=str(tmp_path / "chk"),
         restart_delay_s=0.2,
         linger_ms=10.0,
+        **NOT_SCALED_OUT,
     )
     try:
         wait_checkpoints(job, 2)

@@ -25,7 +25,7 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
-from tests.integration._helpers import running_count_carrying, wait_checkpoints
+from tests.integration._helpers import NOT_SCALED_OUT, running_count_carrying, wait_checkpoints
 
 KEYS = 3_000
 
@@ -45,7 +45,8 @@ def _flow(name: str, out: Path, events: int, rate_eps: float, sources: int = 1) 
     return flow
 
 
-def _start(flow: rs.Dataflow, tmp: Path, **kw: Any) -> rs.Job:
+def _start(flow: rs.Dataflow, tmp: Path, *, scaled_out: bool = False, **kw: Any) -> rs.Job:
+    """``scaled_out``: the test scales the job out (it keeps the default warm standbys)."""
     opts = {
         "parallelism": {"count": 2},
         "checkpoint_interval_s": 0.5,
@@ -54,6 +55,8 @@ def _start(flow: rs.Dataflow, tmp: Path, **kw: Any) -> rs.Job:
         "batch_rows": 5_000,
         "linger_ms": 10.0,
     }
+    if not scaled_out:
+        opts.update(NOT_SCALED_OUT)
     opts.update(kw)
     return rs.start(flow, **opts)
 
@@ -168,7 +171,8 @@ def test_kill_during_a_meces_rescale(tmp_path: Path, delay_s: float) -> None:
     """0 s: before the old owners are sealed; 0.15 s: while on-demand fetches run; 0.6 s: while
     background pulls run or just after (the phase a kill lands in varies with the machine)."""
     out = tmp_path / "out"
-    job = _start(_flow(f"rec-rescale-{int(delay_s * 100)}", out, SHORT, RATE), tmp_path)
+    flow = _flow(f"rec-rescale-{int(delay_s * 100)}", out, SHORT, RATE)
+    job = _start(flow, tmp_path, scaled_out=True)
     try:
         wait_checkpoints(job, 2)
         ref = job.controller.rescale.remote("count", 3, "meces")

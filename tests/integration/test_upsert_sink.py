@@ -18,6 +18,7 @@ import ray
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
 from raystream.upsert import final_table_sql
+from tests.integration._helpers import NOT_SCALED_OUT
 
 KEYS = 2_000
 EVENTS = 80_000
@@ -49,6 +50,7 @@ def test_upsert_sink_recovers_with_the_two_phase_commit(tmp_path: Path) -> None:
         restart_delay_s=0.2,
         batch_rows=4_000,
         linger_ms=10.0,
+        **NOT_SCALED_OUT,
     )
     try:
         t0 = time.monotonic()

@@ -11,6 +11,7 @@ import raystream.operators as ops
 from raystream.operators import windows
 
 import raystream as rs
+from tests.integration._helpers import NOT_SCALED_OUT
 from tests.integration._window_helpers import (
     OUT_OF_ORDERNESS_MS,
     events,
@@ -21,7 +22,7 @@ from tests.integration._window_helpers import (
 )
 
 N = 30_000
-RUNTIME = {"linger_ms": 5.0, "source_batch_rows": 2_000}
+RUNTIME = {"linger_ms": 5.0, "source_batch_rows": 2_000, **NOT_SCALED_OUT}
 AGG = [ops.count(), ops.sum("x"), ops.max("x")]
 
 

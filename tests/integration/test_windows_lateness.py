@@ -14,6 +14,7 @@ import raystream.operators as ops
 from raystream.operators import windows
 
 import raystream as rs
+from tests.integration._helpers import NOT_SCALED_OUT
 from tests.integration._window_helpers import sql
 
 KEYS = 5
@@ -49,7 +50,10 @@ def test_allowed_lateness_updates_then_closes() -> None:
     counted.sink(rs.sinks.collect(), name="out")
     counted.side_output("late").sink(rs.sinks.collect(), name="late")
     result = rs.run(
-        flow, parallelism={"tumbling_window": 2}, timeout_s=120, source_batch_rows=100, linger_ms=1
+        flow, parallelism={"tumbling_window": 2}, timeout_s=120,
+        source_batch_rows=100,
+        linger_ms=1,
+        **NOT_SCALED_OUT,
     )
     out, late = result.table("out"), result.table("late")
     assert sorted(late["id"].to_pylist()) == blocks[4].column("id").to_pylist()

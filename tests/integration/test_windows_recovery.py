@@ -15,7 +15,7 @@ from raystream.operators import windows
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
-from tests.integration._helpers import wait_checkpoints
+from tests.integration._helpers import NOT_SCALED_OUT, wait_checkpoints
 from tests.integration._window_helpers import (
     OUT_OF_ORDERNESS_MS,
     events,
@@ -51,6 +51,7 @@ def test_windows_recover_from_a_killed_instance_exactly(tmp_path: Path, kind: st
         checkpoint_dir=str(tmp_path / "chk"),
         restart_delay_s=0.2,
         linger_ms=10.0,
+        **NOT_SCALED_OUT,
     )
     try:
         wait_checkpoints(job, 2)
