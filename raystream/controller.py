@@ -37,6 +37,7 @@ from raystream.runtime.instance import RuntimeConfig
 from raystream.reconfigurations import Reconfigurations
 from raystream.recovery import Recovery
 from raystream.rewiring import Rewiring
+from raystream.root_cause import root_cause
 from raystream.standby_prep import Preparation, mismatch, prepared_parallelism
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.migration import transfer_summary
@@ -300,11 +301,13 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 out = fut.result()
                 self.outcomes[iid] = out
                 if out.get("error") and self.error is None and self.state == "running":
+                    # a sender that lost its receiver: the receiver's death is the cause
+                    at, why = await root_cause(iid, out, pending)
                     cause = {
-                        "instance": tuple(out.get("error_instance") or iid),
-                        "error": self._hung.pop(iid, None) or out["error"],
-                        "traceback": out.get("traceback"),
-                        "context": out.get("context"),
+                        "instance": tuple(why.get("error_instance") or at),
+                        "error": self._hung.pop(at, None) or why["error"],
+                        "traceback": why.get("traceback"),
+                        "context": why.get("context"),
                     }
                     if await self._recover_or_fail(cause):
                         break  # a new attempt runs: collect its outcomes
@@ -1572,7 +1575,8 @@ async def _outcome(ref: Any, iid: ChannelId) -> dict[str, Any]:
     try:
         return dict(await ref)
     except Exception as e:  # noqa: BLE001 - the actor process died or was killed
-        return {"instance": iid, "result": None, "error": f"{type(e).__name__}: {e}", "metrics": {}}
+        error = f"{type(e).__name__}: {e}"
+        return {"instance": iid, "result": None, "error": error, "metrics": {}, "died": True}
 
 
 def _backlog_of(mine: list[dict[str, Any]], sources: list[dict[str, Any]]) -> dict[str, Any]:
