@@ -263,6 +263,7 @@ class OperatorInstance:
             warm_up()
         self.outputs: list[tuple[Any, list[OutputChannel]]] = []
         self._pending_barriers: list[Barrier] = []
+        self._barrier_injected = asyncio.Event()  # wakes a paced source waiting for its batch
         self._barrier_seen: dict[int, set[ChannelId]] = {}
         self._open_barriers: dict[int, Barrier] = {}
         self._barrier_first: dict[int, float] = {}  # epoch -> when its first input delivered it
@@ -590,6 +591,7 @@ class OperatorInstance:
         if self._barriers_closed:
             return False
         self._pending_barriers.append(barrier)
+        self._barrier_injected.set()
         if overtakes(barrier):
             self._overtake_outputs(barrier)
         return True
@@ -792,6 +794,20 @@ class OperatorInstance:
         wait = 0.02 if deadline is None else min(0.02, max(0.0, deadline - time.monotonic()))
         return await self.reader.aread(chunk, wait)  # type: ignore[no-any-return]
 
+    async def _pace_wait(self, wait_s: float) -> bool:
+        """A paced source waits ``wait_s`` for its next batch (or its outputs' linger deadline);
+        a barrier injected meanwhile ends the wait (True), so it goes out at once, not up to
+        ``linger_ms`` later, as a Flink source emits a barrier from its mailbox at once (a
+        rescale's barrier waited here for the source's next batch)."""
+        if self._pending_barriers:
+            return True
+        self._barrier_injected.clear()
+        try:
+            await asyncio.wait_for(self._barrier_injected.wait(), wait_s)
+        except TimeoutError:
+            return False
+        return True
+
     async def _run_source(self) -> None:
         src = self.step.fn
         cfg = self.spec.config
@@ -836,10 +852,11 @@ class OperatorInstance:
                 if wait > 0:
                     deadline = self._next_deadline()
                     if deadline is not None and deadline < due:
-                        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-                        await self._flush_due()
+                        if not await self._pace_wait(max(0.0, deadline - time.monotonic())):
+                            await self._flush_due()
                         continue
-                    await asyncio.sleep(wait)
+                    if await self._pace_wait(wait):
+                        continue  # a barrier came: it goes out now, the batch when due
             batch = await self._read_pushed(chunk) if pushed else self.reader.read(chunk)
             if batch is None:
                 break
