@@ -71,6 +71,7 @@ SLICE_TARGET_S = 0.1  # a keyed step takes a large batch in slices of about this
 SLICE_MIN_ROWS = 64  # ... of at least this many rows, so a rescale barrier waits one slice at most
 SERVE_SLICE_TARGET_S = 0.02  # ... and of this much while it hands out state (fetches wait less)
 CALL_TURNS = 4  # event-loop turns between two slices of records of a keyed step
+ACK_TURNS = 1  # event-loop turns a receiver gives before it processes a batch it read
 SLICE_CALL_TARGET_S = 0.02  # a slice is processed in calls of about this much work ...
 SLICE_CALL_MAX_OVERHEAD = 0.05  # ... where the fixed cost per call is at most this share of it
 BARRIER_TURNS = 2  # event-loop turns between two calls of a slice: a rescale barrier gets in
@@ -1453,9 +1454,6 @@ class OperatorInstance:
         retiring, self._retiring = self._retiring, []
         for drained in retiring:
             await drained
-
-
-ACK_TURNS = 1  # event loop turns a receiver gives before it processes a batch it read
 
 
 async def _let_acks_out() -> None:
