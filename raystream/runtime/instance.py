@@ -71,6 +71,7 @@ SLICE_TARGET_S = 0.1  # a keyed step takes a large batch in slices of about this
 SLICE_MIN_ROWS = 64  # ... of at least this many rows, so a rescale barrier waits one slice at most
 SERVE_SLICE_TARGET_S = 0.02  # ... and of this much while it hands out state (fetches wait less)
 CALL_TURNS = 4  # event-loop turns between two slices of records of a keyed step
+ACK_TURNS = 1  # event-loop turns a receiver gives before it processes a batch it read
 SLICE_CALL_TARGET_S = 0.02  # a slice is processed in calls of about this much work ...
 SLICE_CALL_MAX_OVERHEAD = 0.05  # ... where the fixed cost per call is at most this share of it
 BARRIER_TURNS = 2  # event-loop turns between two calls of a slice: a rescale barrier gets in
@@ -263,6 +264,7 @@ class OperatorInstance:
             warm_up()
         self.outputs: list[tuple[Any, list[OutputChannel]]] = []
         self._pending_barriers: list[Barrier] = []
+        self._barrier_injected = asyncio.Event()  # wakes a paced source waiting for its batch
         self._barrier_seen: dict[int, set[ChannelId]] = {}
         self._open_barriers: dict[int, Barrier] = {}
         self._barrier_first: dict[int, float] = {}  # epoch -> when its first input delivered it
@@ -590,6 +592,7 @@ class OperatorInstance:
         if self._barriers_closed:
             return False
         self._pending_barriers.append(barrier)
+        self._barrier_injected.set()
         if overtakes(barrier):
             self._overtake_outputs(barrier)
         return True
@@ -792,6 +795,20 @@ class OperatorInstance:
         wait = 0.02 if deadline is None else min(0.02, max(0.0, deadline - time.monotonic()))
         return await self.reader.aread(chunk, wait)  # type: ignore[no-any-return]
 
+    async def _pace_wait(self, wait_s: float) -> bool:
+        """A paced source waits ``wait_s`` for its next batch (or its outputs' linger deadline);
+        a barrier injected meanwhile ends the wait (True), so it goes out at once, not up to
+        ``linger_ms`` later, as a Flink source emits a barrier from its mailbox at once (a
+        rescale's barrier waited here for the source's next batch)."""
+        if self._pending_barriers:
+            return True
+        self._barrier_injected.clear()
+        try:
+            await asyncio.wait_for(self._barrier_injected.wait(), wait_s)
+        except TimeoutError:
+            return False
+        return True
+
     async def _run_source(self) -> None:
         src = self.step.fn
         cfg = self.spec.config
@@ -836,10 +853,11 @@ class OperatorInstance:
                 if wait > 0:
                     deadline = self._next_deadline()
                     if deadline is not None and deadline < due:
-                        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-                        await self._flush_due()
+                        if not await self._pace_wait(max(0.0, deadline - time.monotonic())):
+                            await self._flush_due()
                         continue
-                    await asyncio.sleep(wait)
+                    if await self._pace_wait(wait):
+                        continue  # a barrier came: it goes out now, the batch when due
             batch = await self._read_pushed(chunk) if pushed else self.reader.read(chunk)
             if batch is None:
                 break
@@ -930,6 +948,7 @@ class OperatorInstance:
             if got is not None:
                 channel, item = got
                 if isinstance(item, pa.RecordBatch):
+                    await _let_acks_out()
                     self.watermarks.on_records(channel)
                     if self.spec.config.adaptive_batching:  # batches queued up: one larger
                         more = self.inbox.take_batches(
@@ -1435,6 +1454,17 @@ class OperatorInstance:
         retiring, self._retiring = self._retiring, []
         for drained in retiring:
             await drained
+
+
+async def _let_acks_out() -> None:
+    """Before processing a batch (which holds the event loop): the push call that brought it
+    returns now, so its acknowledgement (the sender's credit) goes back while the batch is
+    processed, not after. Else a sender's credit waits for the processing of what it sent:
+    an adaptive sender holds its next small batch until its linger deadline, the two go as one
+    batch that takes twice as long, and a paced sender stays in that cadence (at half its
+    batches' rate, every record waiting longer) until something stalls it back out."""
+    for _ in range(ACK_TURNS):
+        await asyncio.sleep(0)
 
 
 def _first_release(task: Any, released: list[pa.RecordBatch]) -> Any:

@@ -134,6 +134,10 @@ async def _move(
         rounds = await take.catch_up(lambda: _now(take_changes(insts[OLD])), small_bytes=1)
         assert rounds["catch_up_bytes"] and rounds["catch_up_bytes"][0] > 0
         taking = asyncio.ensure_future(take.finish(lambda: hand_over_changes(insts[OLD], 1)))
+        # the barrier goes out at once (a paced source does not wait for its next batch): it
+        # is injected once the old instance ran on past the catch-up, so that the hand-over
+        # at the barrier has rows written since (changed_rows)
+        await _records_grow(insts[OLD])
     assert insts[SOURCE].inject_barrier(Barrier(1, "rescale", payload))
     done, pending = await asyncio.wait(list(runs.values()), timeout=FINISH_S)
     for t in pending:
@@ -149,6 +153,17 @@ async def _move(
 
 async def _now(value: Any) -> Any:
     return value
+
+
+async def _records_grow(inst: OperatorInstance, timeout_s: float = 10.0) -> None:
+    """Until ``inst`` processed more records than it had now."""
+    before = int(inst.snapshot_metrics()["records_in"])
+    deadline = time.monotonic() + timeout_s
+    while int(inst.snapshot_metrics()["records_in"]) <= before:
+        if time.monotonic() > deadline:
+            msg = f"{inst.spec.id} processed no record in {timeout_s} s (still {before})"
+            raise AssertionError(msg)
+        await asyncio.sleep(0.002)
 
 
 @pytest.mark.parametrize("transfer", ["rows", "files_same_node", "files_pulled"])
