@@ -18,7 +18,7 @@ import raystream as rs
 from raystream.controller import Controller
 from raystream.keys import RoutingTable
 from raystream.runtime.instance import RuntimeConfig
-from raystream.step_changes import graph_without_step
+from raystream.step_changes import graph_with_step, graph_without_step, inserted_step
 
 
 @rs.keyed_batches(state=rs.ValueState(int, default=0))
@@ -69,3 +69,22 @@ def test_a_recovery_plans_without_a_removed_step_the_start_named(tmp_path: Path)
     c.state = "recovering"
     c._replan(None, str(tmp_path / "attempt-1"))
     assert c.parallelism == {"source": 1, "count": 3, "out": 1}
+
+
+def test_a_step_inserted_live_stays_in_its_own_actors_when_a_recovery_plans_anew(
+    tmp_path: Path,
+) -> None:
+    """Inserted, ``hop`` runs in its own actor; a recovery plans the graph anew, and with the
+    source (parallelism 1, a forward edge) it would chain ``hop`` into the source's actor: then
+    ``job.remove("hop")`` is refused ("it runs chained in one actor with ['source']")."""
+    c = _controller(tmp_path, {"count": 2})
+    new = inserted_step(hop, "hop", "source", 1)
+    for steps in (c.plan.steps, c.flow.steps):
+        changed = graph_with_step(steps, new, "count")
+        steps.clear()
+        steps.update(changed)
+    c.parallelism["hop"] = 1
+    c.state = "recovering"
+    c._replan(None, str(tmp_path / "attempt-1"))
+    assert ("hop", 0) in c.plan.instances
+    assert c.chain_of("hop") == [] and c.chain_of("source") == [], c.plan.chains
