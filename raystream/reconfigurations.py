@@ -181,6 +181,27 @@ class Reconfigurations:
             if iid[0] == name:
                 self.plan.instances[iid] = replace(spec, step=replace(spec.step, **fields))
 
+    async def _interrupted(self: Any, attempt: int, timeout_s: float = 1.0) -> bool:
+        """Whether a failure (a recovery, or the job failed) interrupted a change begun in
+        ``attempt``: an actor's death reaches the change's calls about when the watcher sees it,
+        so this waits up to ``timeout_s`` for the watcher to say so."""
+        deadline = time.monotonic() + timeout_s
+        while self._attempt == attempt and self.state not in ("recovering", "failed"):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    def _interrupted_error(self: Any, what: str, e: BaseException) -> ReconfigurationError:
+        """The refusal of a change a failure interrupted: what happens and what to do."""
+        msg = (
+            f"an instance of job {self.flow.name!r} failed during the {what} "
+            f"({type(e).__name__}); the job recovers (or recovered) from its latest checkpoint "
+            f"with the graph it had before (unless its restart strategy gave up): nothing of the "
+            f"{what} is in force, request it again"
+        )
+        return ReconfigurationError(msg)
+
     def _check_still_running(self: Any, attempt: int, what: str) -> None:
         """A queued change whose turn came: refused if the job ended, its sources finished or
         it recovered (another attempt) while the change waited."""
@@ -265,6 +286,9 @@ class Reconfigurations:
                 except Exception as e:
                     import ray
 
+                    if await self._interrupted(attempt):
+                        what = f"move of {step!r}/{index}"
+                        raise self._interrupted_error(what, e) from e
                     ended = self.state != "running" or self._sources_done()
                     if not (ended and isinstance(e, ray.exceptions.RayActorError)):
                         raise

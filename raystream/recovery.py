@@ -67,7 +67,7 @@ class Recovery:
         routing = None
         if not fresh:
             if self.state == "recovering":
-                routing = dict(self.routing)
+                routing = in_graph(self.routing, self.flow.steps)
             else:  # a start from a checkpoint or savepoint
                 routing = {
                     n: t
@@ -77,6 +77,9 @@ class Recovery:
             if self.state == "recovering":  # at the job's current parallelism, every step
                 for n, p in getattr(self, "parallelism", {}).items():
                     parallelism.setdefault(n, p)
+                # the graph as it runs: not a step a change had started when a failure
+                # interrupted it (an insert whose barrier did not pass), nor one removed since
+                parallelism = in_graph(parallelism, self.flow.steps)
             for n, t in routing.items():
                 parallelism[n] = t.parallelism
             # the steps chained after a keyed step have its parallelism (raystream.keyed_chains)
@@ -707,6 +710,14 @@ def _deploy_phases(marks: dict[str, Any]) -> dict[str, float]:
     out = {n: round(marks[b] - marks[a], 4) for n, a, b in steps}
     out["delay_left_s"] = round(marks.get("delay_left_s", 0.0), 4)  # part of loops_s
     return out
+
+
+def in_graph(per_step: dict[str, Any], steps: Any) -> dict[str, Any]:
+    """The entries of ``per_step`` (parallelism, routing tables) for steps of the graph
+    ``steps``; what a recovery redeploys is the graph as it runs, and an entry a change left for
+    a step it never added (interrupted) or one it took out would make the plan refuse the
+    graph."""
+    return {n: v for n, v in per_step.items() if n in steps}
 
 
 def _without_credentials(uri: str) -> str:

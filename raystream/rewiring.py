@@ -231,24 +231,31 @@ class Rewiring:
                 ).remote(spec)
             handles[iid] = handle
         used_spares = len(configuring)
-        self.specs.update(specs)
-        self.handles.update(handles)
-        self.actor_names.update(names)
-        await asyncio.gather(*configuring)
-        where = await asyncio.gather(*(h.ping.remote() for h in handles.values()))
-        self.nodes.update(zip(handles, where, strict=True))
-        await asyncio.gather(
-            *(h.connect.remote(self._receivers_of(i), self._self) for i, h in handles.items())
-        )
-        await asyncio.gather(
-            *(self.handles[r].add_inputs.remote(list(specs)) for r in to_d.receiver_ids)
-        )
-        await asyncio.gather(*(self.handles[u].add_receivers.remote(handles) for u in ups))
-        for iid in specs:
-            self._run(iid)
-        self.parallelism[name] = parallelism
-        t_ready = time.time()  # the new instances run, wired to both neighbours
-        epoch, offsets = await self._rewire(after, before, to_new, f"insert {name!r}")
+        attempt = self._attempt
+        try:
+            self.specs.update(specs)
+            self.handles.update(handles)
+            self.actor_names.update(names)
+            await asyncio.gather(*configuring)
+            where = await asyncio.gather(*(h.ping.remote() for h in handles.values()))
+            self.nodes.update(zip(handles, where, strict=True))
+            await asyncio.gather(
+                *(h.connect.remote(self._receivers_of(i), self._self) for i, h in handles.items())
+            )
+            await asyncio.gather(
+                *(self.handles[r].add_inputs.remote(list(specs)) for r in to_d.receiver_ids)
+            )
+            await asyncio.gather(*(self.handles[u].add_receivers.remote(handles) for u in ups))
+            for iid in specs:
+                self._run(iid)
+            self.parallelism[name] = parallelism
+            t_ready = time.time()  # the new instances run, wired to both neighbours
+            epoch, offsets = await self._rewire(after, before, to_new, f"insert {name!r}")
+        except Exception as e:
+            if await self._interrupted(attempt):
+                self._forget_uninserted(specs, handles)
+                raise self._interrupted_error(f"insert of {name!r}", e) from e
+            raise
         # the graph as it runs now: recoveries, rescales and scale-outs build on it
         if table is not None:
             self.routing[name] = table
@@ -281,6 +288,19 @@ class Rewiring:
             self._refill_spares_later(f"insert {name!r}")
         await self._checkpoint_after(record)
         return record
+
+    def _forget_uninserted(self: Any, specs: dict[Any, Any], handles: dict[Any, Any]) -> None:
+        """A failure interrupted an insert before the graph took the new step: the recovery
+        redeploys the graph without it, so its actors (started, maybe after the recovery listed
+        the actors to stop) are stopped here and the job's records forget them."""
+        from raystream.runtime.actors import actor_of
+
+        for iid, h in handles.items():
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(actor_of(h), no_restart=True)
+            for table in (self.specs, self.handles, self.actor_names, self.nodes, self._run_futures):
+                table.pop(iid, None)
+        self.parallelism.pop(next(iter(specs))[0], None)
 
     async def _free_ids(self: Any, name: str, parallelism: int, timeout_s: float = 60.0) -> None:
         """A step removed earlier had this name: once each of its instances with an id the new
@@ -341,6 +361,15 @@ class Rewiring:
             return await self._remove(step, down[0], mode)
 
     async def _remove(self: Any, step: str, before: str, mode: str | None) -> dict[str, Any]:
+        attempt = self._attempt
+        try:
+            return await self._removing(step, before, mode)
+        except Exception as e:
+            if await self._interrupted(attempt):
+                raise self._interrupted_error(f"removal of {step!r}", e) from e
+            raise
+
+    async def _removing(self: Any, step: str, before: str, mode: str | None) -> dict[str, Any]:
         t0 = time.time()
         s = self.plan.steps[step]
         after = s.upstream[0]

@@ -84,7 +84,10 @@ def inserted_step(
                 "key_by out"
             )
             raise ReconfigurationError(msg)
-        return Step(name, op.kind, op.fn, (after,), parallelism=parallelism)
+        # its own actors (chain=False), as it runs once inserted: a recovery, which plans the
+        # graph anew, would chain it to its neighbours otherwise, and then it could not be
+        # removed (nor its neighbours rewired) any more
+        return Step(name, op.kind, op.fn, (after,), parallelism=parallelism, chain=False)
     if key_by is None:
         msg = (
             f"inserting keyed step {name!r} (@rs.{op.kind}) needs key_by=: the column (or a "
@@ -107,6 +110,7 @@ def inserted_step(
         state=dict(op.state),
         parallelism=parallelism,
         on_timer=op.on_timer,
+        chain=False,
     )
 
 
