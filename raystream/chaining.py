@@ -45,6 +45,8 @@ from raystream.dataflow import Step
 from raystream.runtime.instance import InstanceSpec, OutputSpec
 from raystream.runtime.messages import ChannelId
 
+Edges = frozenset[tuple[str, str]]  # (upstream step, downstream step) edges
+
 __all__ = [
     "chain_instances",
     "follow_keyed",
@@ -84,9 +86,12 @@ def not_chained_because(up: Step, down: Step, steps: dict[str, Step]) -> str | N
     return None
 
 
-def plan_chains(steps: dict[str, Step], *, enabled: bool = True) -> list[tuple[str, ...]]:
+def plan_chains(
+    steps: dict[str, Step], *, enabled: bool = True, allowed: Edges | None = None
+) -> list[tuple[str, ...]]:
     """Every chain of two or more steps, head first, in the order of ``steps`` (which lists
-    each step after its upstream steps). ``enabled=False``: none."""
+    each step after its upstream steps). ``enabled=False``: none. ``allowed``: only these
+    (upstream, downstream) edges may chain (a recovery keeps the chains the job ran with)."""
     if not enabled:
         return []
     chain_of: dict[str, list[str]] = {}
@@ -94,7 +99,9 @@ def plan_chains(steps: dict[str, Step], *, enabled: bool = True) -> list[tuple[s
     for name, step in steps.items():
         if len(step.upstream) == 1 and step.upstream[0] in steps:
             up = steps[step.upstream[0]]
-            if not_chained_because(up, step, steps) is None:
+            if (allowed is None or (up.name, name) in allowed) and not_chained_because(
+                up, step, steps
+            ) is None:
                 chain = chain_of[up.name]
                 chain.append(name)
                 chain_of[name] = chain
@@ -102,6 +109,13 @@ def plan_chains(steps: dict[str, Step], *, enabled: bool = True) -> list[tuple[s
         chain_of[name] = [name]
         chains.append(chain_of[name])
     return [tuple(c) for c in chains if len(c) > 1]
+
+
+def chain_edges(chains: dict[ChannelId, tuple[ChannelId, ...]]) -> Edges:
+    """The (upstream, downstream) step edges inside the chains of a plan (head id -> ids)."""
+    return frozenset(
+        (a[0], b[0]) for ids in chains.values() for a, b in zip(ids, ids[1:], strict=False)
+    )
 
 
 def chain_instances(
@@ -126,13 +140,15 @@ def chain_instances(
     return specs, groups
 
 
-def steps_following(steps: dict[str, Step], *, enabled: bool = True) -> dict[str, str]:
+def steps_following(
+    steps: dict[str, Step], *, enabled: bool = True, allowed: Edges | None = None
+) -> dict[str, str]:
     """The steps chained after a keyed step (follower -> keyed step), in chain order: their
     parallelism is the keyed step's from then on (it changes with each rescale, restore or
-    recovery)."""
+    recovery). ``allowed``: as for :func:`plan_chains`."""
     return {
         member: c[0]
-        for c in plan_chains(steps, enabled=enabled)
+        for c in plan_chains(steps, enabled=enabled, allowed=allowed)
         if steps[c[0]].is_keyed
         for member in c[1:]
     }

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from raystream.chaining import (
     chain_instances,
+    Edges,
     follower_parallelism,
     plan_chains,
     steps_following,
@@ -67,13 +68,16 @@ def physical_plan(
     origin_ns: int,
     state_dir: str | Path,
     routing: dict[str, RoutingTable] | None = None,
+    chained: Edges | None = None,
 ) -> PhysicalPlan:
     """``routing``: tables to start keyed steps with instead of uniform ones (a restore from a
-    checkpoint); their parallelism must be the step's."""
+    checkpoint); their parallelism must be the step's. ``chained``: only these step edges may
+    chain (a recovery keeps the job's chains: a live rescale may have made neighbours' parallelism
+    equal, and chaining them then would change the actors a later change addresses)."""
     steps = flow.with_parallelism(
         follower_parallelism(flow.steps, parallelism, enabled=config.chaining)
     )
-    following = steps_following(steps, enabled=config.chaining)
+    following = steps_following(steps, enabled=config.chaining, allowed=chained)
     ks = flow.key_space
     given = routing or {}
     routing = {
@@ -134,5 +138,6 @@ def physical_plan(
                 owned_key_groups=owned,
                 source_parallelism=p if step.kind == "source" else 1,
             )
-    instances, chains = chain_instances(instances, plan_chains(steps, enabled=config.chaining))
+    chains_of_steps = plan_chains(steps, enabled=config.chaining, allowed=chained)
+    instances, chains = chain_instances(instances, chains_of_steps)
     return PhysicalPlan(flow.name, steps, instances, routing, chains)

@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from raystream.chaining import follow_keyed, steps_following
+from raystream.chaining import chain_edges, follow_keyed, steps_following
 from raystream.checkpointing import build_manifest, manifest_routing, restore_specs
 from raystream.errors import CheckpointError, RaystreamError
 from raystream.metrics import step_totals, sum_totals
@@ -84,8 +84,16 @@ class Recovery:
                 parallelism[n] = t.parallelism
             # the steps chained after a keyed step have its parallelism (raystream.keyed_chains)
             parallelism = follow_keyed(parallelism, getattr(self, "following", {}))
+        # a recovery keeps the chains the job runs with (None: a start plans them)
+        chained = chain_edges(self.plan.chains) if self.state == "recovering" else None
         plan = physical_plan(
-            self.flow, parallelism, self.config, self.origin_ns, base_dir, routing=routing
+            self.flow,
+            parallelism,
+            self.config,
+            self.origin_ns,
+            base_dir,
+            routing=routing,
+            chained=chained,
         )
         restore = (
             {}
@@ -109,7 +117,9 @@ class Recovery:
         self.specs = dict(specs)
         self.routing = dict(plan.routing)
         self.parallelism = {n: s.parallelism or 1 for n, s in plan.steps.items()}
-        self.following = steps_following(plan.steps, enabled=self.config.chaining)
+        self.following = steps_following(
+            plan.steps, enabled=self.config.chaining, allowed=chained
+        )
         if manifest is not None:
             self._epoch = max(self._epoch, int(manifest["checkpoint_id"]))
         # partition commits: the folders pending at the checkpoint (committed again when due)

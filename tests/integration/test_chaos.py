@@ -387,11 +387,8 @@ def test_live_changes_with_kills_are_exactly_once(tmp_path: Path, seed: int) -> 
         .apply(tagged_count(1), name=STEP)
         .sink(rs.sinks.parquet(str(out)), name="out")
     )
-    # the sink in its own actor: when a rescale takes count to 1 instance, a recovery plans the
-    # graph anew and chains count and sink in one actor (they were not before it), and then
-    # count's instances can no longer be moved ("['out'] run chained in its actors"); a
-    # recovery does not keep the chains the job ran with (a known gap, left out here)
-    flow.options("out", chain=False)
+    # count (2) and the sink (1) run in their own actors; after a rescale of count to 1 a
+    # recovery keeps them so (it keeps the job's chains), and count's instances can still move
     job = rs.start(
         flow,
         parallelism={STEP: 2},

@@ -88,3 +88,26 @@ def test_a_step_inserted_live_stays_in_its_own_actors_when_a_recovery_plans_anew
     c._replan(None, str(tmp_path / "attempt-1"))
     assert ("hop", 0) in c.plan.instances
     assert c.chain_of("hop") == [] and c.chain_of("source") == [], c.plan.chains
+
+
+def test_a_recovery_keeps_the_chains_the_job_runs_with(tmp_path: Path) -> None:
+    """``count`` at 2 and its sink at 1 run in their own actors; a live rescale of ``count`` to 1
+    makes their parallelism equal. A recovery that planned chains anew would put the sink into
+    count's actor, and from then on ``job.move("count", 0, ...)`` is refused (the sink runs
+    chained in its actors). A job that started chained stays chained."""
+    c = _controller(tmp_path, {"count": 2})
+    assert c.chain_of("count") == [] and c.plan.chains == {}
+    c.routing["count"] = RoutingTable.uniform(16, 1)  # what the rescale to 1 left
+    c.parallelism["count"] = 1
+    c.state = "recovering"
+    c._replan(None, str(tmp_path / "attempt-1"))
+    assert c.parallelism["count"] == 1 and c.parallelism["out"] == 1
+    assert c.plan.chains == {} and c.following == {}, c.plan.chains
+    assert c.plan.instances[("count", 0)].outputs[0].partitioning != "local"
+
+    chained = _controller(tmp_path / "chained", {"count": 1})
+    assert chained.chain_of("count") == ["count", "out"]
+    chained.state = "recovering"
+    chained._replan(None, str(tmp_path / "chained" / "attempt-1"))
+    assert chained.chain_of("count") == ["count", "out"]
+    assert chained.following == {"out": "count"}
