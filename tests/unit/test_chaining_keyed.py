@@ -212,6 +212,7 @@ def test_followers_take_the_keyed_steps_parallelism_after_a_rescale_restore_or_r
 
     ctl = SimpleNamespace(
         flow=flow,
+        plan=plan,  # the plan the job runs with (a recovery keeps its chains)
         config=RuntimeConfig(),
         state="recovering",
         _parallelism_arg={},
