@@ -27,7 +27,7 @@ from raystream.errors import JobFailedError, RaystreamError, RescaleError
 from raystream.keyed_chains import KeyedChains
 from raystream.keys import RoutingTable
 from raystream.metrics import LatencyRecorder
-from raystream.placement import check_satisfiable, choose_nodes, cluster_nodes
+from raystream.placement import check_satisfiable, choose_nodes, cluster_nodes, reachable_nodes
 from raystream.plan import PhysicalPlan, physical_plan
 from raystream.plugins import MIGRATION_STRATEGIES
 from raystream.plugins import load as load_plugin
@@ -97,6 +97,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         # warm actors, each named for the instance it would become: (actor, its node id, slot)
         self._standby: list[tuple[Any, str, ChannelId]] = []
         self.nodes: dict[ChannelId, str] = {}  # the node each instance runs on
+        self._failed_nodes: dict[ChannelId, str] = {}  # ... in the attempt a recovery replaces
         self._standby_filling = False  # outcomes of retired instances whose id came back
         self._standby_creating: set[ChannelId] = set()  # slots a fill is starting an actor for
         # standbys configured and connected for their slot ahead (raystream.standby_prep)
@@ -201,6 +202,13 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             marks["controller"] = timeline(**self._startup)
         self.handles = {}
         nodes = await asyncio.to_thread(cluster_nodes)
+        if self.state == "recovering":
+            # a node lost with the failed attempt is still listed alive until Ray's health
+            # checks give up on it: a recovery places nothing on a node whose raylet is gone
+            up, lost = await asyncio.to_thread(reachable_nodes, nodes)
+            if up:
+                nodes = up
+                marks["unreachable_nodes"] = lost
         for step in self.plan.steps.values():
             check_satisfiable(step.name, step.actor, nodes)
         # an operator chain is one actor, its head's; the other instances are reached in it

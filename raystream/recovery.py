@@ -529,6 +529,7 @@ class Recovery:
             self._attempt,
         )
         phases = _Phases(failed_at=time.time())
+        self._failed_nodes = dict(self.nodes)  # where the failed attempt's instances ran
         emitted = dict(self._source_emitted)
         emitted.update(await self._source_positions())
         await self._keep_attempt_metrics(cause, self._attempt - 1)
@@ -590,6 +591,7 @@ class Recovery:
             await self._stop_all()
             return
         self.state = "running"
+        failed_nodes = getattr(self, "_failed_nodes", {})
         replayed = 0
         for iid in self.plan.sources:
             at = (manifest or {}).get("instances", {}).get(f"{iid[0]}/{iid[1]}", {}).get(
@@ -606,6 +608,12 @@ class Recovery:
             "parallelism": dict(self.parallelism),
             "downtime_s": time.monotonic() - t0,
             "records_replayed": replayed,
+            # the node the failed instance ran on, and the nodes of the failed attempt that
+            # were gone at the redeploy (their instances now run on the nodes that are left)
+            "node": failed_nodes.get(tuple(cause["instance"])),
+            "lost_nodes": sorted(
+                set(self.deploys[-1].get("unreachable_nodes", ())) & set(failed_nodes.values())
+            ),
             "failed_at": phases.failed_at,  # wall clock
             "phases": {**phases.durations, "deploy": _deploy_phases(self.deploys[-1])},
         }
