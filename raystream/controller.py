@@ -209,6 +209,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             if up:
                 nodes = up
                 marks["unreachable_nodes"] = lost
+        marks["nodes"] = [n.node_id for n in nodes]
         for step in self.plan.steps.values():
             check_satisfiable(step.name, step.actor, nodes)
         # an operator chain is one actor, its head's; the other instances are reached in it
@@ -261,6 +262,33 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             self._run(iid)
         marks["running_at"] = time.time()
         self.deploys.append(marks)
+
+    def _drop_warm_actors_gone(self, alive: list[str]) -> list[str]:
+        """Forget the warm standbys and change spares on nodes not in ``alive`` (they died with
+        their node: a scale-out, insert or move must not wait for them) and refill both; returns
+        the names of the actors dropped."""
+        from raystream.placement import on_nodes_gone
+        from raystream.runtime.actors import instance_actor_name
+
+        gone_standbys = [self._standby[k] for k in on_nodes_gone([n for _, n, _ in self._standby], alive)]
+        gone_spares = [self._spares[k] for k in on_nodes_gone([n for *_, n in self._spares], alive)]
+        for entry in gone_standbys:
+            self._standby.remove(entry)
+        for entry in gone_spares:
+            self._spares.remove(entry)
+        for h in [e[0] for e in [*gone_standbys, *gone_spares]]:
+            try:
+                ray.kill(h, no_restart=True)  # its name is freed at once
+            except Exception:  # noqa: BLE001, S110 - already gone
+                pass
+        loop = asyncio.get_running_loop()
+        if gone_standbys and self.config.migration_support:
+            loop.create_task(self._fill_standby())
+        if gone_spares:
+            self._refill_spares_later("node lost")
+        return [instance_actor_name(self.flow.name, *slot) for *_, slot in gone_standbys] + [
+            name for _, name, _ in gone_spares
+        ]
 
     def _standbys_first(self) -> bool:
         """Whether this deploy starts the warm standbys before the sources run: the job's first,

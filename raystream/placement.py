@@ -30,6 +30,7 @@ __all__ = [
     "choose_nodes",
     "cluster_nodes",
     "controller_options",
+    "on_nodes_gone",
     "reachable_nodes",
 ]
 
@@ -310,6 +311,19 @@ def standby_slots(
             if slot not in held and len(out) < count:
                 out.append(slot)
     return out
+
+
+def on_nodes_gone(nodes: Iterable[str | None], alive: Iterable[str]) -> list[int]:
+    """Positions in ``nodes`` (the node of each warm actor: standbys, change spares) of those
+    whose node is not in ``alive``: they died with it. None (node not known) counts as alive.
+
+    Example::
+
+        >>> on_nodes_gone(["a", "b", None, "b"], ["a"])
+        [1, 3]
+    """
+    up = set(alive)
+    return [k for k, n in enumerate(nodes) if n is not None and n not in up]
 
 
 def controller_options(driver_node: str | None) -> dict[str, Any]:

@@ -592,6 +592,8 @@ class Recovery:
             return
         self.state = "running"
         failed_nodes = getattr(self, "_failed_nodes", {})
+        # warm standbys and spares that died with a lost node are replaced
+        dropped = self._drop_warm_actors_gone(self.deploys[-1]["nodes"])
         replayed = 0
         for iid in self.plan.sources:
             at = (manifest or {}).get("instances", {}).get(f"{iid[0]}/{iid[1]}", {}).get(
@@ -614,6 +616,7 @@ class Recovery:
             "lost_nodes": sorted(
                 set(self.deploys[-1].get("unreachable_nodes", ())) & set(failed_nodes.values())
             ),
+            "warm_actors_lost": dropped,
             "failed_at": phases.failed_at,  # wall clock
             "phases": {**phases.durations, "deploy": _deploy_phases(self.deploys[-1])},
         }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from raystream.placement import Node, controller_options, reachable_nodes
+from raystream.placement import Node, controller_options, on_nodes_gone, reachable_nodes
 
 
 def _closed_port() -> int:
@@ -40,3 +40,10 @@ def test_the_controller_is_pinned_to_the_drivers_node() -> None:
     assert type(pinned).__name__ == "NodeAffinitySchedulingStrategy"
     assert pinned.node_id == "ab" * 28 and pinned.soft is False
     assert controller_options(None) == {}
+
+
+def test_warm_actors_on_a_node_that_is_gone_are_found() -> None:
+    # each warm standby's / spare's node; the recovery drops those not among the live nodes
+    assert on_nodes_gone(["a", "b", None, "b", "c"], ["a", "c"]) == [1, 3]
+    assert on_nodes_gone(["a"], ["a", "b"]) == []
+    assert on_nodes_gone([], []) == []
