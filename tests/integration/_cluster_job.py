@@ -80,7 +80,7 @@ def _output_check(out: Path, stream: pa.Table) -> dict[str, Any]:
     con.register("stream", stream)
     con.execute(f"create view o as select * from read_parquet('{out}/*.parquet')")
     return {
-        "rows": con.sql("select count(*) from o").fetchone()[0],  # type: ignore[index]
+        "rows": con.sql("select count(*) from o").fetchall()[0][0],
         "twice": con.sql(
             "select key, seq, count(*) c from o group by 1, 2 having c > 1 limit 5"
         ).fetchall(),
@@ -114,6 +114,7 @@ def lose_a_node(cluster: Cluster) -> dict[str, Any]:
     over the three nodes; a worker node that holds one of them is killed (its raylet and
     every process on it, as a machine that dies) while records flow. The job recovers on the two
     nodes left; the output is checked against the generator's rows."""
+    began = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="rs-nodeloss-"))
     gate, out = str(tmp / "gate"), tmp / "out"
     gen = rs.sources.generator(
@@ -135,7 +136,7 @@ def lose_a_node(cluster: Cluster) -> dict[str, Any]:
         restart_delay_s=0.2,
         **h.RUNTIME,
     )
-    report: dict[str, Any] = {}
+    report: dict[str, Any] = {"started_s": time.monotonic() - began}
     try:
         h.LiveJob(job, gate).wait_flowing(h.RATE_EPS // 4)
         hh.wait_checkpoints(job, 1)
@@ -150,6 +151,7 @@ def lose_a_node(cluster: Cluster) -> dict[str, Any]:
             f"{m['step']}/{m['index']}" for m in before["instances"] if m["node_id"] == lost
         )
         t0 = time.monotonic()
+        report["lost_at_s"] = t0 - began
         cluster.remove_node(victim, allow_graceful=False)
         deadline = t0 + 60
         while True:
@@ -165,7 +167,9 @@ def lose_a_node(cluster: Cluster) -> dict[str, Any]:
         report["nodes_after"] = sorted({m["node_id"] for m in after["instances"]})
         h.LiveJob(job, gate).wait_flowing(after_records(after) + h.RATE_EPS // 4)
         Path(gate).touch()
+        report["gate_at_s"] = time.monotonic() - began
         result = job.wait(120)
+        report["finished_at_s"] = time.monotonic() - began
     except BaseException:
         job.cancel()
         raise
@@ -178,6 +182,7 @@ def lose_a_node(cluster: Cluster) -> dict[str, Any]:
     report["events"] = events
     report["output"] = _output_check(out, _stream(gen, events))
     report["left"] = _left(flow.name)
+    report["elapsed_s"] = time.monotonic() - began
     return report
 
 
@@ -187,6 +192,7 @@ def after_records(status: dict[str, Any]) -> int:
 
 
 def main() -> None:
+    began = time.monotonic()
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "include_dashboard": False},
@@ -241,6 +247,7 @@ def main() -> None:
         out["keys"] = len(expected)
         out["records_in"] = sum(m["records_in"] for m in h.step_metrics(result.metrics))
         out["hot_share"] = max(expected.values()) / max(1, events)
+        out["before_nodeloss_s"] = time.monotonic() - began
         out["nodeloss"] = lose_a_node(cluster)
         print(json.dumps(out, default=str))
     finally:

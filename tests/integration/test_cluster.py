@@ -78,6 +78,7 @@ def test_three_nodes_spread_rescale_exactly_refuse_what_no_node_has_and_lose_one
     # flow: one recovery, on the nodes left, at once (not after Ray's health checks gave up on
     # the node), and the committed output is every event once, per key in order
     loss = report["nodeloss"]
+    print(json.dumps({"before_nodeloss_s": report["before_nodeloss_s"], "nodeloss": loss}))  # noqa: T201
     lost = loss["lost_node"]
     assert lost in nodes and lost != loss["controller_node"], loss
     assert lost in loss["placed_before"].values(), loss
