@@ -1,7 +1,7 @@
 """A key-count job on a simulated 3-node Ray cluster (``ray.cluster_utils.Cluster``).
 
 Run as a script by ``test_cluster.py`` (its own Ray, apart from the test session's): prints one
-JSON line with where the instances ran after each step, the rescale stats, and whether the final
+JSON line (its last line starting with ``{``) with where the instances ran after each step, the rescale stats, and whether the final
 counts equal the oracle (``collections.Counter`` over the generator's own rows).
 """
 
@@ -175,7 +175,10 @@ def lose_a_node(cluster: Cluster) -> dict[str, Any]:
         raise
     report["state"] = result.state
     report["recoveries"] = [
-        {k: r.get(k) for k in ("instance", "cause", "node", "lost_nodes", "downtime_s")}
+        {
+            k: r.get(k)
+            for k in ("instance", "cause", "node", "lost_nodes", "warm_actors_lost", "downtime_s")
+        }
         for r in result.recoveries
     ]
     events = int(Path(gate + ".events").read_text())
