@@ -177,7 +177,9 @@ def lose_a_node(cluster: Cluster) -> dict[str, Any]:
     report["recoveries"] = [
         {
             k: r.get(k)
-            for k in ("instance", "cause", "node", "lost_nodes", "warm_actors_lost", "downtime_s")
+            for k in (
+                "instance", "cause", "node", "lost_nodes", "warm_actors_lost", "downtime_s", "phases"
+            )
         }
         for r in result.recoveries
     ]
