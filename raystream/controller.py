@@ -98,6 +98,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self._standby: list[tuple[Any, str, ChannelId]] = []
         self.nodes: dict[ChannelId, str] = {}  # the node each instance runs on
         self._failed_nodes: dict[ChannelId, str] = {}  # ... in the attempt a recovery replaces
+        self._unreachable: set[str] = set()  # ... of those, the nodes found lost
         self._standby_filling = False  # outcomes of retired instances whose id came back
         self._standby_creating: set[ChannelId] = set()  # slots a fill is starting an actor for
         # standbys configured and connected for their slot ahead (raystream.standby_prep)
