@@ -27,7 +27,7 @@ from raystream.errors import JobFailedError, RaystreamError, RescaleError
 from raystream.keyed_chains import KeyedChains
 from raystream.keys import RoutingTable
 from raystream.metrics import LatencyRecorder
-from raystream.placement import check_satisfiable, choose_nodes, cluster_nodes
+from raystream.placement import check_satisfiable, choose_nodes, cluster_nodes, reachable_nodes
 from raystream.plan import PhysicalPlan, physical_plan
 from raystream.plugins import MIGRATION_STRATEGIES
 from raystream.plugins import load as load_plugin
@@ -97,6 +97,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         # warm actors, each named for the instance it would become: (actor, its node id, slot)
         self._standby: list[tuple[Any, str, ChannelId]] = []
         self.nodes: dict[ChannelId, str] = {}  # the node each instance runs on
+        self._failed_nodes: dict[ChannelId, str] = {}  # ... in the attempt a recovery replaces
+        self._unreachable: set[str] = set()  # ... of those, the nodes found lost
         self._standby_filling = False  # outcomes of retired instances whose id came back
         self._standby_creating: set[ChannelId] = set()  # slots a fill is starting an actor for
         # standbys configured and connected for their slot ahead (raystream.standby_prep)
@@ -201,6 +203,14 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             marks["controller"] = timeline(**self._startup)
         self.handles = {}
         nodes = await asyncio.to_thread(cluster_nodes)
+        if self.state == "recovering":
+            # a node lost with the failed attempt is still listed alive until Ray's health
+            # checks give up on it: a recovery places nothing on a node whose raylet is gone
+            up, lost = await asyncio.to_thread(reachable_nodes, nodes)
+            if up:
+                nodes = up
+                marks["unreachable_nodes"] = lost
+        marks["nodes"] = [n.node_id for n in nodes]
         for step in self.plan.steps.values():
             check_satisfiable(step.name, step.actor, nodes)
         # an operator chain is one actor, its head's; the other instances are reached in it
@@ -253,6 +263,33 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             self._run(iid)
         marks["running_at"] = time.time()
         self.deploys.append(marks)
+
+    def _drop_warm_actors_gone(self, alive: list[str]) -> list[str]:
+        """Forget the warm standbys and change spares on nodes not in ``alive`` (they died with
+        their node: a scale-out, insert or move must not wait for them) and refill both; returns
+        the names of the actors dropped."""
+        from raystream.placement import on_nodes_gone
+        from raystream.runtime.actors import instance_actor_name
+
+        gone_standbys = [self._standby[k] for k in on_nodes_gone([n for _, n, _ in self._standby], alive)]
+        gone_spares = [self._spares[k] for k in on_nodes_gone([n for *_, n in self._spares], alive)]
+        for entry in gone_standbys:
+            self._standby.remove(entry)
+        for entry in gone_spares:
+            self._spares.remove(entry)
+        for h in [e[0] for e in [*gone_standbys, *gone_spares]]:
+            try:
+                ray.kill(h, no_restart=True)  # its name is freed at once
+            except Exception:  # noqa: BLE001, S110 - already gone
+                pass
+        loop = asyncio.get_running_loop()
+        if gone_standbys and self.config.migration_support:
+            loop.create_task(self._fill_standby())
+        if gone_spares:
+            self._refill_spares_later("node lost")
+        return [instance_actor_name(self.flow.name, *slot) for *_, slot in gone_standbys] + [
+            name for _, name, _ in gone_spares
+        ]
 
     def _standbys_first(self) -> bool:
         """Whether this deploy starts the warm standbys before the sources run: the job's first,

@@ -22,6 +22,7 @@ from raystream.errors import (
 )
 from raystream.ingest import FeedContext
 from raystream.metrics import LatencyRecorder
+from raystream.placement import controller_options
 from raystream.presort import plan_for
 from raystream.runtime import wire
 from raystream.runtime.actors import NAMESPACE, controller_actor_class, controller_name
@@ -346,7 +347,12 @@ def start(
         raise ConfigError(msg)
     controller = (
         controller_actor_class()
-        .options(name=name, namespace=NAMESPACE, max_concurrency=1000)
+        .options(
+            name=name,
+            namespace=NAMESPACE,
+            max_concurrency=1000,
+            **controller_options(_driver_node()),
+        )
         .remote(
             flow,
             parallelism,
@@ -373,6 +379,14 @@ def start(
         job.stop()
         raise
     return job
+
+
+def _driver_node() -> str | None:
+    """The Ray node this driver runs on (None if Ray cannot say, e.g. through Ray Client)."""
+    try:
+        return str(ray.get_runtime_context().get_node_id()) or None
+    except Exception:  # noqa: BLE001 - no node of its own: the controller goes where Ray puts it
+        return None
 
 
 def _restore_from(checkpoint: str | int | None, savepoint: str | None) -> tuple[str, str] | None:

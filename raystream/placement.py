@@ -29,6 +29,9 @@ __all__ = [
     "check_satisfiable",
     "choose_nodes",
     "cluster_nodes",
+    "controller_options",
+    "on_nodes_gone",
+    "reachable_nodes",
 ]
 
 _STRATEGIES = ("DEFAULT", "SPREAD")
@@ -196,12 +199,14 @@ def _check_runtime_env(step: str, env: Any) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class Node:
-    """One alive node: its id, address, total and currently free resources."""
+    """One alive node: its id, address, total and currently free resources, and the port its
+    raylet (node manager) listens on (0: not known)."""
 
     node_id: str
     address: str
     total: Mapping[str, float] = field(default_factory=dict)
     available: Mapping[str, float] = field(default_factory=dict)
+    port: int = 0
 
 
 def _fits(demand: Mapping[str, float], room: Mapping[str, float]) -> bool:
@@ -308,6 +313,62 @@ def standby_slots(
     return out
 
 
+def on_nodes_gone(nodes: Iterable[str | None], alive: Iterable[str]) -> list[int]:
+    """Positions in ``nodes`` (the node of each warm actor: standbys, change spares) of those
+    whose node is not in ``alive``: they died with it. None (node not known) counts as alive.
+
+    Example::
+
+        >>> on_nodes_gone(["a", "b", None, "b"], ["a"])
+        [1, 3]
+    """
+    up = set(alive)
+    return [k for k, n in enumerate(nodes) if n is not None and n not in up]
+
+
+def controller_options(driver_node: str | None) -> dict[str, Any]:
+    """Ray options that keep a job's controller on the node of the driver that starts it.
+
+    The controller is owned by that driver and ends with it anyway (it is not detached), so on
+    the driver's node it adds no way to fail; anywhere else, losing that node would end the job
+    with no one left to recover it. ``None`` (the driver's node is not known): Ray chooses."""
+    if not driver_node:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(driver_node, soft=False)}
+
+
+def reachable_nodes(nodes: Iterable[Node], timeout_s: float = 1.0) -> tuple[list[Node], list[str]]:
+    """``nodes`` split into those whose raylet takes a TCP connection within ``timeout_s`` and
+    the ids of those whose raylet does not (refused or no answer: the machine or its raylet is
+    gone, or cut off). Ray marks a lost node dead only after its health checks failed for a while
+    (about 15 s by default); a recovery placing instances meanwhile asks this instead. A node
+    whose port is not known counts as reachable. All nodes are probed at once."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    nodes = list(nodes)
+
+    def answers(node: Node) -> bool:
+        if not node.port or not node.address:
+            return True
+        try:
+            with socket.create_connection((node.address, node.port), timeout=timeout_s):
+                return True
+        except OSError:
+            return False
+
+    if not nodes:
+        return [], []
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        up = list(pool.map(answers, nodes))
+    return (
+        [n for n, ok in zip(nodes, up, strict=True) if ok],
+        [n.node_id for n, ok in zip(nodes, up, strict=True) if not ok],
+    )
+
+
 def cluster_nodes() -> list[Node]:
     """The alive nodes of the connected Ray cluster with their total and free resources."""
     import ray
@@ -329,6 +390,7 @@ def cluster_nodes() -> list[Node]:
                 address=str(n.get("NodeManagerAddress", "")),
                 total=total,
                 available={k: float(v) for k, v in free.get(n["NodeID"], total).items()},
+                port=int(n.get("NodeManagerPort") or 0),
             )
         )
     return out

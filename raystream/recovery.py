@@ -529,6 +529,10 @@ class Recovery:
             self._attempt,
         )
         phases = _Phases(failed_at=time.time())
+        self._failed_nodes = dict(self.nodes)  # where the failed attempt's instances ran
+        # instances on a node that is gone answer nothing: not asked (each ask would wait out
+        # its timeout), they are listed as unreported
+        self._unreachable = await self._unreachable_nodes(set(self.nodes.values()))
         emitted = dict(self._source_emitted)
         emitted.update(await self._source_positions())
         await self._keep_attempt_metrics(cause, self._attempt - 1)
@@ -590,6 +594,9 @@ class Recovery:
             await self._stop_all()
             return
         self.state = "running"
+        failed_nodes = getattr(self, "_failed_nodes", {})
+        # warm standbys and spares that died with a lost node are replaced
+        dropped = self._drop_warm_actors_gone(self.deploys[-1]["nodes"])
         replayed = 0
         for iid in self.plan.sources:
             at = (manifest or {}).get("instances", {}).get(f"{iid[0]}/{iid[1]}", {}).get(
@@ -606,12 +613,35 @@ class Recovery:
             "parallelism": dict(self.parallelism),
             "downtime_s": time.monotonic() - t0,
             "records_replayed": replayed,
+            # the node the failed instance ran on, and the nodes of the failed attempt that
+            # were gone at the redeploy (their instances now run on the nodes that are left)
+            "node": failed_nodes.get(tuple(cause["instance"])),
+            "lost_nodes": sorted(
+                set(self.deploys[-1].get("unreachable_nodes", ())) & set(failed_nodes.values())
+            ),
+            "warm_actors_lost": dropped,
             "failed_at": phases.failed_at,  # wall clock
             "phases": {**phases.durations, "deploy": _deploy_phases(self.deploys[-1])},
         }
         self.recoveries.append(record)
         self._export("recovery", record["downtime_s"])
         log.warning("job %s: recovered: %s", self.flow.name, record)
+
+    async def _unreachable_nodes(self: Any, among: set[str]) -> set[str]:
+        """The nodes of ``among`` whose raylet does not take a connection (lost)."""
+        from raystream.placement import cluster_nodes, reachable_nodes
+
+        try:
+            nodes = [n for n in await asyncio.to_thread(cluster_nodes) if n.node_id in among]
+            _, lost = await asyncio.to_thread(reachable_nodes, nodes)
+        except Exception as e:  # noqa: BLE001 - not known: every instance is asked as before
+            log.debug("probing the nodes failed: %s", e)
+            return set()
+        return set(lost)
+
+    def _askable(self: Any, iid: ChannelId) -> bool:
+        """Not on a node found lost at this recovery."""
+        return self.nodes.get(iid) not in getattr(self, "_unreachable", ())
 
     async def _keep_attempt_metrics(self: Any, cause: dict[str, Any], attempt: int) -> None:
         """Before a recovery replaces every instance: keep what the failed ``attempt`` did
@@ -637,7 +667,11 @@ class Recovery:
     async def _attempt_snapshots(self: Any, attempt: int, timeout_s: float) -> list[dict[str, Any]]:
         """The metrics of every instance of ``attempt`` (live ones asked, at most
         ``timeout_s``), each tagged with it."""
-        live = {iid: h for iid, h in self.handles.items() if iid not in self.outcomes}
+        live = {
+            iid: h
+            for iid, h in self.handles.items()
+            if iid not in self.outcomes and self._askable(iid)
+        }
         asked = await asyncio.gather(
             *(asyncio.wait_for(_result(h.metrics.remote()), timeout_s) for h in live.values()),
             return_exceptions=True,
@@ -664,7 +698,7 @@ class Recovery:
 
     async def _source_positions(self: Any) -> dict[ChannelId, int]:
         """Rows each live source emitted, asked right before the restart (what is replayed)."""
-        live = [i for i in self.plan.sources if i not in self.outcomes]
+        live = [i for i in self.plan.sources if i not in self.outcomes and self._askable(i)]
         beats = await asyncio.gather(
             *(asyncio.wait_for(self.handles[i].heartbeat.remote(), 2.0) for i in live),
             return_exceptions=True,

@@ -1,7 +1,8 @@
 """Several Ray nodes (``ray.cluster_utils.Cluster``, 3 nodes on this machine): instances of a step
 spread over the nodes, scale-outs put new instances where the step has fewest, a step asking for
 more than any node has is refused before anything starts, every strategy stays exact when
-state moves from node to node, and an instance moved to another node keeps the counts exact.
+state moves from node to node, an instance moved to another node keeps the counts exact, and a
+checkpointed job that loses a whole worker node recovers on the nodes left, exactly once.
 
 The cluster needs its own Ray, apart from the test session's, so the job runs in a child
 process (``_cluster_job.py``) that starts the cluster, runs the job, checks the final counts
@@ -20,7 +21,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parent / "_cluster_job.py"
 
 
-def test_three_nodes_spread_rescale_exactly_and_refuse_what_no_node_has() -> None:
+def test_three_nodes_spread_rescale_exactly_refuse_what_no_node_has_and_lose_one() -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT)],
@@ -31,7 +32,8 @@ def test_three_nodes_spread_rescale_exactly_and_refuse_what_no_node_has() -> Non
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the report is the child's last JSON line (Ray prints a lost raylet's last log lines too)
+    report = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     nodes = set(report["nodes"])
     assert len(nodes) == 3
 
@@ -72,3 +74,26 @@ def test_three_nodes_spread_rescale_exactly_and_refuse_what_no_node_has() -> Non
     assert files["pulled_bytes"] == files["file_bytes"] > 0
     assert report["records_in"] == report["events"], "records into count: lost or duplicated"
     assert report["hot_share"] > 0.4, "the input must have a hot key (skew)"
+
+    # a worker node that held a count instance dies with every process on it while records
+    # flow: one recovery, on the nodes left, at once (not after Ray's health checks gave up on
+    # the node), and the committed output is every event once, per key in order
+    loss = report["nodeloss"]
+    print(json.dumps({"before_nodeloss_s": report["before_nodeloss_s"], "nodeloss": loss}))  # noqa: T201
+    lost = loss["lost_node"]
+    assert lost in nodes and lost != loss["controller_node"], loss
+    assert lost in loss["placed_before"].values(), loss
+    assert loss["state"] == "finished", loss
+    assert len(loss["recoveries"]) == 1, loss["recoveries"]
+    recovery = loss["recoveries"][0]
+    assert "recovery attempt" not in recovery["cause"], recovery  # the first redeploy held
+    assert "/".join(map(str, recovery["instance"])) in loss["lost_instances"], (recovery, loss)
+    assert recovery["node"] == lost and recovery["lost_nodes"] == [lost], recovery
+    assert lost not in loss["nodes_after"] and len(loss["nodes_after"]) == 2, loss
+    assert set(loss["nodes_after"]) <= nodes
+    assert len(loss["placed_after"]) == 3 and lost not in loss["placed_after"].values(), loss
+    output = loss["output"]
+    assert output["rows"] == loss["events"] > 0, output
+    for what in ("twice", "missing", "extra", "out_of_order"):
+        assert output[what] == [], f"records {what}: {output[what]}"
+    assert loss["left"] == [], f"actors of the job left after it ended: {loss['left']}"
