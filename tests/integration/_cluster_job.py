@@ -21,7 +21,6 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository: bench's cluster help
 import _helpers as hh  # noqa: E402
 import _rescale_helpers as h  # noqa: E402
 import duckdb  # noqa: E402
-import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import ray  # noqa: E402
 from ray import cloudpickle  # noqa: E402
@@ -59,20 +58,6 @@ def _named(actor: str) -> bool:
     return True
 
 
-def _stream(gen: Any, events: int) -> pa.Table:
-    """The first ``events`` events of the generator (its own rows): key and seq."""
-    reader = gen.open(0, 1)
-    keys, seqs, n = [], [], 0
-    while n < events:
-        batch = reader.read(min(gen.chunk_rows, events - n))
-        assert batch is not None, f"the generator has fewer than {events} events"
-        keys.append(batch.column("key").to_numpy())
-        seqs.append(batch.column("seq").to_numpy())
-        n += batch.num_rows
-    reader.close()
-    return pa.table({"key": np.concatenate(keys), "seq": np.concatenate(seqs)})
-
-
 def _output_check(out: Path, stream: pa.Table) -> dict[str, Any]:
     """The committed Parquet output against the generator's rows, by DuckDB: records published
     twice, never published, never sent, and counts that are not ``seq + 1`` (per key in order)."""
@@ -84,12 +69,15 @@ def _output_check(out: Path, stream: pa.Table) -> dict[str, Any]:
         "twice": con.sql(
             "select key, seq, count(*) c from o group by 1, 2 having c > 1 limit 5"
         ).fetchall(),
-        "missing": con.sql("select key, seq from stream anti join o using (key, seq) limit 5")
-        .fetchall(),
-        "extra": con.sql("select key, seq from o anti join stream using (key, seq) limit 5")
-        .fetchall(),
-        "out_of_order": con.sql("select key, seq, count from o where count != seq + 1 limit 5")
-        .fetchall(),
+        "missing": con.sql(
+            "select key, seq from stream anti join o using (key, seq) limit 5"
+        ).fetchall(),
+        "extra": con.sql(
+            "select key, seq from o anti join stream using (key, seq) limit 5"
+        ).fetchall(),
+        "out_of_order": con.sql(
+            "select key, seq, count from o where count != seq + 1 limit 5"
+        ).fetchall(),
     }
 
 
@@ -178,14 +166,20 @@ def lose_a_node(cluster: Cluster) -> dict[str, Any]:
         {
             k: r.get(k)
             for k in (
-                "instance", "cause", "node", "lost_nodes", "warm_actors_lost", "downtime_s", "phases"
+                "instance",
+                "cause",
+                "node",
+                "lost_nodes",
+                "warm_actors_lost",
+                "downtime_s",
+                "phases",
             )
         }
         for r in result.recoveries
     ]
     events = int(Path(gate + ".events").read_text())
     report["events"] = events
-    report["output"] = _output_check(out, _stream(gen, events))
+    report["output"] = _output_check(out, hh.generator_prefix(gen, events))
     report["left"] = _left(flow.name)
     report["elapsed_s"] = time.monotonic() - began
     return report

@@ -47,6 +47,29 @@ def count_pk(key: Any, records: pa.RecordBatch, state: Any) -> Any:
 COUNT_OPS = {"vectorised": count_vec, "per-key": count_pk}
 
 
+def counts_per_record(before: np.ndarray, counts: np.ndarray) -> pa.Array:
+    """A keyed batch's running count per record (records grouped by key, ``counts`` per key):
+    each key's count before the batch plus the record's rank within its key, from 1."""
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    rank = np.arange(int(counts.sum())) - starts
+    return pa.array(np.repeat(before, counts) + rank + 1, pa.int64())
+
+
+def generator_prefix(gen: Any, events: int) -> pa.Table:
+    """The first ``events`` events of a generator source, read from its own reader: key, seq
+    and position in the stream (the oracle of jobs whose input it is)."""
+    reader = gen.open(0, 1)
+    keys, seqs, n = [], [], 0
+    while n < events:
+        batch = reader.read(min(gen.chunk_rows, events - n))
+        assert batch is not None, f"the generator has fewer than {events} events"
+        keys.append(batch.column("key").to_numpy())
+        seqs.append(batch.column("seq").to_numpy())
+        n += batch.num_rows
+    reader.close()
+    return pa.table({"key": np.concatenate(keys), "seq": np.concatenate(seqs), "pos": np.arange(n)})
+
+
 def running_count_carrying(*carried: str) -> Any:
     """A keyed step with one output row per record: its key, its seq, the ``carried`` columns and
     the count of its key up to it (the recovery tests' oracle checks every row)."""
@@ -57,10 +80,8 @@ def running_count_carrying(*carried: str) -> Any:
         counts = batch.counts
         state.put(batch.keys, before + counts)
         records = batch.records
-        starts = np.repeat(np.cumsum(counts) - counts, counts)
-        rank = np.arange(records.num_rows) - starts
         columns = {name: records.column(name) for name in ("key", "seq", *carried)}
-        columns["count"] = pa.array(np.repeat(before, counts) + rank + 1, pa.int64())
+        columns["count"] = counts_per_record(before, counts)
         return pa.record_batch(columns)
 
     return running_count

@@ -42,6 +42,7 @@ import ray
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
 
+from ._helpers import counts_per_record, generator_prefix
 from ._rescale_helpers import UntilGate
 
 STEP = "count"
@@ -51,9 +52,10 @@ RATE_EPS = 25_000
 CHECKPOINT_S = 0.5
 DEFAULT_SEEDS = (187, 7)  # one job each
 # other seeds, to shake out rarities locally: RAYSTREAM_CHAOS_SEEDS=1,2,3
-SEEDS = tuple(
-    int(s) for s in os.environ.get("RAYSTREAM_CHAOS_SEEDS", "").split(",") if s.strip()
-) or DEFAULT_SEEDS
+SEEDS = (
+    tuple(int(s) for s in os.environ.get("RAYSTREAM_CHAOS_SEEDS", "").split(",") if s.strip())
+    or DEFAULT_SEEDS
+)
 OPS_PER_JOB = 7
 # a change the failure interrupted is refused, saying so (raystream.controller, .reconfigurations,
 # .rewiring)
@@ -72,13 +74,11 @@ def tagged_count(version: int) -> Any:
         counts = batch.counts
         state.put(batch.keys, before + counts)
         records = batch.records
-        starts = np.repeat(np.cumsum(counts) - counts, counts)
-        rank = np.arange(records.num_rows) - starts
         return pa.record_batch(
             {
                 "key": records.column("key"),
                 "seq": records.column("seq"),
-                "count": pa.array(np.repeat(before, counts) + rank + 1, pa.int64()),
+                "count": counts_per_record(before, counts),
                 "tag": pa.array([tag] * records.num_rows, pa.string()),
             }
         )
@@ -128,7 +128,9 @@ def plan(seed: int) -> list[Op]:
         inserted = (inserted or kind == "insert") and kind != "remove"
         r = rng.uniform()
         kill = None if r < 1 / 3 else ("during" if r < 2 / 3 else "after")
-        ops.append(Op(kind, arg, kill, round(float(rng.uniform(0.0, 0.3)), 3), float(rng.uniform())))
+        ops.append(
+            Op(kind, arg, kill, round(float(rng.uniform(0.0, 0.3)), 3), float(rng.uniform()))
+        )
     return ops
 
 
@@ -175,7 +177,8 @@ def _kill(job: rs.Job, victim: float) -> str:
         from ray.util import list_named_actors
 
         alive = sorted(
-            a["name"] for a in list_named_actors(all_namespaces=True)
+            a["name"]
+            for a in list_named_actors(all_namespaces=True)
             if a["name"].startswith(f"raystream:{job.name}:")
         )
         status = job.status()
@@ -203,7 +206,9 @@ def _wait_recovered(job: rs.Job, n: int, timeout_s: float = 60.0) -> None:
 
 def _wait_flowing(job: rs.Job, records: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while sum(m["records_in"] for m in job.metrics()["instances"] if m.get("step") == STEP) < records:
+    while (
+        sum(m["records_in"] for m in job.metrics()["instances"] if m.get("step") == STEP) < records
+    ):
         assert time.monotonic() < deadline, f"fewer than {records} records reached {STEP!r}"
         time.sleep(0.05)
 
@@ -244,7 +249,9 @@ def _run(job: rs.Job, ops: list[Op]) -> tuple[list[Done], int]:
             if op.kind in ("insert", "remove"):  # an insert may have been refused
                 op = Op("remove" if HOP in before else "insert", 0, op.kill, op.delay_s, op.victim)
             if op.kind == "move":  # the routing index within the parallelism it has now
-                op = Op(op.kind, op.arg % before[STEP]["parallelism"], op.kill, op.delay_s, op.victim)
+                op = Op(
+                    op.kind, op.arg % before[STEP]["parallelism"], op.kill, op.delay_s, op.victim
+                )
             asked = version + 1 if op.kind == "replace" else version
             killed = None
             if op.kill == "during":
@@ -271,21 +278,6 @@ def _run(job: rs.Job, ops: list[Op]) -> tuple[list[Done], int]:
 
 # ------------------------------------------------------------------------------------------
 # checks
-
-
-def _stream(gen: Any, events: int) -> pa.Table:
-    """The first ``events`` events of the generator: key, seq and position in the stream."""
-    reader = gen.open(0, 1)
-    keys, seqs = [], []
-    n = 0
-    while n < events:
-        batch = reader.read(min(gen.chunk_rows, events - n))
-        assert batch is not None, f"the generator has fewer than {events} events"
-        keys.append(batch.column("key").to_numpy())
-        seqs.append(batch.column("seq").to_numpy())
-        n += batch.num_rows
-    reader.close()
-    return pa.table({"key": np.concatenate(keys), "seq": np.concatenate(seqs), "pos": np.arange(n)})
 
 
 def _check_changes(done: list[Done]) -> None:
@@ -364,8 +356,11 @@ def _check_no_actor_left(job: str, timeout_s: float = 15.0) -> None:
     prefix = f"raystream:{job}:"
     deadline = time.monotonic() + timeout_s
     while True:
-        left = [a["name"] for a in list_named_actors(all_namespaces=True)
-                if a["name"].startswith(prefix)]
+        left = [
+            a["name"]
+            for a in list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)
+        ]
         if not left:
             return
         assert time.monotonic() < deadline, f"actors of the ended job still alive: {left}"
@@ -411,8 +406,12 @@ def test_live_changes_with_kills_are_exactly_once(tmp_path: Path, seed: int) -> 
     print(  # noqa: T201 - shown with -s: what happened
         seed,
         [
-            (d.op.kind, d.op.kill, d.killed and d.killed.split(":", 2)[2],
-             type(d.outcome).__name__ if isinstance(d.outcome, BaseException) else "ok")
+            (
+                d.op.kind,
+                d.op.kill,
+                d.killed and d.killed.split(":", 2)[2],
+                type(d.outcome).__name__ if isinstance(d.outcome, BaseException) else "ok",
+            )
             for d in done
         ],
     )
@@ -423,4 +422,4 @@ def test_live_changes_with_kills_are_exactly_once(tmp_path: Path, seed: int) -> 
     _check_no_actor_left(job.name)
     events = int(Path(gate + ".events").read_text())
     _check_changes(done)
-    _check_output(out, _stream(gen, events), done)
+    _check_output(out, generator_prefix(gen, events), done)

@@ -16,8 +16,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "nexmark" / "README.md",
-        ROOT / "examples" / "README.md"]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "bench" / "nexmark" / "README.md",
+    ROOT / "examples" / "README.md",
+]
 
 # A results path: bench/results/ then name characters, braces, globs; "{a,\nb}" never spans lines.
 RESULTS_PATH = re.compile(r"bench/results/[A-Za-z0-9_.,*?\[\]{}<>\-/]*")
@@ -41,8 +45,8 @@ def expand_braces(pattern: str) -> list[str]:
         elif ch == "}" and depth:
             depth -= 1
             if depth == 0:
-                body = pattern[start + 1:i]
-                head, tail = pattern[:start], pattern[i + 1:]
+                body = pattern[start + 1 : i]
+                head, tail = pattern[:start], pattern[i + 1 :]
                 span = re.fullmatch(r"(-?\d+)\.\.(-?\d+)", body)
                 if span:
                     lo, hi = int(span.group(1)), int(span.group(2))
@@ -51,7 +55,9 @@ def expand_braces(pattern: str) -> list[str]:
                 else:
                     options = split_top_level(body)
                     if len(options) < 2:  # "{x}" is literal in bash
-                        return [head + "{" + o + "}" + t for o in options for t in expand_braces(tail)]
+                        return [
+                            head + "{" + o + "}" + t for o in options for t in expand_braces(tail)
+                        ]
                 return [e for o in options for e in expand_braces(head + o + tail)]
     return [pattern]
 
@@ -112,22 +118,35 @@ def results_mentions(doc: Path) -> list[str]:
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_results_file_mentioned_exists(doc):
-    missing = [m for m in results_mentions(doc) if m.rstrip("/") != "bench/results" and not resolve(m)]
-    assert not missing, f"{doc.name} names results files that are not in the tree: {sorted(set(missing))}"
+    missing = [
+        m for m in results_mentions(doc) if m.rstrip("/") != "bench/results" and not resolve(m)
+    ]
+    assert not missing, (
+        f"{doc.name} names results files that are not in the tree: {sorted(set(missing))}"
+    )
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_results_file_mentioned_is_ignored_by_git(doc):
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    files = sorted({str(p.relative_to(ROOT)) for m in results_mentions(doc) for p in resolve(m) if p.is_file()})
+    files = sorted(
+        {str(p.relative_to(ROOT)) for m in results_mentions(doc) for p in resolve(m) if p.is_file()}
+    )
     if not files:
         return
-    out = subprocess.run(["git", "check-ignore", "--stdin"], cwd=ROOT, input="\n".join(files),
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["git", "check-ignore", "--stdin"],
+        cwd=ROOT,
+        input="\n".join(files),
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode in (0, 1), out.stderr
     ignored = out.stdout.split()
-    assert not ignored, f"{doc.name} names results files that git ignores (so a clone lacks them): {ignored}"
+    assert not ignored, (
+        f"{doc.name} names results files that git ignores (so a clone lacks them): {ignored}"
+    )
 
 
 def module_exists(name: str) -> bool:
@@ -139,7 +158,9 @@ def module_exists(name: str) -> bool:
 def test_every_python_m_module_exists(doc):
     names = {m.group(1).rstrip(".") for m in PYTHON_M.finditer(doc_text(doc))}
     missing = sorted(n for n in names if not module_exists(n))
-    assert not missing, f"{doc.name} runs `python -m` on modules that are not in the repository: {missing}"
+    assert not missing, (
+        f"{doc.name} runs `python -m` on modules that are not in the repository: {missing}"
+    )
 
 
 def github_anchor(heading: str) -> str:
@@ -181,7 +202,12 @@ def test_relative_links_resolve(doc):
 def test_brace_expansion():
     assert expand_braces("a{,_run2,_run3}.json") == ["a.json", "a_run2.json", "a_run3.json"]
     assert expand_braces("r{1..3}") == ["r1", "r2", "r3"]
-    assert expand_braces("x_{base_,}run{1..2}.j") == ["x_base_run1.j", "x_base_run2.j", "x_run1.j", "x_run2.j"]
+    assert expand_braces("x_{base_,}run{1..2}.j") == [
+        "x_base_run1.j",
+        "x_base_run2.j",
+        "x_run1.j",
+        "x_run2.j",
+    ]
     assert expand_braces("compare.{md,json,png}") == ["compare.md", "compare.json", "compare.png"]
 
 
@@ -194,5 +220,7 @@ def test_a_missing_results_file_is_found():
 
 def test_github_anchor():
     assert github_anchor("Spark -> actors ingest") == "spark---actors-ingest"
-    assert github_anchor("Built-in windows, aggregations and joins (`raystream.operators`)") == \
-        "built-in-windows-aggregations-and-joins-raystreamoperators"
+    assert (
+        github_anchor("Built-in windows, aggregations and joins (`raystream.operators`)")
+        == "built-in-windows-aggregations-and-joins-raystreamoperators"
+    )

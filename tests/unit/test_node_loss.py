@@ -19,7 +19,9 @@ def test_a_node_whose_raylet_refuses_connections_is_not_reachable() -> None:
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
-        up = Node("up" + "0" * 8, "127.0.0.1", {"CPU": 1.0}, {"CPU": 1.0}, listening.getsockname()[1])
+        up = Node(
+            "up" + "0" * 8, "127.0.0.1", {"CPU": 1.0}, {"CPU": 1.0}, listening.getsockname()[1]
+        )
         gone = Node("gone" + "0" * 8, "127.0.0.1", {"CPU": 1.0}, {"CPU": 1.0}, _closed_port())
         unknown = Node("unknown" + "0" * 8, "127.0.0.1", {"CPU": 1.0}, {"CPU": 1.0})  # no port
         reachable, lost = reachable_nodes([gone, up, unknown], timeout_s=1.0)
