@@ -271,7 +271,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         from raystream.placement import on_nodes_gone
         from raystream.runtime.actors import instance_actor_name
 
-        gone_standbys = [self._standby[k] for k in on_nodes_gone([n for _, n, _ in self._standby], alive)]
+        gone_standbys = [
+            self._standby[k] for k in on_nodes_gone([n for _, n, _ in self._standby], alive)
+        ]
         gone_spares = [self._spares[k] for k in on_nodes_gone([n for *_, n in self._spares], alive)]
         for entry in gone_standbys:
             self._standby.remove(entry)

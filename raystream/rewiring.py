@@ -298,7 +298,8 @@ class Rewiring:
         for iid, h in handles.items():
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(actor_of(h), no_restart=True)
-            for table in (self.specs, self.handles, self.actor_names, self.nodes, self._run_futures):
+            tables = (self.specs, self.handles, self.actor_names, self.nodes, self._run_futures)
+            for table in tables:
                 table.pop(iid, None)
         self.parallelism.pop(next(iter(specs))[0], None)
 
