@@ -566,13 +566,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 except Exception as e:
                     await asyncio.sleep(0.5)  # let the watcher record an instance failure first
                     if self._attempt != attempt or self.state == "recovering":
-                        msg = (
-                            f"an instance of job {self.flow.name!r} failed during the rescale of "
-                            f"{step!r} to {parallelism}; the job recovers (or recovered) from its "
-                            "latest checkpoint at the parallelism it had there; request the "
-                            "rescale again"
-                        )
-                        raise RescaleError(msg) from e
+                        raise RescaleError(self._interrupted_rescale(step, parallelism)) from e
                     if self.error is not None:
                         err = self.error
                         msg = f"job {self.flow.name!r} failed during the rescale, in instance {err['instance']}: {err['error']}"
@@ -589,6 +583,17 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                     raise
         finally:
             self._queued = max(0, self._queued)
+
+    def _interrupted_rescale(self, step: str, parallelism: int) -> str:
+        """What the caller of a rescale a failure cut short is told: a recovery redeploys at the
+        routing in force, the last one whose migration step completed (the start's if none)."""
+        now = self.routing[step].parallelism
+        return (
+            f"an instance of job {self.flow.name!r} failed during the rescale of {step!r} to "
+            f"{parallelism}; the job recovers (or recovered) from its latest checkpoint with "
+            f"{step!r} at parallelism {now} (the routing of the rescale's last completed "
+            "migration step, or the one it started from); request the rescale again"
+        )
 
     def _check_rescale(
         self, step: str, parallelism: Any, strategy: Any, args: dict[str, Any]

@@ -12,6 +12,7 @@ as a missing or repeated (key, seq).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -180,13 +181,30 @@ def test_kill_during_a_meces_rescale(tmp_path: Path, delay_s: float) -> None:
         _kill(job, "count", 0)
         try:
             ray.get(ref, timeout=120)
-        except Exception:  # noqa: BLE001, S110 - a rescale the failure interrupted
-            pass
+            told = 3  # it completed before the failure was noticed
+        except rs.RescaleError as e:  # the failure interrupted it: the error says where to
+            told = _parallelism_told(str(e))
         result = job.wait(120)
     finally:
         job.cancel()
     _check_recovered(result, 1, "count")
+    # the job recovered at the parallelism the rescale's caller was told
+    assert result.recoveries[0]["parallelism"]["count"] == told
     assert_exactly_once(out, SHORT)
+
+
+def _parallelism_told(message: str) -> int:
+    """The parallelism an interrupted rescale's error says the job recovers at (2: it waited
+    and never started)."""
+    if "while the rescale" in message and "waited" in message:
+        return 2
+    found = re.search(
+        r"recovers \(or recovered\) from its latest checkpoint with 'count' at "
+        r"parallelism (\d+)",
+        message,
+    )
+    assert found, f"unexpected rescale error: {message}"
+    return int(found.group(1))
 
 
 def test_kill_a_source_then_a_sink(tmp_path: Path) -> None:
