@@ -39,6 +39,7 @@ from raystream.recovery import Recovery
 from raystream.rewiring import Rewiring
 from raystream.root_cause import root_cause
 from raystream.standby_prep import Preparation, mismatch, prepared_parallelism
+from raystream.warm_watch import WarmWatch
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.migration import transfer_summary
 
@@ -49,9 +50,13 @@ READING_MAX_AGE_S = 2.0
 # an old owner takes short slices this long after a rescale starts, or until its task came
 EXPECT_RESCALE_S = 2.0
 STANDBY_STARTS_KEPT = 8  # standby waves whose start-up time the estimate keeps
+# metrics()/status() wait this long for an instance's own metrics: one that does not answer (its
+# node was lost and Ray has not declared it dead yet, ~15 s; its loop is stuck) is listed in
+# "unanswered" instead of holding up the caller
+METRICS_ANSWER_S = 5.0
 
 
-class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares):
+class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares, WarmWatch):
     """Owns one running job."""
 
     def __init__(
@@ -114,6 +119,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self._standby_starts: list[tuple[int, float]] = []  # (processes, seconds) per wave
         self._cpus: float | None = None
         self._init_spares()  # warm actors under neutral names for inserts and moves
+        self._init_warm_watch()  # ... and a watch over them and the standbys
         self._barrier_acks: dict[int, list[dict[str, Any]]] = {}
         self._barrier_done: dict[int, asyncio.Event] = {}
         self._barrier_expected: dict[int, set[ChannelId]] = {}
@@ -184,6 +190,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         if self.config.change_spares:
             delay = self.config.standby_delay_s
             asyncio.get_running_loop().create_task(self._fill_spares(delay))
+        asyncio.get_running_loop().create_task(self._watch_warm_actors())
         return self.describe()
 
     async def _deploy(self, start_at: float | None = None) -> None:
@@ -269,28 +276,38 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         their node: a scale-out, insert or move must not wait for them) and refill both; returns
         the names of the actors dropped."""
         from raystream.placement import on_nodes_gone
-        from raystream.runtime.actors import instance_actor_name
 
         gone_standbys = [
             self._standby[k] for k in on_nodes_gone([n for _, n, _ in self._standby], alive)
         ]
         gone_spares = [self._spares[k] for k in on_nodes_gone([n for *_, n in self._spares], alive)]
-        for entry in gone_standbys:
+        return self._drop_warm_entries(gone_standbys, gone_spares)
+
+    def _drop_warm_entries(
+        self, standbys: list[Any], spares: list[Any], why: str = "node lost"
+    ) -> list[str]:
+        """Forget these warm standbys ((actor, node, slot)) and change spares ((actor, name,
+        node)), stop their actors and refill both; returns their names (standbys first)."""
+        from raystream.runtime.actors import instance_actor_name
+
+        standbys = [e for e in standbys if e in self._standby]  # not taken meanwhile
+        spares = [e for e in spares if e in self._spares]
+        for entry in standbys:
             self._standby.remove(entry)
-        for entry in gone_spares:
+        for entry in spares:
             self._spares.remove(entry)
-        for h in [e[0] for e in [*gone_standbys, *gone_spares]]:
+        for h in [e[0] for e in [*standbys, *spares]]:
             try:
                 ray.kill(h, no_restart=True)  # its name is freed at once
             except Exception:  # noqa: BLE001, S110 - already gone
                 pass
         loop = asyncio.get_running_loop()
-        if gone_standbys and self.config.migration_support:
+        if standbys and self.config.migration_support:
             loop.create_task(self._fill_standby())
-        if gone_spares:
-            self._refill_spares_later("node lost")
-        return [instance_actor_name(self.flow.name, *slot) for *_, slot in gone_standbys] + [
-            name for _, name, _ in gone_spares
+        if spares:
+            self._refill_spares_later(why)
+        return [instance_actor_name(self.flow.name, *slot) for *_, slot in standbys] + [
+            name for _, name, _ in spares
         ]
 
     def _standbys_first(self) -> bool:
@@ -1531,6 +1548,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             "standbys": [f"{s}/{i}" for _, _, (s, i) in self._standby],  # warm, by slot
             # warm standbys configured and connected for their slot (raystream.standby_prep)
             "prepared_standbys": [f"{s}/{i}" for s, i in sorted(self._prepared)],
+            # warm actors found dead or on a lost node while the job ran (then refilled)
+            "warm_actors_dropped": list(self.warm_actors_dropped),
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
             "checkpoints": self.checkpoint_summary(),
             "recoveries": list(self.recoveries),
@@ -1539,13 +1558,24 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
 
     async def metrics(self) -> dict[str, Any]:
         """Live metrics of every running instance, plus the job's latency summary so far."""
-        live = {iid: h for iid, h in self.handles.items() if iid not in self.outcomes}
-        snaps = list(
+        live = {
+            iid: h
+            for iid, h in self.handles.items()
+            if iid not in self.outcomes and self._askable(iid)
+        }
+        asked = list(
             await asyncio.gather(
-                *(h.metrics.remote() for h in live.values()), return_exceptions=True
+                *(
+                    asyncio.wait_for(_result_of(h.metrics.remote()), METRICS_ANSWER_S)
+                    for h in live.values()
+                ),
+                return_exceptions=True,
             )
         )
-        snaps = [s for s in snaps if isinstance(s, dict)]
+        unanswered = [
+            f"{s}/{i}" for (s, i), a in zip(live, asked, strict=True) if not isinstance(a, dict)
+        ]
+        snaps = [s for s in asked if isinstance(s, dict)]
         snaps += [o.get("metrics", {}) for o in self.outcomes.values()]
         snaps = [{**s, "attempt": self._attempt} for s in snaps]
         lat = [s["latency"] for s in snaps if s.get("latency")]
@@ -1555,6 +1585,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             "job": self.flow.name,
             "state": self.state,
             "instances": snaps,
+            # live instances that did not answer within METRICS_ANSWER_S (or died meanwhile)
+            "unanswered": unanswered,
             "latency": summary,
             "recoveries": list(self.recoveries),
             "checkpoints": self.checkpoint_summary(),

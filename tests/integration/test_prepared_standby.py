@@ -11,9 +11,12 @@ the operator itself fails the job if a key's records come out of order, twice or
 from __future__ import annotations
 
 import time
+
 import pyarrow as pa
+import ray
 
 import raystream as rs
+from raystream.runtime.actors import NAMESPACE, instance_actor_name
 from tests.integration._rescale_helpers import (
     STEP,
     assert_exact,
@@ -42,6 +45,18 @@ def _wait_prepared(job: rs.Job, slots: set[str]) -> None:
     raise AssertionError(msg)
 
 
+def _wait_dropped(job: rs.Job, name: str) -> None:
+    deadline = time.monotonic() + PREPARED_WITHIN_S
+    dropped: list[dict[str, object]] = []
+    while time.monotonic() < deadline:
+        dropped = job.status()["warm_actors_dropped"]
+        if any(d["actor"] == name and d["why"] == "died" for d in dropped):
+            return
+        time.sleep(0.1)
+    msg = f"the killed standby {name} was not dropped within {PREPARED_WITHIN_S:g} s: {dropped}"
+    raise AssertionError(msg)
+
+
 def _out(result: rs.JobResult) -> pa.Table:
     return pa.concat_tables([t for t in result.results["out"] if t is not None])
 
@@ -66,6 +81,12 @@ def test_a_scale_out_takes_prepared_standbys_and_counts_exactly() -> None:
         _wait_prepared(live.job, {f"{STEP}/1", f"{STEP}/2"})
         first = live.rescale(3)
         # ... and the refill's standbys are prepared for the next slots: used by 3 -> 5
+        _wait_prepared(live.job, {f"{STEP}/3", f"{STEP}/4"})
+        # a warm standby that dies while the job runs is dropped and replaced before the
+        # scale-out could take it (raystream.warm_watch)
+        name = instance_actor_name(live.job.name, STEP, 4)
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        _wait_dropped(live.job, name)
         _wait_prepared(live.job, {f"{STEP}/3", f"{STEP}/4"})
         second = live.rescale(5)
         result, events = live.finish()
