@@ -96,6 +96,7 @@ from raystream.runtime.timers import FiredTimers  # noqa: E402
 from raystream.state.handles import KeySet  # noqa: E402
 from raystream.state.resident import ResidentStore  # noqa: E402
 from raystream.state.spec import ListState, MapState, ResidentState, ValueState  # noqa: E402
+from raystream.state_reader import StateTables, read_state  # noqa: E402
 from raystream.upsert import read_upsert  # noqa: E402
 
 __all__ += [
@@ -113,6 +114,7 @@ __all__ += [
     "ResidentState",
     "ResidentStore",
     "RuntimeConfig",
+    "StateTables",
     "Stream",
     "ValueState",
     "Watermark",
@@ -123,6 +125,7 @@ __all__ += [
     "keyed_batches",
     "map",
     "map_batches",
+    "read_state",
     "read_upsert",
     "run",
     "sinks",

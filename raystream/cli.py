@@ -11,6 +11,7 @@
     raystream remove keycount drop_test
     raystream insert keycount source mypackage.ops:tally --name tally --key-by key
     raystream remove keycount tally --state emit
+    raystream state examples/keycount_job.py count --checkpoint-dir /tmp/chk --key 42
     raystream stop keycount
     raystream --version
 
@@ -746,6 +747,138 @@ def savepoint(job: str, path: str, address: str | None) -> None:
         f"savepoint of checkpoint {sp['checkpoint_id']} at {sp['savepoint']} "
         f"({sp['duration_s']:.2f} s)"
     )
+
+
+@main.command("state")
+@click.argument("job_file")
+@click.argument("step")
+@click.option("--flow", "flow_name", default=None, help="which Dataflow of the file")
+@click.option(
+    "--checkpoint-dir",
+    default=None,
+    help="the job's checkpoint storage (path or pyarrow.fs URI); default: a job's default",
+)
+@click.option(
+    "--checkpoint", default="latest", show_default=True, help="'latest' or a checkpoint id"
+)
+@click.option("--savepoint", default=None, help="read this savepoint folder/URI instead")
+@click.option("--key", default=None, help="only this key (an int if it reads as one, else str)")
+@click.option(
+    "--key-type",
+    type=click.Choice(["int", "str", "bytes"]),
+    default=None,
+    help="the step's key type (default: found from the stored keys)",
+)
+@click.option("--limit", type=int, default=20, show_default=True, help="rows shown per state")
+@click.option("--json", "as_json", is_flag=True, help="JSON lines (all rows, no --limit)")
+@click.option(
+    "--parquet",
+    "parquet_dir",
+    default=None,
+    help="write DIR/<state>.parquet per state (all rows) instead of printing",
+)
+def state(
+    job_file: str,
+    step: str,
+    flow_name: str | None,
+    checkpoint_dir: str | None,
+    checkpoint: str,
+    savepoint: str | None,
+    key: str | None,
+    key_type: str | None,
+    limit: int,
+    as_json: bool,
+    parquet_dir: str | None,
+) -> None:
+    """Show the keyed state STEP of JOB_FILE's dataflow held at a checkpoint (or savepoint),
+    without starting the job: one table per declared state (key, value; a map state: key,
+    map_key, value)."""
+    import raystream as rs
+
+    if limit < 0:
+        msg = f"--limit takes rows >= 0, got {limit}"
+        raise click.BadParameter(msg)
+    if as_json and parquet_dir:
+        msg = "pass --json or --parquet, not both"
+        raise click.BadParameter(msg)
+    flow = _load_flow(job_file, flow_name)
+    where: dict[str, Any] = (
+        {"savepoint": savepoint}
+        if savepoint is not None
+        else {"checkpoint_dir": checkpoint_dir, "checkpoint": checkpoint}
+    )
+    tables = None
+    for typed in _key_candidates(key, key_type):
+        tables = rs.read_state(flow, step, key=typed, key_type=key_type, **where)
+        if typed is None or any(t.num_rows for t in tables.values()):
+            break
+    assert tables is not None
+    if parquet_dir:
+        import pyarrow.parquet as pq
+
+        Path(parquet_dir).mkdir(parents=True, exist_ok=True)
+        for name, table in tables.items():
+            pq.write_table(table, str(Path(parquet_dir) / f"{name}.parquet"))
+            click.echo(f"{Path(parquet_dir) / name}.parquet: {table.num_rows:,} rows")
+        return
+    for name, table in tables.items():
+        if as_json:
+            for row in table.to_pylist():
+                click.echo(json.dumps({"state": name, **row}, default=_json_value))
+            continue
+        click.echo(
+            f"state {name!r} of step {step!r}, {tables.where}: {table.num_rows:,} rows"
+            + (f" (first {limit})" if table.num_rows > limit else "")
+        )
+        for line in _text_rows(table.slice(0, limit)):
+            click.echo(f"  {line}")
+    if tables.finished_key_groups and not as_json:
+        click.echo(
+            f"({len(tables.finished_key_groups)} key groups were held by instances that had "
+            "finished: no state)"
+        )
+
+
+def _key_candidates(key: str | None, key_type: str | None) -> list[Any]:
+    """The typed keys ``--key`` may mean: its type if given, else an int if it reads as one,
+    then the string."""
+    if key is None:
+        return [None]
+    if key_type == "bytes":
+        return [key.encode()]
+    if key_type == "str":
+        return [key]
+    try:
+        number = int(key)
+    except ValueError:
+        if key_type == "int":
+            msg = f"--key {key!r} is not an int (--key-type int)"
+            raise click.BadParameter(msg) from None
+        return [key]
+    return [number] if key_type == "int" else [number, key]
+
+
+def _json_value(v: Any) -> Any:
+    return v.hex() if isinstance(v, (bytes, bytearray)) else str(v)
+
+
+def _text_rows(table: Any) -> list[str]:
+    """Rows of a small table as aligned text columns (a header line first)."""
+    names = table.column_names
+    cells = [[_cell(v) for v in table.column(n).to_pylist()] for n in names]
+    widths = [max([len(n), *map(len, col)]) for n, col in zip(names, cells, strict=True)]
+    lines = ["  ".join(n.ljust(w) for n, w in zip(names, widths, strict=True)).rstrip()]
+    for row in zip(*cells, strict=True):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return lines
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, (bytes, bytearray)):
+        text = v.hex()
+    else:
+        text = repr(v) if isinstance(v, str) else str(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _env_vars(values: tuple[str, ...]) -> dict[str, str]:

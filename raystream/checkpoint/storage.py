@@ -228,7 +228,8 @@ class CheckpointStorage(CheckpointReader):
     own files); :meth:`complete` belongs to one caller (the controller).
     """
 
-    def __init__(self, uri: str, job: str, *, retain: int = 3) -> None:
+    def __init__(self, uri: str, job: str, *, retain: int = 3, probe: bool = True) -> None:
+        """``probe=False``: only to read checkpoints (no file is written, no folder made)."""
         _check_name(job, "the job name used as checkpoint folder")
         if not isinstance(retain, int) or isinstance(retain, bool) or retain < 1:
             msg = f"retain must be an int >= 1 (checkpoints kept), got {retain!r}"
@@ -238,7 +239,8 @@ class CheckpointStorage(CheckpointReader):
         self.uri = os.fspath(uri)
         self.job = job
         self.retain = retain
-        _probe_writable(self.fs, self.root, self.uri)
+        if probe:
+            _probe_writable(self.fs, self.root, self.uri)
 
     def __repr__(self) -> str:
         return f"CheckpointStorage({self.root!r}, retain={self.retain})"
