@@ -85,6 +85,12 @@ def test_checkpoint_holds_the_prefix_and_restores(tmp_path: Path) -> None:
 
     # -- each snapshot, restored into a fresh backend, holds the prefix counts of its groups --
     prefix_expected = oracle_counts(events.slice(0, offset))
+    # ... and read as a table (rs.read_state: every instance's key groups, as of the manifest)
+    read = rs.read_state(flow, "count", checkpoint_dir=str(chk), checkpoint=reply["checkpoint_id"])
+    table = read["state"]
+    assert table.num_rows == len(prefix_expected)
+    got_read = dict(zip(*(table.column(c).to_pylist() for c in ("key", "value")), strict=True))
+    assert_counts_equal(got_read, prefix_expected)
     union: dict[Any, int] = {}
     for i, (name, snap) in enumerate(sorted(snaps.items())):
         backend = RocksStateBackend(tmp_path / "verify" / str(i))

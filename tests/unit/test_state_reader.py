@@ -361,3 +361,24 @@ def test_cli_shows_json_and_parquet(int_checkpoints: dict[str, Any], tmp_path: P
     assert _as_dict(pq.read_table(tmp_path / "pq" / "state.parquet")) == expected
     out = runner.invoke(cli.main, [*base[:2], "nope", "--checkpoint-dir", int_checkpoints["uri"]])
     assert out.exit_code == cli.USAGE and "no step 'nope'" in out.output
+
+
+def test_checkpoints_on_s3_read_like_local_ones(tmp_path: Path) -> None:
+    """The same checkpoint through ``pyarrow.fs`` S3 (a local moto server): state files are
+    copied in, not linked."""
+    pytest.importorskip("moto.server")
+    from tests._s3 import local_s3_bucket
+
+    events = rs.sources.generator(events=20_000, keys=1_000, zipf=1.1, seed=9).generate_all()
+    flow = _count_flow("reads3")
+    with local_s3_bucket("checkpoints") as endpoint:
+        uri = f"s3://test:test@checkpoints/jobs?endpoint_override={endpoint}&scheme=http"
+        inst = Instances(flow, "count", 2, tmp_path / "state", uri)
+        try:
+            inst.process(events, "key")
+            inst.checkpoint(3)
+        finally:
+            inst.close()
+        got = rs.read_state(flow, "count", checkpoint_dir=uri)
+        assert got.checkpoint_id == 3
+        assert _as_dict(got["state"]) == _duckdb_counts(events)
