@@ -27,7 +27,7 @@ import itertools
 import pickle
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +134,10 @@ def read_state(
         flow.key_space.num_key_groups,
         flow.key_space.sub_groups,
     )
-    parts, finished = _state_parts(manifest, step, flow.key_space.num_key_groups, where)
+    kept = getattr(reader, "checkpoints", None)  # a savepoint has one checkpoint only
+    parts, finished = _state_parts(
+        manifest, step, flow.key_space.num_key_groups, where, kept if callable(kept) else None
+    )
     rows = _read_parts(reader, parts, flow.key_space, key, where, work_dir)
     key_column = st.input_keys[0].key_column
     tables = state_tables_of(
@@ -230,7 +233,11 @@ def _open(
 
 
 def _state_parts(
-    manifest: dict[str, Any], step: str, num_key_groups: int, where: str
+    manifest: dict[str, Any],
+    step: str,
+    num_key_groups: int,
+    where: str,
+    kept: Callable[[], list[int]] | None = None,
 ) -> tuple[list[tuple[str, dict[str, Any], list[int]]], list[int]]:
     """The instances of ``step`` with state: (instance, state files, key groups held); and the
     key groups of instances that had finished (no state). Every key group exactly once."""
@@ -245,9 +252,12 @@ def _state_parts(
         elif entry.get("finished"):
             finished.extend(groups)
     if not parts and not finished and manifest.get("final"):
+        earlier = [c for c in kept() if c < int(manifest["checkpoint_id"])] if kept else []
         msg = (
             f"{where} was taken at the end of input (a final checkpoint): it holds the sinks' "
-            "output and no keyed state; read an earlier checkpoint (checkpoint=<id>)"
+            "output and no keyed state; read an earlier checkpoint (checkpoint=<id>"
+            + (f"; complete ones there: {earlier}" if earlier else "")
+            + ")"
         )
         raise CheckpointError(msg)
     covered = sorted(itertools.chain(finished, *(g for _, _, g in parts)))
