@@ -425,7 +425,14 @@ class _Rows:
         return ok
 
     def user_keys(self, kind: str) -> tuple[pa.Array, np.ndarray]:
-        """(the keys as Arrow, where each key ends in its row: the map key follows)."""
+        """(the keys as Arrow, where each key ends in its row: the map key follows); decoded
+        once per kind."""
+        cache = self.__dict__.setdefault("_decoded", {})
+        if kind not in cache:
+            cache[kind] = self._user_keys(kind)
+        return cache[kind]  # type: ignore[no-any-return]
+
+    def _user_keys(self, kind: str) -> tuple[pa.Array, np.ndarray]:
         if kind == "int":
             return pa.array(_int_keys(self.data, self.starts)), np.full(
                 len(self.starts), PREFIX_LEN + 8, np.int64
