@@ -24,7 +24,7 @@ from raystream.direct import DirectSequencer
 from raystream.errors import RescaleError, SourceError, context_of
 from raystream.ingest import IngestBuffer
 from raystream.keys import KeySpace, RoutingTable
-from raystream.metrics import InstanceMetrics, LatencyRecorder
+from raystream.metrics import DEFAULT_RETAIN_S, InstanceMetrics, LatencyRecorder, check_retain_s
 from raystream.runtime import snapshots
 from raystream.runtime.channels import (
     ByKeyGroup,
@@ -99,13 +99,20 @@ class RuntimeConfig:
     standby_before_sources: bool = False  # True: started with the job's actors, sources after
     change_spares: int = 0  # warm actors under neutral names an insert or a move configures
     change_spare_refill_delay_s: float = 5.0  # ... refilled one by one this long after a change
-    state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
+    state_cache_entries: int = (
+        500_000  # write-back cache in front of RocksDB, per instance (0: off)
+    )
     state_cache_bytes: int = 64 << 20  # ... and its bound in bytes of keys and values
     migration_buffer_bytes: int = 64 << 20  # records waiting for moving state, per instance
     heat_half_life_s: float = 10.0  # a sub-group's heat (hot-first order) halves in this time
     metrics_export_s: float = 1.0  # period of the Ray metrics (Prometheus) export; 0: off
+    # per-window metrics (throughput, sink latency per 250 ms) kept for this long; the whole
+    # run's totals and latency histogram are kept whatever it is (a job may run for days)
+    metrics_windows_retained_s: float = DEFAULT_RETAIN_S
     checkpoint_interval_s: float = 0.0  # periodic checkpoints (and recovery from them); 0: off
-    checkpoint_dir: str | None = None  # local path or pyarrow.fs URI; None: <tmp>/raystream-checkpoints
+    checkpoint_dir: str | None = (
+        None  # local path or pyarrow.fs URI; None: <tmp>/raystream-checkpoints
+    )
     checkpoints_retained: int = 3  # complete checkpoints kept; older ones and their files go
     restart_attempts: int = 3  # recoveries from a checkpoint before the job fails
     restart_delay_s: float = 1.0  # fixed delay before each recovery
@@ -133,6 +140,7 @@ class RuntimeConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 msg = f"{name} must be a number >= 0, got {v!r}"
                 raise ConfigError(msg)
+        check_retain_s(self.metrics_windows_retained_s, "metrics_windows_retained_s")
         if not isinstance(self.chaining, bool):
             msg = f"chaining must be True or False, got {self.chaining!r}"
             raise ConfigError(msg)
@@ -242,8 +250,11 @@ class OperatorInstance:
         self.inbox = Inbox(spec.config.inbox_capacity)
         for ch in spec.inputs:
             self.inbox.add_channel(ch)
-        self.metrics = InstanceMetrics(spec.origin_ns)
-        self.latency = LatencyRecorder(spec.origin_ns) if self.role == "sink" else None
+        retain_s = spec.config.metrics_windows_retained_s
+        self.metrics = InstanceMetrics(spec.origin_ns, retain_s=retain_s)
+        self.latency = (
+            LatencyRecorder(spec.origin_ns, retain_s=retain_s) if self.role == "sink" else None
+        )
         self.processor: Any = None
         self.writer: Any = None
         self.reader: Any = None
@@ -319,6 +330,7 @@ class OperatorInstance:
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
         """Build output channels; ``sender(receiver_id, item)`` pushes one item to a receiver."""
+
         def acknowledging(event: str, info: dict[str, Any]) -> Any:
             if event == "barrier":
                 self.acked.add(int(info["epoch"]))
@@ -1148,7 +1160,9 @@ class OperatorInstance:
         SERVE_SLICE_ROWS (each round trip of a new owner's fetch waits for one slice), and so
         while a rescale barrier is expected (:meth:`expect_rescale`)."""
         if self._serving() or time.monotonic() < self._rescale_expected_until:
-            rows = self.batch_cost.slice_rows(SERVE_SLICE_TARGET_S, SLICE_MIN_ROWS, SERVE_SLICE_ROWS)
+            rows = self.batch_cost.slice_rows(
+                SERVE_SLICE_TARGET_S, SLICE_MIN_ROWS, SERVE_SLICE_ROWS
+            )
             return min(rows, SERVE_SLICE_ROWS)
         return self.batch_cost.slice_rows(SLICE_TARGET_S, SLICE_MIN_ROWS, SERVE_SLICE_ROWS)
 
@@ -1474,9 +1488,7 @@ def _first_release(task: Any, released: list[pa.RecordBatch]) -> Any:
         return None
     now = time.time()
     task.first_release_wall = now
-    stamps = [
-        pc.min(b.column(INGEST_TS)).as_py() for b in released if INGEST_TS in b.schema.names
-    ]
+    stamps = [pc.min(b.column(INGEST_TS)).as_py() for b in released if INGEST_TS in b.schema.names]
     stamps = [t for t in stamps if t is not None]
     if stamps:
         task.first_release_age_ms = round((now * 1e9 - min(stamps)) / 1e6, 1)
