@@ -42,7 +42,6 @@ import pyarrow as pa
 
 import raystream as rs
 from bench._report import imported_from, write_json
-from raystream.metrics import LatencyRecorder
 from raystream.operators import count as count_agg
 from raystream.operators import max as max_agg
 from raystream.operators import windows
@@ -279,7 +278,28 @@ def rocksdb_bytes(state_dir: Path, steps: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
-def take_sample(job: rs.Job, t0: float, state_dir: Path, last_t_s: float | None) -> dict[str, Any]:
+def p99_between(snapshots: list[dict[str, Any]], start_s: float, end_s: float) -> float | None:
+    """p99 (ms) of the sinks' latency windows starting in ``[start_s, end_s)`` (seconds since the
+    job's origin, which every instance shares), decoding only those windows (a merge of whole
+    snapshots would cost the sampler more the longer the run)."""
+    from hdrh.histogram import HdrHistogram
+
+    from raystream.metrics import LATENCY_HIGHEST_US
+
+    h = HdrHistogram(1, LATENCY_HIGHEST_US, 3)
+    for snap in snapshots:
+        step_s = snap["window_ms"] / 1000
+        for w, encoded in snap["windows"].items():
+            if start_s <= int(w) * step_s < end_s:
+                h.add(HdrHistogram.decode(encoded))
+    if h.get_total_count() == 0:
+        return None
+    return h.get_value_at_percentile(99.0) / 1000
+
+
+def take_sample(
+    job: rs.Job, t0: float, state_dir: Path, last_t_s: float | None, checkpoint_dir: Path
+) -> dict[str, Any]:
     from raystream.runtime.actors import controller_name, instance_actor_name
 
     at = time.monotonic() - t0
@@ -305,12 +325,8 @@ def take_sample(job: rs.Job, t0: float, state_dir: Path, last_t_s: float | None)
     p99 = None
     lat = [m["latency"] for m in status.get("instances", []) if m.get("latency")]
     if lat and last_t_s is not None:
-        origin = min(
-            m["throughput"]["origin_ns"] for m in status["instances"] if m.get("throughput")
-        )
-        merged = LatencyRecorder.merge_snapshots(lat)
-        since = (time.time_ns() - origin) / 1e9
-        p99 = merged.summary_between(max(0.0, since - (at - last_t_s)), since)["p99_ms"]
+        since = (time.time_ns() - lat[0]["origin_ns"]) / 1e9
+        p99 = p99_between(lat, max(0.0, since - (at - last_t_s)), since)
     return {
         "t_s": round(at, 2),
         "status_ms": round(status_ms, 2),
@@ -324,6 +340,15 @@ def take_sample(job: rs.Job, t0: float, state_dir: Path, last_t_s: float | None)
         "checkpoint_uploaded_bytes": last.get("uploaded_bytes"),
         "checkpoint_referenced_bytes": last.get("referenced_bytes"),
         "p99_ms": p99,
+        # the source's rows behind its schedule (the job keeps up: stays small)
+        "source_lag_rows": sum(
+            int(m.get("lag_rows", 0))
+            for m in status.get("instances", [])
+            if m.get("step") == "source"
+        ),
+        "recoveries": len(status.get("recoveries") or []),
+        # every file under the checkpoint folder (retained checkpoints and shared state files)
+        "checkpoint_dir_bytes": _dir_bytes(checkpoint_dir),
     }
 
 
@@ -363,6 +388,7 @@ def summarize_growth(samples: list[dict[str, Any]], from_s: float) -> dict[str, 
         ("status_bytes", "bytes"),
         ("checkpoint_duration_s", "s"),
         ("checkpoint_referenced_bytes", "bytes"),
+        ("checkpoint_dir_bytes", "bytes"),
         ("p99_ms", "ms"),
     ):
         out[key] = {**growth_per_hour(t, [s.get(key) for s in samples], from_s), "unit": unit}
@@ -484,7 +510,7 @@ def main(
             if result.state != "running":
                 break
             try:
-                s = take_sample(job, t0, state_dir, last_t)
+                s = take_sample(job, t0, state_dir, last_t, ck_dir)
             except Exception as e:  # noqa: BLE001 - the job ended meanwhile
                 errors.append(f"sample at {time.monotonic() - t0:.1f} s: {e}")
                 continue
@@ -493,7 +519,7 @@ def main(
             print(
                 f"{s['t_s']:7.1f} s  status {s['status_ms']:7.1f} ms {s['status_bytes']:>10,} B  "
                 f"controller {s['controller_rss_mb']} MB  instances {s['instance_rss_mb']}  "
-                f"ckpt {s['checkpoint_duration_s']}  p99 {s['p99_ms']}",
+                f"ckpt {s['checkpoint_duration_s']}  p99 {s['p99_ms']}  lag {s['source_lag_rows']}",
                 flush=True,
             )
         done.set()
