@@ -34,6 +34,7 @@ from raystream.plugins import load as load_plugin
 from raystream.rescale import FetchPolicy, RescaleContext
 from raystream.runtime.actors import actor_of
 from raystream.runtime.instance import RuntimeConfig
+from raystream.history import CHECKPOINT_HISTORY, BoundedHistory
 from raystream.reconfigurations import Reconfigurations
 from raystream.recovery import Recovery
 from raystream.rewiring import Rewiring
@@ -137,8 +138,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         )
         self.recoveries: list[dict[str, Any]] = []
         self.failed_attempts: list[dict[str, Any]] = []  # what each replaced attempt did
-        self.checkpoint_stats: list[dict[str, Any]] = []
-        self.failed_checkpoints: list[dict[str, Any]] = []
+        # the newest CHECKPOINT_HISTORY records of each; len() counts them all (completed, failed)
+        self.checkpoint_stats: BoundedHistory = BoundedHistory(CHECKPOINT_HISTORY)
+        self.failed_checkpoints: BoundedHistory = BoundedHistory(CHECKPOINT_HISTORY)
         self.restore_from = restore_from
         self.parallelism_given = set(parallelism_given)
         self.restored_from: dict[str, Any] | None = None

@@ -99,9 +99,7 @@ class RuntimeConfig:
     standby_before_sources: bool = False  # True: started with the job's actors, sources after
     change_spares: int = 0  # warm actors under neutral names an insert or a move configures
     change_spare_refill_delay_s: float = 5.0  # ... refilled one by one this long after a change
-    state_cache_entries: int = (
-        500_000  # write-back cache in front of RocksDB, per instance (0: off)
-    )
+    state_cache_entries: int = 500_000  # write-back cache in front of RocksDB, per instance (0: off)
     state_cache_bytes: int = 64 << 20  # ... and its bound in bytes of keys and values
     migration_buffer_bytes: int = 64 << 20  # records waiting for moving state, per instance
     heat_half_life_s: float = 10.0  # a sub-group's heat (hot-first order) halves in this time
@@ -110,9 +108,7 @@ class RuntimeConfig:
     # run's totals and latency histogram are kept whatever it is (a job may run for days)
     metrics_windows_retained_s: float = DEFAULT_RETAIN_S
     checkpoint_interval_s: float = 0.0  # periodic checkpoints (and recovery from them); 0: off
-    checkpoint_dir: str | None = (
-        None  # local path or pyarrow.fs URI; None: <tmp>/raystream-checkpoints
-    )
+    checkpoint_dir: str | None = None  # local path or pyarrow.fs URI; None: <tmp>/raystream-checkpoints
     checkpoints_retained: int = 3  # complete checkpoints kept; older ones and their files go
     restart_attempts: int = 3  # recoveries from a checkpoint before the job fails
     restart_delay_s: float = 1.0  # fixed delay before each recovery
