@@ -27,9 +27,10 @@ from typing import Any
 
 from raystream.errors import ConfigError
 
-__all__ = ["CHECKPOINT_HISTORY", "BoundedHistory"]
+__all__ = ["ACKED_EPOCHS_KEPT", "CHECKPOINT_HISTORY", "BoundedHistory", "RecentEpochs"]
 
 CHECKPOINT_HISTORY = 100  # checkpoint records the controller keeps (the newest)
+ACKED_EPOCHS_KEPT = 1024  # barrier epochs an instance remembers acknowledging (the newest)
 
 
 class BoundedHistory:
@@ -76,3 +77,43 @@ class BoundedHistory:
         return (
             f"BoundedHistory(appended={self._appended}, kept={len(self._kept)}, keep={self.keep})"
         )
+
+
+class RecentEpochs:
+    """The barrier epochs an instance acknowledged, the newest ``keep`` of them: a set for the
+    questions asked of it (was the checkpoint or rescale barrier in flight acknowledged?),
+    which are about recent epochs; one epoch a second for days is not kept.
+
+    Example::
+
+        >>> acked = RecentEpochs(keep=2)
+        >>> for epoch in (1, 2, 3):
+        ...     acked.add(epoch)
+        >>> 3 in acked, 1 in acked, sorted(acked), len(acked)
+        (True, False, [2, 3], 2)
+    """
+
+    def __init__(self, keep: int = ACKED_EPOCHS_KEPT) -> None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            msg = f"keep must be an int >= 1 (epochs kept), got {keep!r}"
+            raise ConfigError(msg)
+        self.keep = keep
+        self._set: set[int] = set()
+        self._order: deque[int] = deque()
+
+    def add(self, epoch: int) -> None:
+        if epoch in self._set:
+            return
+        self._set.add(epoch)
+        self._order.append(epoch)
+        while len(self._order) > self.keep:
+            self._set.discard(self._order.popleft())
+
+    def __contains__(self, epoch: object) -> bool:
+        return epoch in self._set
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._set)

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from raystream.dataflow import KeySpec, Step
 from raystream.direct import DirectSequencer
 from raystream.errors import RescaleError, SourceError, context_of
+from raystream.history import ACKED_EPOCHS_KEPT, RecentEpochs
 from raystream.ingest import IngestBuffer
 from raystream.keys import KeySpace, RoutingTable
 from raystream.metrics import DEFAULT_RETAIN_S, InstanceMetrics, LatencyRecorder, check_retain_s
@@ -293,7 +294,8 @@ class OperatorInstance:
         self._stop = False
         self._source_done = False  # a source restored from a checkpoint it had already finished
         self.checkpoints = snapshots.CheckpointState(spec)
-        self.acked: set[int] = set()  # epochs of the barriers this instance acknowledged
+        # epochs of the barriers this instance acknowledged (the newest ACKED_EPOCHS_KEPT)
+        self.acked = RecentEpochs(ACKED_EPOCHS_KEPT)
         # event time: per-input watermarks, the last one forwarded, which input a channel is
         self.watermarks = WatermarkTracker(spec.inputs)
         self._wm_sent = WATERMARK_MIN

@@ -63,3 +63,21 @@ def test_the_history_reads_like_the_list_it_replaced() -> None:
         h[0]
     with pytest.raises(ConfigError, match="keep must be an int >= 1"):
         BoundedHistory(keep=0)
+
+
+def test_an_instance_remembers_the_newest_acknowledged_epochs_only() -> None:
+    """One epoch a second for a day: the set of every acknowledged epoch grew ~5 MB a day per
+    instance; the newest ACKED_EPOCHS_KEPT answer every question asked (recent epochs)."""
+    from raystream.history import ACKED_EPOCHS_KEPT, RecentEpochs
+
+    acked, everything = RecentEpochs(), set()
+    for epoch in range(1, 86_401):
+        acked.add(epoch)
+        everything.add(epoch)
+    assert len(acked) == ACKED_EPOCHS_KEPT
+    recent = range(86_400 - ACKED_EPOCHS_KEPT + 1, 86_401)
+    assert all((e in acked) == (e in everything) for e in recent)
+    assert 86_401 not in acked and 1 not in acked
+    assert sorted(acked) == list(recent)  # what an instance's outcome lists
+    acked.add(86_400)  # acknowledged twice: nothing changes
+    assert len(acked) == ACKED_EPOCHS_KEPT and sorted(acked)[-1] == 86_400
