@@ -268,20 +268,33 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-def rocksdb_bytes(state_dir: Path, steps: tuple[str, ...]) -> dict[str, int]:
+def file_kind(name: str) -> str:
+    """What a file of a state folder is: ``sst``, ``LOG`` (RocksDB's info log, rolled ones
+    too), ``MANIFEST``, ``OPTIONS`` or ``other``."""
+    if name.endswith(".sst"):
+        return "sst"
+    for kind in ("LOG", "MANIFEST", "OPTIONS"):
+        if name.startswith(kind):
+            return kind
+    return "other"
+
+
+def rocksdb_bytes(state_dir: Path, steps: tuple[str, ...]) -> dict[str, Any]:
     """Bytes of the state folders of each of ``steps`` (``<state_dir>/.../<step>/<index>``, every
-    attempt's and every rescale's folders) and their ``total``."""
-    out = dict.fromkeys(steps, 0)
+    attempt's and every rescale's folders), their ``total`` and ``by_kind`` (:func:`file_kind`)."""
+    out: dict[str, Any] = dict.fromkeys(steps, 0)
+    kinds: dict[str, int] = {}
     for root, _, files in os.walk(state_dir):
         parts = Path(root).relative_to(state_dir).parts
         step = next((p for p in parts if p in out), None)
-        size = 0
         for f in files:
             with contextlib.suppress(OSError):
-                size += os.stat(os.path.join(root, f)).st_size
-        if step is not None:
-            out[step] += size
-    out["total"] = sum(out.values())
+                size = os.stat(os.path.join(root, f)).st_size
+                if step is not None:
+                    out[step] += size
+                    kinds[file_kind(f)] = kinds.get(file_kind(f), 0) + size
+    out["total"] = sum(out[s] for s in steps)
+    out["by_kind"] = kinds
     return out
 
 
@@ -407,13 +420,23 @@ def summarize_growth(samples: list[dict[str, Any]], from_s: float) -> dict[str, 
         }
         for i in instances
     }
-    steps = sorted({k for s in samples for k in s["rocksdb_bytes"]})
+    steps = sorted({k for s in samples for k in s["rocksdb_bytes"] if k != "by_kind"})
     out["rocksdb_bytes"] = {
         k: {
             **growth_per_hour(t, [s["rocksdb_bytes"].get(k) for s in samples], from_s),
             "unit": "bytes",
         }
         for k in steps
+    }
+    kinds = sorted({k for s in samples for k in s["rocksdb_bytes"].get("by_kind", {})})
+    out["rocksdb_bytes_by_kind"] = {
+        k: {
+            **growth_per_hour(
+                t, [s["rocksdb_bytes"].get("by_kind", {}).get(k) for s in samples], from_s
+            ),
+            "unit": "bytes",
+        }
+        for k in kinds
     }
     return out
 

@@ -63,10 +63,15 @@ def rows(reports: list[dict[str, Any]]) -> list[list[str]]:
                 else "-"
             )
         out.append([f"RSS of a {step} instance (MB/h: median (min .. max))", *cells])
-    for step in sorted({k for r in reports for k in r["growth"]["rocksdb_bytes"]}):
+    for step in sorted({k for r in reports for k in r["growth"]["rocksdb_bytes"]} - {"by_kind"}):
         out.append(
             [f"RocksDB folders of {step} (bytes)"]
             + [_cell(r["growth"]["rocksdb_bytes"].get(step, {})) for r in reports]
+        )
+    for kind in sorted({k for r in reports for k in r["growth"].get("rocksdb_bytes_by_kind", {})}):
+        out.append(
+            [f"RocksDB folders, {kind} files (bytes)"]
+            + [_cell(r["growth"].get("rocksdb_bytes_by_kind", {}).get(kind, {})) for r in reports]
         )
     return out
 
