@@ -34,6 +34,7 @@ from raystream.plugins import load as load_plugin
 from raystream.rescale import FetchPolicy, RescaleContext
 from raystream.runtime.actors import actor_of
 from raystream.runtime.instance import RuntimeConfig
+from raystream.history import CHECKPOINT_HISTORY, BoundedHistory
 from raystream.reconfigurations import Reconfigurations
 from raystream.recovery import Recovery
 from raystream.rewiring import Rewiring
@@ -54,6 +55,7 @@ STANDBY_STARTS_KEPT = 8  # standby waves whose start-up time the estimate keeps
 # node was lost and Ray has not declared it dead yet, ~15 s; its loop is stuck) is listed in
 # "unanswered" instead of holding up the caller
 METRICS_ANSWER_S = 5.0
+RECONFIGURATIONS_SHOWN = 100  # changes listed by metrics()/status(), the newest
 
 
 class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares, WarmWatch):
@@ -136,8 +138,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         )
         self.recoveries: list[dict[str, Any]] = []
         self.failed_attempts: list[dict[str, Any]] = []  # what each replaced attempt did
-        self.checkpoint_stats: list[dict[str, Any]] = []
-        self.failed_checkpoints: list[dict[str, Any]] = []
+        # the newest CHECKPOINT_HISTORY records of each; len() counts them all (completed, failed)
+        self.checkpoint_stats: BoundedHistory = BoundedHistory(CHECKPOINT_HISTORY)
+        self.failed_checkpoints: BoundedHistory = BoundedHistory(CHECKPOINT_HISTORY)
         self.restore_from = restore_from
         self.parallelism_given = set(parallelism_given)
         self.restored_from: dict[str, Any] | None = None
@@ -146,6 +149,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self._hung: dict[ChannelId, str] = {}
         self._source_emitted: dict[ChannelId, int] = {}
         self.reconfigurations: list[dict[str, Any]] = []  # one record per change (every kind)
+        # change index -> its (peak, p99) sink latency, once the sinks are past it
+        self._settled_latency: dict[int, tuple[Any, Any]] = {}
         self.graph_version = 1  # +1 per completed change of the running graph
         self.slots: dict[tuple[str, int], ChannelId] = {}  # routing index -> instance, if moved
         # steps chained after a keyed step follow its rescales (raystream.keyed_chains)
@@ -1590,7 +1595,12 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             "latency": summary,
             "recoveries": list(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
-            "reconfigurations": self.reconfiguration_records(merged),
+            # the last RECONFIGURATIONS_SHOWN changes (a job rescaled every minute for days
+            # would otherwise send thousands with every status call) and how many there were
+            "reconfigurations": self.reconfiguration_records(
+                merged, complete=not unanswered, last=RECONFIGURATIONS_SHOWN
+            ),
+            "reconfigurations_total": len(self.reconfigurations),
             # every attempt's totals per step (failed ones kept at their recovery) and their sum
             **self.attempts_summary([*(o.get("metrics", {}) for o in self._history), *snaps]),
         }

@@ -7,6 +7,12 @@ one machine shares; a window is ``window_ms`` long and window ``w`` starts at
 ``origin_ns + w * window_ms`` (the origin is the job start, the same for every instance).
 Instants before the origin count in window 0.
 
+Windows are kept for a bounded span (``retain_s``, :data:`DEFAULT_RETAIN_S` = 15 minutes, the
+``RuntimeConfig.metrics_windows_retained_s`` of a job): a job that runs for days keeps the last
+15 minutes of its timelines (3,600 windows of 250 ms), not all of them; the whole run's totals
+(events, the latency histogram of every record) are kept. ``retain_s=None`` keeps every window
+(merges of snapshots, which are bounded already).
+
 Latency is recorded in HDR histograms (1 us .. 1 hour, 3 significant digits, values in us), one per
 window plus one for the whole run, so percentiles merge exactly across sinks. Each record may carry
 a weight (the number of input events it aggregates): a histogram then counts a record of weight
@@ -23,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -34,12 +41,14 @@ from hdrh.histogram import HdrHistogram
 from raystream.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_RETAIN_S",
     "DEFAULT_WINDOW_MS",
     "LATENCY_HIGHEST_US",
     "InstanceMetrics",
     "LatencyRecorder",
     "WindowedCounter",
     "build_timeline",
+    "check_retain_s",
     "recovery_point",
     "rescale_impact",
     "step_totals",
@@ -47,6 +56,7 @@ __all__ = [
 ]
 
 DEFAULT_WINDOW_MS = 250
+DEFAULT_RETAIN_S = 900.0  # windows of the last 15 minutes are kept (a day: 86,400 s)
 LATENCY_LOWEST_US = 1
 LATENCY_HIGHEST_US = 3_600_000_000  # one hour; longer latencies are recorded as one hour
 LATENCY_SIGNIFICANT_DIGITS = 3
@@ -56,6 +66,41 @@ def _check_window_ms(window_ms: int) -> None:
     if not isinstance(window_ms, int) or isinstance(window_ms, bool) or window_ms < 1:
         msg = f"window_ms must be an int >= 1 (milliseconds), got {window_ms!r}; 250 is the default"
         raise ConfigError(msg)
+
+
+def check_retain_s(retain_s: float | None, what: str = "retain_s") -> None:
+    """``retain_s`` is None (keep every window) or a number of seconds > 0."""
+    if retain_s is None:
+        return
+    if (
+        isinstance(retain_s, bool)
+        or not isinstance(retain_s, (int, float, np.integer, np.floating))
+        or not np.isfinite(retain_s)
+        or retain_s <= 0
+    ):
+        msg = (
+            f"{what} must be a number of seconds > 0 (windows older than that are dropped), "
+            f"got {retain_s!r}; {DEFAULT_RETAIN_S:g} (15 minutes) is the default"
+        )
+        raise ConfigError(msg)
+
+
+def _retained_windows(retain_s: float | None, window_ms: int) -> int | None:
+    """How many windows a span of ``retain_s`` seconds holds (at least one); None: all."""
+    if retain_s is None:
+        return None
+    return max(1, int(np.ceil(retain_s * 1000 / window_ms - 1e-9)))
+
+
+def _expired(order: list[int], newest: int, keep: int | None) -> list[int]:
+    """Pop from the heap ``order`` the windows older than the ``keep`` windows up to ``newest``."""
+    out: list[int] = []
+    if keep is None:
+        return out
+    cutoff = newest - keep
+    while order and order[0] <= cutoff:
+        out.append(heapq.heappop(order))
+    return out
 
 
 def _window_of(now_ns: int, origin_ns: int, window_ns: int) -> int:
@@ -85,23 +130,53 @@ def _check_same_window(ours: int, theirs: int, what: str) -> None:
 class WindowedCounter:
     """A count per time window (e.g. records in per 250 ms), mergeable across instances.
 
-    Memory is one dict entry per window that saw something (a 1-hour run at 250 ms: <= 14,400).
+    Memory is one dict entry per window that saw something, of the last ``retain_s`` seconds
+    (default 15 minutes: <= 3,600 windows of 250 ms, however long the job runs); the counts of
+    older windows are dropped from the timeline and kept in :attr:`total`.
     """
 
-    def __init__(self, origin_ns: int, window_ms: int = DEFAULT_WINDOW_MS) -> None:
+    def __init__(
+        self,
+        origin_ns: int,
+        window_ms: int = DEFAULT_WINDOW_MS,
+        retain_s: float | None = DEFAULT_RETAIN_S,
+    ) -> None:
         _check_window_ms(window_ms)
+        check_retain_s(retain_s)
         self.origin_ns = int(origin_ns)
         self.window_ms = window_ms
+        self.retain_s = retain_s
         self._window_ns = window_ms * 1_000_000
+        self._keep = _retained_windows(retain_s, window_ms)
         self._counts: dict[int, int] = {}
+        self._order: list[int] = []  # heap of the windows kept: the oldest first
+        self._newest = -1
+        self.dropped = 0  # the counts of the windows dropped (older than retain_s)
+        self.dropped_windows = 0
 
     def add(self, n: int, now_ns: int) -> None:
         w = _window_of(now_ns, self.origin_ns, self._window_ns)
-        self._counts[w] = self._counts.get(w, 0) + int(n)
+        self._put(w, int(n))
+
+    def _put(self, w: int, n: int) -> None:
+        if self._keep is not None and w <= self._newest - self._keep:
+            self.dropped += n  # older than the span (a late merge): counted, not kept
+            return
+        if w not in self._counts:
+            self._counts[w] = 0
+            if self._keep is not None:
+                heapq.heappush(self._order, w)
+        self._counts[w] += n
+        if w > self._newest:
+            self._newest = w
+            for old in _expired(self._order, w, self._keep):
+                self.dropped += self._counts.pop(old)
+                self.dropped_windows += 1
 
     @property
     def total(self) -> int:
-        return sum(self._counts.values())
+        """Everything counted, the dropped windows included."""
+        return self.dropped + sum(self._counts.values())
 
     def timeline(self) -> list[tuple[float, int]]:
         """``(t_s, count)`` for every window from the first to the last that saw something
@@ -116,6 +191,8 @@ class WindowedCounter:
             "origin_ns": self.origin_ns,
             "window_ms": self.window_ms,
             "counts": dict(self._counts),
+            "dropped": self.dropped,
+            "dropped_windows": self.dropped_windows,
         }
 
     def merge(self, other: dict[str, Any] | WindowedCounter) -> None:
@@ -123,22 +200,29 @@ class WindowedCounter:
         start time into this counter's windows."""
         snap = other.snapshot() if isinstance(other, WindowedCounter) else other
         _check_same_window(self.window_ms, snap["window_ms"], "WindowedCounter")
+        self.dropped += int(snap.get("dropped", 0))
+        self.dropped_windows += int(snap.get("dropped_windows", 0))
         for w, n in snap["counts"].items():
             mine = _rebin(int(w), snap["origin_ns"], self.origin_ns, self._window_ns)
-            self._counts[mine] = self._counts.get(mine, 0) + int(n)
+            self._put(mine, int(n))
 
     @classmethod
-    def from_snapshot(cls, snapshot: dict[str, Any]) -> WindowedCounter:
-        counter = cls(snapshot["origin_ns"], snapshot["window_ms"])
+    def from_snapshot(
+        cls, snapshot: dict[str, Any], retain_s: float | None = None
+    ) -> WindowedCounter:
+        counter = cls(snapshot["origin_ns"], snapshot["window_ms"], retain_s)
         counter.merge(snapshot)
         return counter
 
     @classmethod
-    def merge_snapshots(cls, snapshots: Sequence[dict[str, Any]]) -> WindowedCounter:
-        """One counter summing several (on the first snapshot's origin); empty -> origin 0."""
+    def merge_snapshots(
+        cls, snapshots: Sequence[dict[str, Any]], retain_s: float | None = None
+    ) -> WindowedCounter:
+        """One counter summing several (on the first snapshot's origin); empty -> origin 0.
+        Every window the snapshots hold is kept unless ``retain_s`` is given."""
         if not snapshots:
-            return cls(0)
-        counter = cls(snapshots[0]["origin_ns"], snapshots[0]["window_ms"])
+            return cls(0, retain_s=retain_s)
+        counter = cls(snapshots[0]["origin_ns"], snapshots[0]["window_ms"], retain_s)
         for s in snapshots:
             counter.merge(s)
         return counter
@@ -157,14 +241,19 @@ class InstanceMetrics:
     ``records_in / busy_s`` is the instance's true processing rate (what DS2 needs).
     """
 
-    def __init__(self, origin_ns: int | None = None, window_ms: int = DEFAULT_WINDOW_MS) -> None:
+    def __init__(
+        self,
+        origin_ns: int | None = None,
+        window_ms: int = DEFAULT_WINDOW_MS,
+        retain_s: float | None = DEFAULT_RETAIN_S,
+    ) -> None:
         self.records_in = 0
         self.records_out = 0
         self.batches_in = 0
         self.busy_s = 0.0
         self.backlog = 0
         self.throughput = WindowedCounter(
-            time.time_ns() if origin_ns is None else origin_ns, window_ms
+            time.time_ns() if origin_ns is None else origin_ns, window_ms, retain_s
         )
         self._started = time.perf_counter()
 
@@ -306,25 +395,41 @@ class LatencyRecorder:
     and the per-window counts are sums of weights (events), ``rows`` counts records.
 
     Memory stays bounded: only the ``live_windows`` most recent window histograms stay expanded
-    (~190 KB each); older ones are kept encoded (compressed, usually a few KB).
+    (~190 KB each); older ones are kept encoded (compressed, usually a few hundred bytes), for
+    the last ``retain_s`` seconds (default 15 minutes: 3,600 windows of 250 ms); older windows
+    are dropped (their records stay in the whole run's histogram: :meth:`summary` and
+    :attr:`count` cover the whole run, :meth:`timeline` and :meth:`summary_between` the span).
+    A merge keeps other recorders' windows encoded and adds them up only when one is read, so
+    merging many snapshots for :meth:`summary` (``job.status()``) decodes only their totals.
     """
 
     def __init__(
-        self, origin_ns: int, window_ms: int = DEFAULT_WINDOW_MS, live_windows: int = 4
+        self,
+        origin_ns: int,
+        window_ms: int = DEFAULT_WINDOW_MS,
+        live_windows: int = 4,
+        retain_s: float | None = DEFAULT_RETAIN_S,
     ) -> None:
         _check_window_ms(window_ms)
         if not isinstance(live_windows, int) or live_windows < 1:
             msg = f"live_windows must be an int >= 1, got {live_windows!r}"
             raise ConfigError(msg)
+        check_retain_s(retain_s)
         self.origin_ns = int(origin_ns)
         self.window_ms = window_ms
         self.live_windows = live_windows
+        self.retain_s = retain_s
         self._window_ns = window_ms * 1_000_000
+        self._keep = _retained_windows(retain_s, window_ms)
         self._total = _new_histogram()
         self._live: dict[int, HdrHistogram] = {}
-        self._sealed: dict[int, bytes] = {}
+        self._sealed: dict[int, list[bytes]] = {}  # encoded parts, added up when read
         self._counts: dict[int, int] = {}
+        self._order: list[int] = []  # heap of the windows kept: the oldest first
+        self._newest = -1
         self.rows = 0
+        self.dropped_windows = 0  # windows older than retain_s, dropped
+        self.dropped = 0  # ... and the events they held (still in the whole run's histogram)
 
     # -- recording ---------------------------------------------------------------------------
 
@@ -352,24 +457,64 @@ class LatencyRecorder:
         latency_us = (np.int64(now_ns) - ingest + 500) // 1000
         np.clip(latency_us, 0, LATENCY_HIGHEST_US, out=latency_us)
         w = _window_of(now_ns, self.origin_ns, self._window_ns)
+        if self._too_old(w):  # a clock step back past the span: the whole run's only
+            _record_us((self._total,), latency_us, w_arr)
+            self.dropped += total
+            return
         _record_us((self._window(w), self._total), latency_us, w_arr)
-        self._counts[w] = self._counts.get(w, 0) + total
+        self._count(w, total)
+
+    def _count(self, w: int, n: int) -> None:
+        if w not in self._counts:
+            self._counts[w] = 0
+            if self._keep is not None:
+                heapq.heappush(self._order, w)
+        self._counts[w] += n
+        self._advance(w)
+
+    def _too_old(self, w: int) -> bool:
+        return self._keep is not None and w <= self._newest - self._keep
+
+    def _advance(self, w: int) -> None:
+        """``w`` holds records: when it is the newest, drop the windows older than the span."""
+        if w <= self._newest:
+            return
+        self._newest = w
+        for old in _expired(self._order, w, self._keep):
+            self.dropped += self._counts.pop(old)
+            self._live.pop(old, None)
+            self._sealed.pop(old, None)
+            self.dropped_windows += 1
 
     def _window(self, w: int) -> HdrHistogram:
         """The expanded histogram of window ``w`` (reopened if sealed); seals the oldest."""
         h = self._live.get(w)
         if h is None:
-            sealed = self._sealed.pop(w, None)
-            h = _new_histogram() if sealed is None else HdrHistogram.decode(sealed)
+            parts = self._sealed.pop(w, None)
+            h = _new_histogram() if parts is None else _decoded(parts)
             self._live[w] = h
             while len(self._live) > self.live_windows:
                 oldest = min(k for k in self._live if k != w)
-                self._sealed[oldest] = self._live.pop(oldest).encode()
+                self._sealed[oldest] = [self._live.pop(oldest).encode()]
         return h
 
     @property
     def count(self) -> int:
         return int(self._total.get_total_count())
+
+    @property
+    def newest_s(self) -> float | None:
+        """Where the newest window with records ends (seconds since the origin); None if none."""
+        if self._newest < 0:
+            return None
+        return (self._newest + 1) * self.window_ms / 1000
+
+    @property
+    def retained_from_s(self) -> float | None:
+        """Where the kept windows start (seconds since the origin); None before any record."""
+        if not self._counts:
+            return None
+        return min(self._counts) * self.window_ms / 1000
 
     def total_histogram(self) -> HdrHistogram:
         """The histogram of the whole run (latencies in us; read it, do not change it)."""
@@ -379,7 +524,7 @@ class LatencyRecorder:
 
     def _histogram_of(self, w: int) -> HdrHistogram:
         h = self._live.get(w)
-        return h if h is not None else HdrHistogram.decode(self._sealed[w])
+        return h if h is not None else _decoded(self._sealed[w])
 
     def summary(self) -> dict[str, Any]:
         """``{"count", "p50_ms", "p99_ms", "max_ms"}`` over the whole run (None when empty)."""
@@ -388,7 +533,8 @@ class LatencyRecorder:
 
     def summary_between(self, start_s: float, end_s: float) -> dict[str, Any]:
         """{count, p50_ms, p99_ms, max_ms} over the windows from ``start_s`` to ``end_s``
-        (seconds since the origin): the latency of the records that reached a sink then."""
+        (seconds since the origin): the latency of the records that reached a sink then.
+        Only windows still kept count (the last ``retain_s`` seconds)."""
         first = int(start_s * 1000 // self.window_ms)
         last = int(end_s * 1000 // self.window_ms)
         return self.summary_of_windows(first, last)
@@ -403,7 +549,8 @@ class LatencyRecorder:
         return {"count": int(merged.get_total_count()), "p50_ms": p50, "p99_ms": p99, "max_ms": mx}
 
     def timeline(self) -> list[list[Any]]:
-        """``[t_s, count, p50_ms, p99_ms, max_ms]`` per window that saw records, in time order."""
+        """``[t_s, count, p50_ms, p99_ms, max_ms]`` per window that saw records, in time order
+        (the windows kept: the last ``retain_s`` seconds)."""
         rows: list[list[Any]] = []
         for w in sorted(self._counts):
             p50, p99, mx = _stats_ms(self._histogram_of(w))
@@ -414,7 +561,10 @@ class LatencyRecorder:
 
     def snapshot(self) -> dict[str, Any]:
         """Picklable and compact: encoded histograms (HdrHistogram.encode) and window counts."""
-        windows = dict(self._sealed)
+        windows = {
+            w: parts[0] if len(parts) == 1 else _decoded(parts).encode()
+            for w, parts in self._sealed.items()
+        }
         windows.update({w: h.encode() for w, h in self._live.items()})
         return {
             "origin_ns": self.origin_ns,
@@ -423,34 +573,62 @@ class LatencyRecorder:
             "windows": windows,
             "counts": dict(self._counts),
             "rows": self.rows,
+            "dropped_windows": self.dropped_windows,
+            "dropped": self.dropped,
         }
 
     def merge(self, snapshot: dict[str, Any]) -> None:
-        """Add another recorder's snapshot (windows of another origin are re-binned by start)."""
+        """Add another recorder's snapshot (windows of another origin are re-binned by start).
+        Its windows stay encoded until read (:meth:`timeline`, :meth:`summary_between`)."""
         _check_same_window(self.window_ms, snapshot["window_ms"], "LatencyRecorder")
         self._total.add(HdrHistogram.decode(snapshot["total"]))
         self.rows += int(snapshot.get("rows", 0))
-        for w, encoded in snapshot["windows"].items():
+        self.dropped_windows += int(snapshot.get("dropped_windows", 0))
+        self.dropped += int(snapshot.get("dropped", 0))
+        counts = snapshot["counts"]
+        for w in sorted(snapshot["windows"], key=int):
+            encoded = snapshot["windows"][w]
             mine = _rebin(int(w), snapshot["origin_ns"], self.origin_ns, self._window_ns)
-            self._window(mine).add(HdrHistogram.decode(encoded))
-            self._counts[mine] = self._counts.get(mine, 0) + int(snapshot["counts"][w])
+            n = int(counts[w])
+            if self._too_old(mine):
+                self.dropped += n
+                continue
+            live = self._live.get(mine)
+            if live is not None:
+                live.add(HdrHistogram.decode(encoded))
+            else:
+                self._sealed.setdefault(mine, []).append(encoded)
+            self._count(mine, n)
 
     @classmethod
-    def from_snapshot(cls, snapshot: dict[str, Any]) -> LatencyRecorder:
-        recorder = cls(snapshot["origin_ns"], snapshot["window_ms"])
+    def from_snapshot(
+        cls, snapshot: dict[str, Any], retain_s: float | None = None
+    ) -> LatencyRecorder:
+        recorder = cls(snapshot["origin_ns"], snapshot["window_ms"], retain_s=retain_s)
         recorder.merge(snapshot)
         return recorder
 
     @classmethod
-    def merge_snapshots(cls, snapshots: Sequence[dict[str, Any]]) -> LatencyRecorder:
+    def merge_snapshots(
+        cls, snapshots: Sequence[dict[str, Any]], retain_s: float | None = None
+    ) -> LatencyRecorder:
         """One recorder holding several sinks' latencies (on the first snapshot's origin), e.g.
-        ``LatencyRecorder.merge_snapshots(snaps).summary()``; empty -> an empty recorder."""
+        ``LatencyRecorder.merge_snapshots(snaps).summary()``; empty -> an empty recorder. Every
+        window the snapshots hold is kept unless ``retain_s`` is given."""
         if not snapshots:
-            return cls(0)
-        recorder = cls(snapshots[0]["origin_ns"], snapshots[0]["window_ms"])
+            return cls(0, retain_s=retain_s)
+        recorder = cls(snapshots[0]["origin_ns"], snapshots[0]["window_ms"], retain_s=retain_s)
         for s in snapshots:
             recorder.merge(s)
         return recorder
+
+
+def _decoded(parts: list[bytes]) -> HdrHistogram:
+    """One histogram adding up encoded parts (a window merged from several recorders)."""
+    h = HdrHistogram.decode(parts[0])
+    for more in parts[1:]:
+        h.add(HdrHistogram.decode(more))
+    return h
 
 
 # --------------------------------------------------------------------------------------------

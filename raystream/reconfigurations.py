@@ -510,16 +510,33 @@ class Reconfigurations:
         self.reconfigurations.append(record)
         return record
 
-    def reconfiguration_records(self: Any, latency: LatencyRecorder | None) -> list[dict[str, Any]]:
-        """Every change so far; with sink latency, the peak (max) and p99 of the records that
-        reached a sink from the change's start until ``PEAK_AFTER_S`` after its end."""
+    def reconfiguration_records(
+        self: Any,
+        latency: LatencyRecorder | None,
+        complete: bool = True,
+        last: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Every change so far (the ``last`` ones if given); with sink latency, the peak (max) and p99 of the records that
+        reached a sink from the change's start until ``PEAK_AFTER_S`` after its end.
+
+        Once the sinks' latency is past that span (and ``complete``: every sink answered), a
+        change's figures are kept with it: they do not change any more, a status call does not
+        read those windows again, and they outlive the windows (``metrics_windows_retained_s``).
+        """
+        settled: dict[int, tuple[Any, Any]] = self._settled_latency
+        newest = latency.newest_s if latency else None
         out = []
-        for r in self.reconfigurations:
-            r = dict(r)
-            if latency:
+        first = 0 if last is None else max(0, len(self.reconfigurations) - last)
+        for i in range(first, len(self.reconfigurations)):
+            r = dict(self.reconfigurations[i])
+            if i in settled:
+                r["peak_latency_ms"], r["p99_latency_ms"] = settled[i]
+            elif latency:
                 s = latency.summary_between(r["start_s"], r["end_s"] + PEAK_AFTER_S)
                 r["peak_latency_ms"] = s["max_ms"]
                 r["p99_latency_ms"] = s["p99_ms"]
+                if complete and newest is not None and newest > r["end_s"] + PEAK_AFTER_S + 1.0:
+                    settled[i] = (s["max_ms"], s["p99_ms"])
             out.append(r)
         return out
 

@@ -22,9 +22,10 @@ import pyarrow.compute as pc
 from raystream.dataflow import KeySpec, Step
 from raystream.direct import DirectSequencer
 from raystream.errors import RescaleError, SourceError, context_of
+from raystream.history import ACKED_EPOCHS_KEPT, RecentEpochs
 from raystream.ingest import IngestBuffer
 from raystream.keys import KeySpace, RoutingTable
-from raystream.metrics import InstanceMetrics, LatencyRecorder
+from raystream.metrics import DEFAULT_RETAIN_S, InstanceMetrics, LatencyRecorder, check_retain_s
 from raystream.runtime import snapshots
 from raystream.runtime.channels import (
     ByKeyGroup,
@@ -104,6 +105,9 @@ class RuntimeConfig:
     migration_buffer_bytes: int = 64 << 20  # records waiting for moving state, per instance
     heat_half_life_s: float = 10.0  # a sub-group's heat (hot-first order) halves in this time
     metrics_export_s: float = 1.0  # period of the Ray metrics (Prometheus) export; 0: off
+    # per-window metrics (throughput, sink latency per 250 ms) kept for this long; the whole
+    # run's totals and latency histogram are kept whatever it is (a job may run for days)
+    metrics_windows_retained_s: float = DEFAULT_RETAIN_S
     checkpoint_interval_s: float = 0.0  # periodic checkpoints (and recovery from them); 0: off
     checkpoint_dir: str | None = None  # local path or pyarrow.fs URI; None: <tmp>/raystream-checkpoints
     checkpoints_retained: int = 3  # complete checkpoints kept; older ones and their files go
@@ -133,6 +137,7 @@ class RuntimeConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 msg = f"{name} must be a number >= 0, got {v!r}"
                 raise ConfigError(msg)
+        check_retain_s(self.metrics_windows_retained_s, "metrics_windows_retained_s")
         if not isinstance(self.chaining, bool):
             msg = f"chaining must be True or False, got {self.chaining!r}"
             raise ConfigError(msg)
@@ -242,8 +247,11 @@ class OperatorInstance:
         self.inbox = Inbox(spec.config.inbox_capacity)
         for ch in spec.inputs:
             self.inbox.add_channel(ch)
-        self.metrics = InstanceMetrics(spec.origin_ns)
-        self.latency = LatencyRecorder(spec.origin_ns) if self.role == "sink" else None
+        retain_s = spec.config.metrics_windows_retained_s
+        self.metrics = InstanceMetrics(spec.origin_ns, retain_s=retain_s)
+        self.latency = (
+            LatencyRecorder(spec.origin_ns, retain_s=retain_s) if self.role == "sink" else None
+        )
         self.processor: Any = None
         self.writer: Any = None
         self.reader: Any = None
@@ -286,7 +294,8 @@ class OperatorInstance:
         self._stop = False
         self._source_done = False  # a source restored from a checkpoint it had already finished
         self.checkpoints = snapshots.CheckpointState(spec)
-        self.acked: set[int] = set()  # epochs of the barriers this instance acknowledged
+        # epochs of the barriers this instance acknowledged (the newest ACKED_EPOCHS_KEPT)
+        self.acked = RecentEpochs(ACKED_EPOCHS_KEPT)
         # event time: per-input watermarks, the last one forwarded, which input a channel is
         self.watermarks = WatermarkTracker(spec.inputs)
         self._wm_sent = WATERMARK_MIN
@@ -319,6 +328,7 @@ class OperatorInstance:
     # ---- wiring ---------------------------------------------------------------------------
     def connect(self, sender: Sender, report: Reporter) -> None:
         """Build output channels; ``sender(receiver_id, item)`` pushes one item to a receiver."""
+
         def acknowledging(event: str, info: dict[str, Any]) -> Any:
             if event == "barrier":
                 self.acked.add(int(info["epoch"]))
@@ -1148,7 +1158,9 @@ class OperatorInstance:
         SERVE_SLICE_ROWS (each round trip of a new owner's fetch waits for one slice), and so
         while a rescale barrier is expected (:meth:`expect_rescale`)."""
         if self._serving() or time.monotonic() < self._rescale_expected_until:
-            rows = self.batch_cost.slice_rows(SERVE_SLICE_TARGET_S, SLICE_MIN_ROWS, SERVE_SLICE_ROWS)
+            rows = self.batch_cost.slice_rows(
+                SERVE_SLICE_TARGET_S, SLICE_MIN_ROWS, SERVE_SLICE_ROWS
+            )
             return min(rows, SERVE_SLICE_ROWS)
         return self.batch_cost.slice_rows(SLICE_TARGET_S, SLICE_MIN_ROWS, SERVE_SLICE_ROWS)
 
@@ -1474,9 +1486,7 @@ def _first_release(task: Any, released: list[pa.RecordBatch]) -> Any:
         return None
     now = time.time()
     task.first_release_wall = now
-    stamps = [
-        pc.min(b.column(INGEST_TS)).as_py() for b in released if INGEST_TS in b.schema.names
-    ]
+    stamps = [pc.min(b.column(INGEST_TS)).as_py() for b in released if INGEST_TS in b.schema.names]
     stamps = [t for t in stamps if t is not None]
     if stamps:
         task.first_release_age_ms = round((now * 1e9 - min(stamps)) / 1e6, 1)

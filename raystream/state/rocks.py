@@ -57,6 +57,11 @@ def chunk_payload_bytes(key: bytes, value: bytes) -> int:
     return len(key) + len(value) + ROW_OVERHEAD
 
 
+INFO_LOG_BYTES = 1 << 20  # RocksDB's info LOG rolls at this size ...
+INFO_LOG_FILES = 2  # ... and this many of its files are kept (the current one and one old)
+MANIFEST_BYTES = 4 << 20  # the MANIFEST is rewritten (compacted) past this size
+
+
 def state_db_options(block_bytes: int = 0) -> Options:
     """Options for point reads and writes of whole batches of keys, many of them new: bloom
     filters in SST files and in the memtable make a read of a key that is not there cheap (a
@@ -74,6 +79,13 @@ def state_db_options(block_bytes: int = 0) -> Options:
     opts.set_block_based_table_factory(table)
     opts.set_memtable_whole_key_filtering(True)
     opts.set_memtable_prefix_bloom_ratio(0.05)  # of the write buffer, for the memtable's filter
+    # RocksDB's info LOG gets ~7.5 KB per checkpoint (flush, compaction, checkpoint lines) and
+    # its MANIFEST ~150 B: a checkpoint a second grew each instance's folder ~27 MB an hour
+    # without bound (bench.soak); rolled and capped instead (LOG: INFO_LOG_FILES files of
+    # INFO_LOG_BYTES at most; MANIFEST: rewritten past MANIFEST_BYTES)
+    opts.set_max_log_file_size(INFO_LOG_BYTES)
+    opts.set_keep_log_file_num(INFO_LOG_FILES)
+    opts.set_max_manifest_file_size(MANIFEST_BYTES)
     return opts
 
 
