@@ -333,6 +333,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         return self.state == "running" or (self.state == "created" and not self.deploys)
 
     def _run(self, iid: ChannelId) -> None:
+        # heartbeats count from now: an index a scale-in retired and a scale-out reuses must not
+        # inherit its old incarnation's last heartbeat (it would be "hung" at once)
+        self._heartbeats[iid] = time.monotonic()
         self._run_futures[iid] = asyncio.ensure_future(_outcome(self.handles[iid].run.remote(), iid))
         self._run_handles[iid] = self.handles[iid]
 
