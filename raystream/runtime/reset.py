@@ -59,6 +59,8 @@ async def reset_endpoint(endpoint: Any, attempt: int) -> None:
             )
             with contextlib.suppress(Exception):
                 await buffer.fail(reason)
+    for _ in range(5):  # the writers waiting for room wake and get that error first
+        await asyncio.sleep(0)
     task = endpoint._run_task
     if task is not None and not task.done():
         task.cancel()

@@ -171,3 +171,50 @@ def test_recovery_keeps_actors_is_validated() -> None:
     assert RuntimeConfig().recovery_keeps_actors is True
     with pytest.raises(rs.ConfigError, match="recovery_keeps_actors must be True or False"):
         RuntimeConfig(recovery_keeps_actors=1)  # type: ignore[arg-type]
+
+
+def test_a_writer_waiting_on_a_reset_push_source_gets_the_attempt_error() -> None:
+    """A Spark task of the old attempt waiting for room in a push source's buffer is answered
+    by the reset (not left hanging), and its later pushes are refused by the new attempt."""
+    from raystream.errors import SourceError
+    from raystream.runtime import actors
+
+    schema = pa.schema([("key", pa.int64()), ("seq", pa.int64())])
+    flow = rs.Dataflow("reuse-push")
+    flow.source(rs.sources.push(schema, capacity_rows=10), name="src").options(chain=False).sink(
+        rs.sinks.collect(), name="out"
+    )
+
+    def spec(attempt: int) -> Any:
+        plan = physical_plan(flow, None, RuntimeConfig(metrics_export_s=0), 0, tempfile.mkdtemp())
+        return replace(plan.instances[("src", 0)], attempt=attempt)
+
+    def rows(start: int, stop: int) -> pa.RecordBatch:
+        n = list(range(start, stop))
+        return pa.record_batch({"key": n, "seq": n}, schema=schema)
+
+    actor = actors._InstanceActor(spec(0))  # noqa: SLF001
+    token = ("part", 0)
+
+    async def drive() -> tuple[BaseException | None, BaseException | None]:
+        await actor.ingest(token, 0, rows(0, 10), 0)  # fills the buffer (nobody reads)
+        waiting = asyncio.ensure_future(actor.ingest(token, 10, rows(10, 20), 0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # backpressure: it waits for room
+        await actor.reset(1)
+        try:
+            await asyncio.wait_for(waiting, 5)
+            first = None
+        except SourceError as e:
+            first = e
+        await actor.configure(spec(1))
+        try:
+            await actor.ingest(token, 20, rows(20, 30), 0)
+            late = None
+        except SourceError as e:
+            late = e
+        return first, late
+
+    first, late = asyncio.run(drive())
+    assert first is not None and "reset from attempt 0 to attempt 1" in str(first), first
+    assert late is not None and "meant for attempt 0" in str(late), late
