@@ -295,7 +295,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
     ) -> dict[ChannelId, Any]:
         """The actors a recovery reset for this plan, by head: each runs the same instances in
         the new plan (else it is stopped here and its instances get a new actor)."""
-        kept_actors, self._kept_actors = getattr(self, "_kept_actors", {}), {}
+        kept_actors = getattr(self, "_kept_actors", {})
         if self.state != "recovering":
             return {}
         kept: dict[ChannelId, Any] = {}

@@ -14,7 +14,9 @@ barriers); the pure parts (manifests, what each instance restores, the restart s
 - **Recovery**: every instance is stopped and started again from the latest complete checkpoint
   (a global restart, as Flink does for all-to-all graphs), at the job's current parallelism:
   keyed instances load the key groups they own from whichever instances held them, sources
-  rewind, sinks publish what the checkpoint pre-committed and drop the rest.
+  rewind, sinks publish what the checkpoint pre-committed and drop the rest. The processes of
+  live actors are kept (``recovery_keeps_actors``, :mod:`raystream.actor_reuse`): they are reset
+  in place and configured for the new attempt; only dead, hung or lost ones are replaced.
 """
 
 from __future__ import annotations
@@ -538,6 +540,8 @@ class Recovery:
         await self._keep_attempt_metrics(cause, self._attempt - 1)
         phases.mark("positions_s")
         old = dict(self.handles)
+        for head, (_, actor) in getattr(self, "_kept_actors", {}).items():
+            old.setdefault(head, actor)  # kept by a recovery whose redeploy failed before them
         futures = list(self._run_futures.values())
         # the actors kept for the new attempt are reset in place (before the old attempt's
         # state folders go); the others are killed and replaced
@@ -596,6 +600,7 @@ class Recovery:
         self._replan(manifest, str(Path(self.state_dir) / f"attempt-{self._attempt}"))
         phases.mark("replan_s")
         await self._deploy(start_at)
+        self._kept_actors = {}
         phases.mark("deploy_s")
         if self.state != "recovering":  # stopped while the new attempt was deployed
             await self._stop_all()
@@ -654,7 +659,7 @@ class Recovery:
         return self.nodes.get(iid) not in getattr(self, "_unreachable", ())
 
     async def _keep_attempt_metrics(self: Any, cause: dict[str, Any], attempt: int) -> None:
-        """Before a recovery replaces every instance: keep what the failed ``attempt`` did
+        """Before a recovery resets or replaces every instance: keep what the failed ``attempt`` did
         (each instance's last metrics: live ones are asked, ended ones gave theirs; one that
         died without answering is listed in ``unreported``)."""
         snaps = await self._attempt_snapshots(attempt, timeout_s=2.0)
