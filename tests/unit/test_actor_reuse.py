@@ -218,3 +218,16 @@ def test_a_writer_waiting_on_a_reset_push_source_gets_the_attempt_error() -> Non
     first, late = asyncio.run(drive())
     assert first is not None and "reset from attempt 0 to attempt 1" in str(first), first
     assert late is not None and "meant for attempt 0" in str(late), late
+
+
+def test_state_calls_of_a_peer_of_the_old_attempt_are_refused() -> None:
+    """serve_state / read_snapshot sent by an instance of an attempt a recovery replaced are
+    answered with an error at once, never served from the new attempt's state."""
+    from raystream.runtime import actors
+    from raystream.runtime.reset import StaleAttemptError
+
+    actor = actors._InstanceActor(_chain_spec(1, tempfile.mkdtemp()))  # noqa: SLF001
+    with pytest.raises(StaleAttemptError, match="sent by an instance of attempt 0"):
+        asyncio.run(actor.serve_state(1, [0], 1 << 20, False, 0))
+    with pytest.raises(StaleAttemptError, match="now serves attempt 1"):
+        asyncio.run(actor.read_snapshot("/nowhere", [0], 0))
