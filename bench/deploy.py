@@ -23,7 +23,9 @@ Figures are medians over the runs (each run's figures are in ``runs``). ``--opti
 passes a RuntimeConfig option to both cases (e.g. ``standby_instances=0``); ``--ray-init`` extra
 ``ray.init`` arguments for the local Ray it starts. Committed results: ``deploy_before.json``
 (restart delay before the new deploy), ``deploy_delay_overlap.json`` (delay from the failure),
-``deploy_no_standby.json`` (the same with ``--option standby_instances=0``).
+``deploy_no_standby.json`` (the same with ``--option standby_instances=0``),
+``deploy_keep_actors.json`` (a recovery resets the live actors in place and starts a process
+only for the killed one; ``--option recovery_keeps_actors=False`` replaces every process).
 """
 
 from __future__ import annotations
@@ -239,9 +241,13 @@ def _recovery_case(
         "records_replayed": rec["records_replayed"],
         "phases_s": {k: v for k, v in rec.get("phases", {}).items() if k != "deploy"},
         "deploy_phases_s": deployed,
+        # the actors the recovery kept (reset in place) and those it started (a new process)
+        "actors_kept": rec.get("actors_kept"),
+        "actors_started": rec.get("actors_started"),
         "actors": {
             m["instance"]: _actor_phases(m, placed_at)
             for m in sorted(startups, key=lambda m: m["instance"])
+            if m["instance"] in rec.get("actors_started", [m["instance"]])
         },
     }
 

@@ -7,6 +7,7 @@ A plain class; :func:`raystream.runtime.actors.controller_actor_class` makes it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import time
 from collections import Counter
@@ -227,25 +228,43 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             check_satisfiable(step.name, step.actor, nodes)
         # an operator chain is one actor, its head's; the other instances are reached in it
         chained = {m: head for head, ids in self.plan.chains.items() for m in ids[1:]}
+        # a recovery's actors reset in place (raystream.actor_reuse) run the same instances
+        kept = await self._kept_for_plan(chained, marks)
         chosen: dict[ChannelId, str | None] = {}
-        job_placed: Counter[str] = Counter()
+        job_placed: Counter[str] = Counter(
+            n for n in (self._failed_nodes.get(h) for h in kept) if n is not None
+        )
         for name, step in self.plan.steps.items():
-            iids = [iid for iid in self.specs if iid[0] == name and iid not in chained]
+            iids = [
+                iid for iid in self.specs if iid[0] == name and iid not in chained | kept.keys()
+            ]
             picks = choose_nodes(name, step.actor, nodes, len(iids), job_placed=job_placed)
             chosen.update(zip(iids, picks, strict=True))
             job_placed.update(p for p in picks if p is not None)
+        configured = []
         for iid, spec in self.specs.items():
             if iid in chained:
                 self.handles[iid] = MemberHandle(self.handles[chained[iid]], iid)
                 continue
             ids = self.plan.chains.get(iid)
+            actor_spec = ChainSpec(tuple(self.specs[i] for i in ids)) if ids else spec
+            if iid in kept:
+                self.handles[iid] = kept[iid]
+                configured.append(kept[iid].configure.remote(actor_spec))
+                continue
             self.handles[iid] = InstanceActor.options(
                 name=instance_actor_name(self.flow.name, *iid),
                 namespace=NAMESPACE,
                 max_concurrency=10_000,
                 **self.plan.steps[iid[0]].actor.ray_options(chosen[iid]),
-            ).remote(ChainSpec(tuple(self.specs[i] for i in ids)) if ids else spec)
-        marks["placed_at"] = time.time()  # placement chosen, every actor asked for
+            ).remote(actor_spec)
+        if self.state == "recovering":
+            marks["actors_kept"] = sorted(f"{s}/{i}" for s, i in kept)
+            marks["actors_started"] = sorted(
+                f"{s}/{i}" for s, i in self.handles if (s, i) not in chained | kept.keys()
+            )
+        marks["placed_at"] = time.time()  # placement chosen, every actor asked for (or reset)
+        await asyncio.gather(*configured)
         # the first deploy starts the warm standbys beside the job's actors, and its sources
         # only once they are up: their start-up (~1 CPU-s each) is not beside the first events
         warm = asyncio.ensure_future(self._fill_standby_once()) if self._standbys_first() else None
@@ -275,6 +294,29 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             self._run(iid)
         marks["running_at"] = time.time()
         self.deploys.append(marks)
+
+    async def _kept_for_plan(
+        self, chained: dict[ChannelId, ChannelId], marks: dict[str, Any]
+    ) -> dict[ChannelId, Any]:
+        """The actors a recovery reset for this plan, by head: each runs the same instances in
+        the new plan (else it is stopped here and its instances get a new actor)."""
+        kept_actors = getattr(self, "_kept_actors", {})
+        if self.state != "recovering":
+            return {}
+        kept: dict[ChannelId, Any] = {}
+        gone: dict[ChannelId, Any] = {}
+        for head, (ids, actor) in kept_actors.items():
+            plan_ids = frozenset(self.plan.chains.get(head) or (head,))
+            if head in self.specs and head not in chained and plan_ids == ids:
+                kept[head] = actor
+            else:
+                gone[head] = actor
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+        if gone:
+            await self._names_free(gone)
+            marks["actors_not_kept"] = sorted(f"{s}/{i}" for s, i in gone)
+        return kept
 
     def _drop_warm_actors_gone(self, alive: list[str]) -> list[str]:
         """Forget the warm standbys and change spares on nodes not in ``alive`` (they died with

@@ -328,7 +328,9 @@ class DirectWriter:
             handles = ans["handles"] if again else [self.handles[i] for i, _ in pieces]
             sender = self.route.sender
             refs = [
-                h.push.remote(sender, seq, rows_of(stamped, [tuple(r) for r in ranges]))
+                h.push.remote(
+                    sender, seq, rows_of(stamped, [tuple(r) for r in ranges]), self.attempt
+                )
                 for (_, seq, ranges), h in zip(ans["pieces"], handles, strict=True)
                 if h is not None  # a receiver gone from the source's map retired: it had them
             ]

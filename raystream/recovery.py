@@ -14,7 +14,9 @@ barriers); the pure parts (manifests, what each instance restores, the restart s
 - **Recovery**: every instance is stopped and started again from the latest complete checkpoint
   (a global restart, as Flink does for all-to-all graphs), at the job's current parallelism:
   keyed instances load the key groups they own from whichever instances held them, sources
-  rewind, sinks publish what the checkpoint pre-committed and drop the rest.
+  rewind, sinks publish what the checkpoint pre-committed and drop the rest. The processes of
+  live actors are kept (``recovery_keeps_actors``, :mod:`raystream.actor_reuse`): they are reset
+  in place and configured for the new attempt; only dead, hung or lost ones are replaced.
 """
 
 from __future__ import annotations
@@ -538,8 +540,17 @@ class Recovery:
         await self._keep_attempt_metrics(cause, self._attempt - 1)
         phases.mark("positions_s")
         old = dict(self.handles)
+        for head, (_, actor) in getattr(self, "_kept_actors", {}).items():
+            old.setdefault(head, actor)  # kept by a recovery whose redeploy failed before them
         futures = list(self._run_futures.values())
-        for h in old.values():
+        # the actors kept for the new attempt are reset in place (before the old attempt's
+        # state folders go); the others are killed and replaced
+        self._kept_actors = await self._reset_kept_actors(old, self._attempt)
+        phases.mark("reset_s")
+        kept_ids = {i for ids, _ in self._kept_actors.values() for i in ids}
+        for iid, h in old.items():
+            if iid in kept_ids:
+                continue
             try:
                 ray.kill(actor_of(h), no_restart=True)
             except Exception:  # noqa: BLE001, S110 - already gone
@@ -547,7 +558,7 @@ class Recovery:
         if futures:
             await asyncio.wait(futures, timeout=15)
         phases.mark("kill_s")
-        await self._names_free(old)
+        await self._names_free({i: h for i, h in old.items() if i not in kept_ids})
         phases.mark("names_free_s")
         for epoch, done in list(self._barrier_done.items()):  # barriers of the old attempt end
             self._barrier_expected.pop(epoch, None)
@@ -589,6 +600,7 @@ class Recovery:
         self._replan(manifest, str(Path(self.state_dir) / f"attempt-{self._attempt}"))
         phases.mark("replan_s")
         await self._deploy(start_at)
+        self._kept_actors = {}
         phases.mark("deploy_s")
         if self.state != "recovering":  # stopped while the new attempt was deployed
             await self._stop_all()
@@ -620,6 +632,9 @@ class Recovery:
                 set(self.deploys[-1].get("unreachable_nodes", ())) & set(failed_nodes.values())
             ),
             "warm_actors_lost": dropped,
+            # actors whose processes the new attempt kept (reset in place) and those it started
+            "actors_kept": self.deploys[-1].get("actors_kept", []),
+            "actors_started": self.deploys[-1].get("actors_started", []),
             "failed_at": phases.failed_at,  # wall clock
             "phases": {**phases.durations, "deploy": _deploy_phases(self.deploys[-1])},
         }
@@ -644,7 +659,7 @@ class Recovery:
         return self.nodes.get(iid) not in getattr(self, "_unreachable", ())
 
     async def _keep_attempt_metrics(self: Any, cause: dict[str, Any], attempt: int) -> None:
-        """Before a recovery replaces every instance: keep what the failed ``attempt`` did
+        """Before a recovery resets or replaces every instance: keep what the failed ``attempt`` did
         (each instance's last metrics: live ones are asked, ended ones gave theirs; one that
         died without answering is listed in ``unreported``)."""
         snaps = await self._attempt_snapshots(attempt, timeout_s=2.0)
@@ -709,6 +724,53 @@ class Recovery:
             if isinstance(b, dict) and "rows_emitted" in b
         }
 
+    async def _reset_kept_actors(
+        self: Any, old: dict[ChannelId, Any], attempt: int
+    ) -> dict[ChannelId, tuple[frozenset[ChannelId], Any]]:
+        """Choose the actors of the failed attempt a recovery keeps (:mod:`raystream.actor_reuse`)
+        and reset each for ``attempt``; returns {head: (its instances, actor)} of those that
+        answered their reset within ``RESET_TIMEOUT_S`` (the others are replaced)."""
+        from raystream.actor_reuse import choose_kept_actors
+        from raystream.runtime.actors import MemberHandle
+
+        groups: dict[ChannelId, set[ChannelId]] = {}
+        heads = {_actor_key(h): iid for iid, h in old.items() if not isinstance(h, MemberHandle)}
+        for iid, h in old.items():
+            head = heads.get(_actor_key(actor_of(h)))
+            groups.setdefault(head if head is not None else iid, set()).add(iid)
+        old_actors = {head: frozenset(ids) for head, ids in groups.items()}
+        # the new plan runs the same chains over the graph as it runs (checked again when it
+        # is deployed): an actor with an instance a change retired or left half-added is not kept
+        new_actors = {
+            head: ids
+            for head, ids in old_actors.items()
+            if all(i[0] in self.flow.steps and i not in self.retired for i in ids)
+        }
+        dead = {i for i, out in self.outcomes.items() if out.get("died")} | set(self._hung)
+        choice = choose_kept_actors(
+            old_actors,
+            new_actors,
+            dead=dead,
+            nodes=self.nodes,
+            lost_nodes=getattr(self, "_unreachable", ()),
+            neutral=set(getattr(self, "actor_names", {})),
+            enabled=self.config.recovery_keeps_actors,
+        )
+        asked = await asyncio.gather(
+            *(
+                asyncio.wait_for(_result(old[h].reset.remote(attempt)), RESET_TIMEOUT_S)
+                for h in choice.kept
+            ),
+            return_exceptions=True,
+        )
+        kept = {}
+        for head, answer in zip(choice.kept, asked, strict=True):
+            if isinstance(answer, dict):
+                kept[head] = (old_actors[head], old[head])
+            else:
+                log.info("job %s: actor of %s not kept (reset: %r)", self.flow.name, head, answer)
+        return kept
+
     async def _names_free(self: Any, old: dict[ChannelId, Any], timeout_s: float = 15.0) -> None:
         """Wait until the killed instances' actor names can be taken again."""
         from raystream.runtime.actors import NAMESPACE, instance_actor_name
@@ -743,6 +805,14 @@ class _Phases:
         now = time.monotonic()
         self.durations[name] = round(now - self._last, 4)
         self._last = now
+
+
+RESET_TIMEOUT_S = 5.0  # a kept actor that does not answer its reset this soon is replaced
+
+
+def _actor_key(actor: Any) -> Any:
+    """What identifies a Ray actor across its handles."""
+    return getattr(actor, "_actor_id", None) or id(actor)
 
 
 def _deploy_phases(marks: dict[str, Any]) -> dict[str, float]:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import inspect
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from raystream.runtime.chain import Chain, ChainSpec
 from raystream.runtime.instance import InstanceSpec, OperatorInstance
 from raystream.runtime.messages import Barrier, ChannelId
 from raystream.runtime.migration import MigrationTask
+from raystream.runtime.reset import StaleAttemptError, reset_endpoint
 
 __all__ = [
     "InstanceActor",
@@ -79,11 +81,37 @@ class InstanceEndpoint:
         self._events: list[tuple[str, dict[str, Any]]] = []
         self._controller: Any = None
         self._metrics_task: asyncio.Task[None] | None = None
+        self._run_task: asyncio.Task[None] | None = None
+        self._run_call: asyncio.Task[Any] | None = None
+        # the job attempt this actor serves: pushes stamped with another one are dropped (a
+        # sender of an attempt a recovery replaced, see reset)
+        self._attempt = spec.attempt if spec is not None else -1
+        self._resets = 0
         gc.freeze()  # what the imports made lives on: full collections need not walk it
         self._startup["init_done_at"] = time.time()
 
     async def configure(self, spec: InstanceSpec) -> None:
         self._instance = OperatorInstance(spec)
+        self._attempt = spec.attempt
+
+    async def reset(self, attempt: int) -> dict[str, Any]:
+        """A recovery keeps this actor's process for ``attempt``: fence the old attempt (its
+        pushes are dropped from now on), stop the instance (or chain) and its loop, close its
+        state, drop its wiring; :meth:`configure` then makes it the new attempt's instance.
+        Returns this process's id and node."""
+        self._attempt = attempt
+        await reset_endpoint(self, attempt)
+        gc.collect()  # the old attempt's instances, batches and state handles
+        self._resets += 1
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        return {"pid": os.getpid(), "node_id": node}
+
+    def _instances(self) -> list[OperatorInstance]:
+        """The operator instances this actor runs (a chain's, head first)."""
+        return [self._instance] if self._instance is not None else []
+
+    def _unconfigure(self) -> None:
+        self._instance = None  # type: ignore[assignment]
 
     async def startup(self) -> dict[str, Any]:
         """When this actor's process started and how long its start-up steps took (wall-clock
@@ -101,7 +129,7 @@ class InstanceEndpoint:
     def _send(self, receiver: ChannelId, payload: tuple[ChannelId, int, Any]) -> Any:
         channel, seq, item = payload
         return asyncio.wrap_future(
-            self._receivers[receiver].push.remote(channel, seq, item).future()
+            self._receivers[receiver].push.remote(channel, seq, item, self._attempt).future()
         )
 
     def _report(self, event: str, info: dict[str, Any]) -> None:
@@ -113,11 +141,19 @@ class InstanceEndpoint:
     async def run(self) -> dict[str, Any]:
         """Run the instance to its end; returns its result or its error (never raises)."""
         exporter = self._start_metrics_export()
+        attempt, inst = self._attempt, self._instance
+        self._run_call = asyncio.current_task()  # a reset answers this call, see below
+        self._run_task = asyncio.ensure_future(self._run_instance())
         try:
-            await self._run_instance()
+            await self._run_task
+        except asyncio.CancelledError:
+            if self._attempt == attempt:  # not a reset: the call itself was cancelled
+                raise
+            # reset for a new attempt: this outcome belongs to the old one
+            return {"instance": inst.spec.id, "result": None, "error": None, "reset": True}
         finally:
+            self._run_task = self._run_call = None
             self._stop_metrics_export(exporter)
-        inst = self._instance
         origin = self._error_origin()
         failed = self._chain_instance(origin) if origin is not None else inst
         return {
@@ -142,8 +178,17 @@ class InstanceEndpoint:
     def _chain_instance(self, iid: ChannelId) -> OperatorInstance:
         return self._instance
 
-    async def push(self, channel: ChannelId, seq: int, item: Any) -> None:
+    async def push(
+        self, channel: ChannelId, seq: int, item: Any, attempt: int | None = None
+    ) -> None:
+        """``attempt``: the sender's (``None``: a direct writer that names none); a push of an
+        attempt a recovery replaced is answered and dropped, never processed."""
+        if attempt is not None and attempt != self._attempt:
+            self._stale_pushes += 1
+            return
         await self._instance.push(channel, seq, item)
+
+    _stale_pushes = 0  # pushes of another attempt dropped (see reset)
 
     async def inject_barrier(self, barrier: Barrier) -> bool:
         return self._instance.inject_barrier(barrier)
@@ -217,7 +262,9 @@ class InstanceEndpoint:
 
         def fetch(owner: int, epoch: int, groups: list[int], max_bytes: int, urgent: bool) -> Any:
             return asyncio.wrap_future(
-                peers[owner].serve_state.remote(epoch, groups, max_bytes, urgent).future()
+                peers[owner]
+                .serve_state.remote(epoch, groups, max_bytes, urgent, self._attempt)
+                .future()
             )
 
         self._instance.prepare_migration(
@@ -239,10 +286,16 @@ class InstanceEndpoint:
 
     @ray.method(concurrency_group=TRANSFER_GROUP)
     async def serve_state(
-        self, epoch: int, groups: list[int], max_bytes: int, urgent: bool = False
+        self,
+        epoch: int,
+        groups: list[int],
+        max_bytes: int,
+        urgent: bool = False,
+        attempt: int | None = None,
     ) -> Any:
         """Moved state, served on the transfer group's own loop and thread (see
         :mod:`raystream.runtime.migration`): never behind the instance's record slices."""
+        self._check_caller(attempt, "serve_state")
         return await self._instance.serve_state(epoch, groups, max_bytes, urgent)
 
     async def migration_done(self, epoch: int) -> dict[str, Any]:
@@ -271,11 +324,15 @@ class InstanceEndpoint:
         peers = self._peers
 
         def read(owner: int, path: str, groups: list[int]) -> Any:
-            return asyncio.wrap_future(peers[owner].read_snapshot.remote(path, groups).future())
+            ref = peers[owner].read_snapshot.remote(path, groups, self._attempt)
+            return asyncio.wrap_future(ref.future())
 
         return await self._instance.restore_state(epoch, sources, key_groups, state_path, read)
 
-    async def read_snapshot(self, path: str, key_groups: list[int]) -> Any:
+    async def read_snapshot(
+        self, path: str, key_groups: list[int], attempt: int | None = None
+    ) -> Any:
+        self._check_caller(attempt, "read_snapshot")
         return self._instance.read_snapshot(path, key_groups)
 
     # ---- moving a whole instance by its RocksDB files (raystream.runtime.move_files) ---------
@@ -415,6 +472,15 @@ class InstanceEndpoint:
             with contextlib.suppress(Exception):
                 self._export_metrics(exporter, up=False)
 
+    def _check_caller(self, attempt: int | None, call: str) -> None:
+        """A peer's call of an attempt a recovery replaced is refused (answered at once)."""
+        if attempt is not None and attempt != self._attempt:
+            msg = (
+                f"{call} was sent by an instance of attempt {attempt}, but this actor now "
+                f"serves attempt {self._attempt}: the job recovered from a checkpoint in between"
+            )
+            raise StaleAttemptError(msg)
+
     async def ping(self) -> str:
         """Alive and imports done; returns the id of the node this actor runs on."""
         await asyncio.sleep(0)
@@ -431,6 +497,8 @@ class _ChainMember(InstanceEndpoint):
         self._events = []
         self._controller = None
         self._metrics_task = None
+        self._run_task = self._run_call = None
+        self._attempt = instance.spec.attempt
 
     async def _run_instance(self) -> None:
         await self._chain.done.wait()  # the head's loop drives this instance
@@ -463,16 +531,32 @@ class _InstanceActor(InstanceEndpoint):
         if chain is not None:
             self._instance = chain.head
             self._members = {m.spec.id: _ChainMember(m, chain) for m in chain.members}
+            self._attempt = chain.head.spec.attempt
 
     async def configure(self, spec: InstanceSpec | ChainSpec) -> None:  # type: ignore[override]
-        """A warm standby becomes an instance, or an operator chain (a keyed step's scale-out
-        with the steps chained after it)."""
+        """A warm standby (or an actor a recovery reset) becomes an instance, or an operator
+        chain (a keyed step's scale-out with the steps chained after it)."""
         if isinstance(spec, ChainSpec):
             self._chain = Chain(spec)
             self._instance = self._chain.head
             self._members = {m.spec.id: _ChainMember(m, self._chain) for m in self._chain.members}
+            self._attempt = self._chain.head.spec.attempt
         else:
+            self._chain = None
+            self._members = {}
             await super().configure(spec)
+
+    def _instances(self) -> list[OperatorInstance]:
+        if self._chain is not None:
+            return list(self._chain.instances)
+        return super()._instances()
+
+    def _unconfigure(self) -> None:
+        for member in self._members.values():
+            member._attempt = self._attempt  # a stale push to a member is dropped too
+        super()._unconfigure()
+        self._chain = None
+        self._members = {}
 
     async def _run_instance(self) -> None:
         if self._chain is None:

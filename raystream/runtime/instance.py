@@ -115,6 +115,10 @@ class RuntimeConfig:
     restart_delay_s: float = 1.0  # fixed delay before each recovery
     restart_failure_rate: tuple[int, float] | None = None  # at most N failures within S seconds
     heartbeat_timeout_s: float = 60.0  # an instance that answers no heartbeat this long is hung
+    # a recovery resets the live actors in place (their processes live on) and starts new
+    # ones only for actors that died or were lost; False: every process is replaced (for user
+    # code that keeps module-level state it wants fresh)
+    recovery_keeps_actors: bool = True
     rescale_timeout_s: float = 120.0  # a migration step not settled by then fails the job
     chaining: bool = True  # forward-connected steps of equal parallelism share one actor
 
@@ -140,6 +144,12 @@ class RuntimeConfig:
         check_retain_s(self.metrics_windows_retained_s, "metrics_windows_retained_s")
         if not isinstance(self.chaining, bool):
             msg = f"chaining must be True or False, got {self.chaining!r}"
+            raise ConfigError(msg)
+        if not isinstance(self.recovery_keeps_actors, bool):
+            msg = (
+                "recovery_keeps_actors must be True or False, got "
+                f"{self.recovery_keeps_actors!r}"
+            )
             raise ConfigError(msg)
         if not isinstance(self.adaptive_batching, bool):
             msg = f"adaptive_batching must be True or False, got {self.adaptive_batching!r}"

@@ -121,12 +121,41 @@ RATE = 40_000  # ~5 s of stream
 SHORT = 150_000  # ~3.75 s: for kills that land in the first ~2 s
 
 
+def _actor_ids(job: rs.Job) -> dict[str, str]:
+    """The job's instance actors by name (an operator chain's: its head's) -> Ray actor id."""
+    ids = {}
+    for step in ("source", "count", "out"):
+        for index in range(2):
+            name = instance_actor_name(job.name, step, index)
+            try:
+                ids[name] = ray.get_actor(name, namespace=NAMESPACE)._actor_id.hex()
+            except ValueError:  # a chained instance, or no such index
+                pass
+    return ids
+
+
+def _wait_recovered(job: rs.Job, n: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = job.status()
+        if len(st["recoveries"]) >= n and st["state"] == "running":
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no recovery {n} within {timeout_s} s")
+
+
 def test_kill_a_keyed_instance_in_steady_state(tmp_path: Path) -> None:
+    """Only the killed actor gets a new process: the others are reset in place (their Ray
+    actor ids stay), and the output is still exactly once."""
     out = tmp_path / "out"
     job = _start(_flow("rec-steady", out, SHORT, RATE), tmp_path)
     try:
         wait_checkpoints(job, 2)
+        before = _actor_ids(job)
+        killed = instance_actor_name(job.name, "count", 0)
         _kill(job, "count", 0)
+        _wait_recovered(job, 1)
+        after = _actor_ids(job)
         result = job.wait(120)
     finally:
         job.cancel()
@@ -136,6 +165,52 @@ def test_kill_a_keyed_instance_in_steady_state(tmp_path: Path) -> None:
     assert rec["records_replayed"] > 0
     assert_exactly_once(out, SHORT)
     assert result.checkpoints["completed"] >= 2
+    assert set(after) == set(before) and killed in before, (before, after)
+    assert after[killed] != before[killed]
+    assert {n: i for n, i in after.items() if n != killed} == {
+        n: i for n, i in before.items() if n != killed
+    }
+    assert rec["actors_started"] == ["count/0"], rec
+    assert len(rec["actors_kept"]) == len(before) - 1 and "count/0" not in rec["actors_kept"]
+
+
+def test_a_user_error_recovers_in_the_same_processes(tmp_path: Path) -> None:
+    """A user function that raises (once) leaves its process alive: the recovery resets every
+    actor in place and starts none; the output is exactly once."""
+    marker = tmp_path / "raised-once"
+    seen = [0]  # rows this process saw (~1 s of the stream, past the first checkpoints)
+
+    @rs.map_batches
+    def fail_once(batch: pa.RecordBatch) -> pa.RecordBatch:
+        seen[0] += batch.num_rows
+        if not marker.exists() and seen[0] > 40_000:
+            marker.write_text("x")
+            raise ValueError("a bad record, once")
+        return batch
+
+    out = tmp_path / "out"
+    events = 100_000
+    gen = rs.sources.generator(events=events, keys=KEYS, zipf=1.1, seed=11, rate_eps=40_000)
+    flow = rs.Dataflow("rec-user-error", num_key_groups=64, sub_groups=8)
+    (
+        flow.source(gen)
+        .apply(fail_once, name="check")
+        .key_by("key")
+        .apply(running_count, name="count")
+        .sink(rs.sinks.parquet(str(out)), name="out")
+    )
+    job = _start(flow, tmp_path)
+    try:
+        result = job.wait(120)
+    finally:
+        job.cancel()
+    _check_recovered(result, 1, "check")
+    rec = result.recoveries[0]
+    assert "a bad record, once" in rec["cause"]
+    assert rec["actors_started"] == [], rec
+    assert len(rec["actors_kept"]) >= 3, rec
+    assert_exactly_once(out, events)
+
 
 
 def test_kill_during_a_checkpoint(tmp_path: Path) -> None:
