@@ -50,6 +50,8 @@ __all__ = [
 TABLES = ("person", "auction", "bid")
 SIDE_INPUT = "side_input"  # q13's bounded side input: side_input.csv
 
+# dateTime is timestamp[ms]; epoch_ms() of it goes through TIMESTAMP (us) explicitly: DuckDB
+# 2.0.1 fails on epoch_ms(TIMESTAMP_MS) ("Unimplemented type for cast (INT64 -> INT64)")
 SQL: dict[str, str] = {
     "q0": """
         SELECT auction, bidder, price, dateTime, extra FROM bid
@@ -80,7 +82,7 @@ SQL: dict[str, str] = {
         FROM Q GROUP BY category
     """,
     "q5": """
-        WITH B AS (SELECT auction, epoch_ms(dateTime) AS t FROM bid),
+        WITH B AS (SELECT auction, epoch_ms(CAST(dateTime AS TIMESTAMP)) AS t FROM bid),
         W AS (  -- HOP(size 10 s, slide 2 s): the five windows [s, s + 10 s) holding t
             SELECT auction, (t // 2000 - k) * 2000 AS window_start
             FROM B, range(0, 5) AS r(k)
@@ -95,21 +97,23 @@ SQL: dict[str, str] = {
     """,
     "q7": """
         WITH B1 AS (
-            SELECT MAX(price) AS maxprice, (epoch_ms(dateTime) // 10000) * 10000 + 10000
-                   AS window_end
+            SELECT MAX(price) AS maxprice,
+                   (epoch_ms(CAST(dateTime AS TIMESTAMP)) // 10000) * 10000 + 10000 AS window_end
             FROM bid GROUP BY window_end
         )
         SELECT B.auction, B.price, B.bidder, B.dateTime, B.extra, B1.window_end
         FROM bid B JOIN B1 ON B.price = B1.maxprice
-        WHERE epoch_ms(B.dateTime) BETWEEN B1.window_end - 10000 AND B1.window_end
+        WHERE epoch_ms(CAST(B.dateTime AS TIMESTAMP))
+              BETWEEN B1.window_end - 10000 AND B1.window_end
     """,
     "q8": """
         WITH P AS (
-            SELECT id, name, (epoch_ms(dateTime) // 10000) * 10000 AS starttime
+            SELECT id, name,
+                   (epoch_ms(CAST(dateTime AS TIMESTAMP)) // 10000) * 10000 AS starttime
             FROM person GROUP BY id, name, starttime
         ),
         A AS (
-            SELECT seller, (epoch_ms(dateTime) // 10000) * 10000 AS starttime
+            SELECT seller, (epoch_ms(CAST(dateTime AS TIMESTAMP)) // 10000) * 10000 AS starttime
             FROM auction GROUP BY seller, starttime
         )
         SELECT P.id, P.name, P.starttime AS stime
@@ -127,11 +131,9 @@ SQL: dict[str, str] = {
         SELECT id, seller, category, bidder, price, bid_dateTime FROM J WHERE rownum <= 1
     """,
     "q11": """
-        WITH B AS (
-            SELECT bidder, epoch_ms(dateTime) AS t,
-                   epoch_ms(dateTime) - LAG(epoch_ms(dateTime))
-                       OVER (PARTITION BY bidder ORDER BY epoch_ms(dateTime)) AS gap
-            FROM bid
+        WITH B0 AS (SELECT bidder, epoch_ms(CAST(dateTime AS TIMESTAMP)) AS t FROM bid),
+        B AS (
+            SELECT bidder, t, t - LAG(t) OVER (PARTITION BY bidder ORDER BY t) AS gap FROM B0
         ),
         S AS (
             SELECT bidder, t,
