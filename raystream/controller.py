@@ -341,6 +341,9 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         spares = [e for e in spares if e in self._spares]
         for entry in standbys:
             self._standby.remove(entry)
+            # its preparation is gone with it: status must not list the slot as prepared until
+            # the refill's standby is prepared (the scale-out would not use it: other actor)
+            self._prepared.pop(entry[2], None)
         for entry in spares:
             self._spares.remove(entry)
         for h in [e[0] for e in [*standbys, *spares]]:

@@ -93,7 +93,9 @@ def test_dead_and_lost_warm_actors_are_dropped_and_refilled_slow_ones_kept(
         await asyncio.sleep(0)  # the refill task runs
         return names
 
+    c._prepared = {("count", 3): object(), ("count", 2): object()}
     names = asyncio.run(run())
+    assert set(c._prepared) == {("count", 2)}  # the dropped standby's preparation went with it
     assert names == [
         "raystream:warmwatch:count:3",
         "raystream:warmwatch:count:4",
