@@ -13,44 +13,21 @@ from typing import Any
 
 import pytest
 
-import raystream as rs
 from raystream import recovery as recovery_module
-from raystream.controller import Controller
 from raystream.runtime.instance import RuntimeConfig
-
-
-@rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
-def count(batch: rs.KeyedBatch, state: object) -> object:
-    return batch.output({"count": batch.counts})
-
-
-class _Method:
-    def __init__(self, reply: Any) -> None:
-        self._reply = reply
-
-    def remote(self) -> Any:
-        async def answer() -> Any:
-            if self._reply is None:
-                await asyncio.Event().wait()  # run(): never ends here
-            return self._reply
-
-        return answer()
+from tests.unit._plain_controller import Call, plain_controller
 
 
 class _Handle:
     def __init__(self) -> None:
-        self.run = _Method(None)
-        self.heartbeat = _Method({"records_in": 0, "rows_emitted": 0})
+        self.run = Call(None)
+        self.heartbeat = Call({"records_in": 0, "rows_emitted": 0})
 
 
 def test_a_reused_index_is_not_hung_by_its_old_incarnations_heartbeat(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    flow = rs.Dataflow("beats", num_key_groups=8, sub_groups=2)
-    flow.source(rs.sources.generator(events=10, keys=4)).key_by("key").apply(count).sink(
-        rs.sinks.collect(), name="out"
-    )
-    c = Controller(flow, {"count": 2}, RuntimeConfig(heartbeat_timeout_s=0.4), str(tmp_path))
+    c = plain_controller("beats", tmp_path, RuntimeConfig(heartbeat_timeout_s=0.4))
     killed: list[Any] = []
     monkeypatch.setattr(recovery_module.ray, "kill", lambda h, **_: killed.append(h))
     reused = ("count", 2)

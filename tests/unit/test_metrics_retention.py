@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-import raystream as rs
 from raystream.controller import RECONFIGURATIONS_SHOWN, Controller
 from raystream.errors import ConfigError
 from raystream.metrics import DEFAULT_RETAIN_S, LatencyRecorder, WindowedCounter
 from raystream.runtime.instance import RuntimeConfig
+from tests.unit._plain_controller import Call, plain_controller
 
 S = 1_000_000_000  # ns
 DAY_S = 86_400
@@ -126,33 +126,13 @@ def test_retain_s_is_checked(bad: Any) -> None:
 # the controller's metrics()/status()
 
 
-@rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
-def count(batch: rs.KeyedBatch, state: object) -> object:
-    return batch.output({"count": batch.counts})
-
-
-class _Call:
-    def __init__(self, answer: Any) -> None:
-        self._answer = answer
-
-    def remote(self) -> Any:
-        async def reply() -> Any:
-            return self._answer
-
-        return reply()
-
-
 class _Handle:
     def __init__(self, snap: dict[str, Any]) -> None:
-        self.metrics = _Call(snap)
+        self.metrics = Call(snap)
 
 
 def _controller(tmp_path: Path, sink_latency: LatencyRecorder) -> Controller:
-    flow = rs.Dataflow("soak-status", num_key_groups=8, sub_groups=2)
-    flow.source(rs.sources.generator(events=10, keys=4)).key_by("key").apply(count).sink(
-        rs.sinks.collect(), name="out"
-    )
-    c = Controller(flow, {"count": 2}, RuntimeConfig(), str(tmp_path))
+    c = plain_controller("soak-status", tmp_path)
     snaps = {
         iid: {"step": iid[0], "index": iid[1], "records_in": 0}
         | ({"latency": sink_latency.snapshot()} if iid[0] == "out" else {})

@@ -11,16 +11,11 @@ from typing import Any
 import pytest
 import ray
 
-import raystream as rs
 from raystream import controller as controller_module
 from raystream import warm_watch
 from raystream.controller import Controller
 from raystream.runtime.instance import RuntimeConfig
-
-
-@rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
-def count(batch: rs.KeyedBatch, state: object) -> object:
-    return batch.output({"count": batch.counts})
+from tests.unit._plain_controller import plain_controller
 
 
 class _Ping:
@@ -45,11 +40,7 @@ class _Warm:
 
 
 def _controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Controller, dict]:
-    flow = rs.Dataflow("warmwatch", num_key_groups=8, sub_groups=2)
-    flow.source(rs.sources.generator(events=10, keys=4)).key_by("key").apply(count).sink(
-        rs.sinks.collect(), name="out"
-    )
-    c = Controller(flow, {"count": 2}, RuntimeConfig(change_spares=2), str(tmp_path))
+    c = plain_controller("warmwatch", tmp_path, RuntimeConfig(change_spares=2))
     c.state = "running"
     seen: dict[str, list[Any]] = {"killed": [], "standby_fills": [], "spare_refills": []}
     monkeypatch.setattr(warm_watch, "WARM_PING_S", 0.2)
