@@ -615,44 +615,39 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         for it (queued, in order)."""
         strat = self._check_rescale(step, parallelism, strategy, strategy_args)
         attempt = self._attempt
-        self._queued += 1
-        try:
-            async with self._rescale_lock:
-                self._queued -= 1
-                if self._attempt != attempt:
+        async with self._change_turn():
+            if self._attempt != attempt:
+                msg = (
+                    f"job {self.flow.name!r} recovered from a failure while the rescale of "
+                    f"{step!r} to {parallelism} waited; request it again"
+                )
+                raise RescaleError(msg)
+            if self.state != "running":
+                msg = f"job {self.flow.name!r} is {self.state}; only a running job can be rescaled"
+                raise RescaleError(msg)
+            switched: list[int] = []  # migration steps whose barrier a source emitted
+            try:
+                return await self._rescale(step, parallelism, strat, switched)
+            except RescaleError:
+                raise
+            except Exception as e:
+                await asyncio.sleep(0.5)  # let the watcher record an instance failure first
+                if self._attempt != attempt or self.state == "recovering":
+                    raise RescaleError(self._interrupted_rescale(step, parallelism)) from e
+                if self.error is not None:
+                    err = self.error
+                    msg = f"job {self.flow.name!r} failed during the rescale, in instance {err['instance']}: {err['error']}"
+                    raise JobFailedError(msg) from e
+                if (self.state != "running" or self._sources_done()) and not switched:
+                    raise RescaleError(self._not_started(step, parallelism)) from e
+                if self.state != "running" or self._sources_done():
                     msg = (
-                        f"job {self.flow.name!r} recovered from a failure while the rescale of "
-                        f"{step!r} to {parallelism} waited; request it again"
+                        f"job {self.flow.name!r} reached the end of its input while rescaling "
+                        f"{step!r} to {parallelism}; the steps done so far are consistent "
+                        "(results stay exact), the rest was not carried out"
                     )
-                    raise RescaleError(msg)
-                if self.state != "running":
-                    msg = f"job {self.flow.name!r} is {self.state}; only a running job can be rescaled"
-                    raise RescaleError(msg)
-                switched: list[int] = []  # migration steps whose barrier a source emitted
-                try:
-                    return await self._rescale(step, parallelism, strat, switched)
-                except RescaleError:
-                    raise
-                except Exception as e:
-                    await asyncio.sleep(0.5)  # let the watcher record an instance failure first
-                    if self._attempt != attempt or self.state == "recovering":
-                        raise RescaleError(self._interrupted_rescale(step, parallelism)) from e
-                    if self.error is not None:
-                        err = self.error
-                        msg = f"job {self.flow.name!r} failed during the rescale, in instance {err['instance']}: {err['error']}"
-                        raise JobFailedError(msg) from e
-                    if (self.state != "running" or self._sources_done()) and not switched:
-                        raise RescaleError(self._not_started(step, parallelism)) from e
-                    if self.state != "running" or self._sources_done():
-                        msg = (
-                            f"job {self.flow.name!r} reached the end of its input while rescaling "
-                            f"{step!r} to {parallelism}; the steps done so far are consistent "
-                            "(results stay exact), the rest was not carried out"
-                        )
-                        raise RescaleError(msg) from e
-                    raise
-        finally:
-            self._queued = max(0, self._queued)
+                    raise RescaleError(msg) from e
+                raise
 
     def _interrupted_rescale(self, step: str, parallelism: int) -> str:
         """What the caller of a rescale a failure cut short is told: a recovery redeploys at the

@@ -17,8 +17,9 @@ stays where it is: per key and channel, order is kept and nothing is applied twi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -44,6 +45,31 @@ def _fn_name(fn: Any) -> str:
 class Reconfigurations:
     """Replace a step's function; records of every change; the graph and its version."""
 
+    _turn_queued_s: float | None = None  # how long the change in its turn waited for it
+
+    # ---- the queue of changes ------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _change_turn(self: Any) -> AsyncIterator[float]:
+        """Wait for this change's turn: one change at a time (rescales, replacements, inserts,
+        removes, moves), in the order asked, never during a checkpoint. Yields how long it
+        waited; its record says so (``queued_s``). A change given up while it waits (its call
+        cancelled) leaves the queue as it found it."""
+        asked = time.monotonic()
+        self._queued += 1
+        waiting = True
+        try:
+            async with self._rescale_lock:
+                self._queued -= 1
+                waiting = False
+                self._turn_queued_s = time.monotonic() - asked
+                try:
+                    yield self._turn_queued_s
+                finally:
+                    self._turn_queued_s = None
+        finally:
+            if waiting:
+                self._queued -= 1
+
     # ---- replace a function ------------------------------------------------------------------
     async def replace_function(
         self: Any,
@@ -67,31 +93,22 @@ class Reconfigurations:
             steps[step], op, key=key, migrate_state=migrate_state
         )
         attempt = self._attempt
-        asked = time.monotonic()
-        self._queued += 1
-        try:
-            async with self._rescale_lock:
-                self._queued -= 1
-                queued_s = time.monotonic() - asked
-                if self._attempt != attempt:
-                    msg = (
-                        f"job {self.flow.name!r} recovered from a failure while the replacement "
-                        f"of {step!r} waited; nothing changed, request it again"
-                    )
-                    raise ReconfigurationError(msg)
-                if self.state != "running" or self._sources_done():
-                    msg = (
-                        f"job {self.flow.name!r} is {self.state}"
-                        f"{' and its sources finished' if self._sources_done() else ''}: the "
-                        f"function of {step!r} was not replaced; replace functions while the "
-                        "sources still read"
-                    )
-                    raise ReconfigurationError(msg)
-                record = await self._replace(step, new_step, migrations, attempt, timeout_s)
-                record["queued_s"] = queued_s
-                return record
-        finally:
-            self._queued = max(0, self._queued)
+        async with self._change_turn():
+            if self._attempt != attempt:
+                msg = (
+                    f"job {self.flow.name!r} recovered from a failure while the replacement "
+                    f"of {step!r} waited; nothing changed, request it again"
+                )
+                raise ReconfigurationError(msg)
+            if self.state != "running" or self._sources_done():
+                msg = (
+                    f"job {self.flow.name!r} is {self.state}"
+                    f"{' and its sources finished' if self._sources_done() else ''}: the "
+                    f"function of {step!r} was not replaced; replace functions while the "
+                    "sources still read"
+                )
+                raise ReconfigurationError(msg)
+            return await self._replace(step, new_step, migrations, attempt, timeout_s)
 
     async def _replace(
         self: Any,
@@ -269,38 +286,33 @@ class Reconfigurations:
             )
             raise ReconfigurationError(msg)
         attempt = self._attempt
-        self._queued += 1
-        try:
-            async with self._rescale_lock:
-                self._queued -= 1
-                p = self.parallelism[step]
-                if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < p:
-                    msg = (
-                        f"cannot move {step!r}/{index}: the step has instances 0..{p - 1} "
-                        "(routing indexes)"
-                    )
-                    raise ReconfigurationError(msg)
-                self._check_still_running(attempt, f"{step!r}/{index} was not moved")
-                try:
-                    return await self._move(step, index, node_id, fetch)
-                except Exception as e:
-                    import ray
+        async with self._change_turn():
+            p = self.parallelism[step]
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < p:
+                msg = (
+                    f"cannot move {step!r}/{index}: the step has instances 0..{p - 1} "
+                    "(routing indexes)"
+                )
+                raise ReconfigurationError(msg)
+            self._check_still_running(attempt, f"{step!r}/{index} was not moved")
+            try:
+                return await self._move(step, index, node_id, fetch)
+            except Exception as e:
+                import ray
 
-                    if await self._interrupted(attempt):
-                        what = f"move of {step!r}/{index}"
-                        raise self._interrupted_error(what, e) from e
-                    ended = self.state != "running" or self._sources_done()
-                    if not (ended and isinstance(e, ray.exceptions.RayActorError)):
-                        raise
-                    msg = (
-                        f"job {self.flow.name!r} is {self.state}"
-                        f"{' and its sources finished' if self._sources_done() else ''}: an "
-                        f"actor of the move of {step!r}/{index} ended during it "
-                        f"({type(e).__name__}); move instances while the sources still read"
-                    )
-                    raise ReconfigurationError(msg) from None
-        finally:
-            self._queued = max(0, self._queued)
+                if await self._interrupted(attempt):
+                    what = f"move of {step!r}/{index}"
+                    raise self._interrupted_error(what, e) from e
+                ended = self.state != "running" or self._sources_done()
+                if not (ended and isinstance(e, ray.exceptions.RayActorError)):
+                    raise
+                msg = (
+                    f"job {self.flow.name!r} is {self.state}"
+                    f"{' and its sources finished' if self._sources_done() else ''}: an "
+                    f"actor of the move of {step!r}/{index} ended during it "
+                    f"({type(e).__name__}); move instances while the sources still read"
+                )
+                raise ReconfigurationError(msg) from None
 
     async def _move(
         self: Any, step: str, index: int, node_id: str, fetch: dict[str, Any]
@@ -507,6 +519,8 @@ class Reconfigurations:
             "graph_version": self.graph_version,
             **extra,
         }
+        if self._turn_queued_s is not None:  # how long it waited behind other changes
+            record["queued_s"] = round(self._turn_queued_s, 3)
         self.reconfigurations.append(record)
         return record
 

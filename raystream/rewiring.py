@@ -62,14 +62,9 @@ class Rewiring:
         """Wait for this change's turn in the queue of changes; refuse it if the job is no
         longer running (or recovered meanwhile), with nothing changed."""
         attempt = self._attempt
-        self._queued += 1
-        try:
-            async with self._rescale_lock:
-                self._queued -= 1
-                self._check_still_running(attempt, f"{what} was not carried out")
-                yield
-        finally:
-            self._queued = max(0, self._queued)
+        async with self._change_turn():
+            self._check_still_running(attempt, f"{what} was not carried out")
+            yield
 
     # ---- insert / remove a stateless step -------------------------------------------------------
     def chain_of(self: Any, step: str) -> list[str]:

@@ -1,7 +1,8 @@
 """A filter put between the source and the count of a running key-count job, and taken out
 again: the events it dropped are exactly the even-key events between its two barriers (the
 source's offsets when it emitted them), every other event is counted exactly once, per key in
-order. Checked against the generator's own rows (``collections.Counter``).
+order. The insert waits in the queue behind a rescale of count and the removal behind a move of
+one of its instances. Checked against the generator's own rows (``collections.Counter``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import collections
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +65,21 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
             job.remove("count")
         with pytest.raises(rs.ReconfigurationError, match="needs key_by="):
             job.insert("source", count_vec)
-        inserted = job.insert("source", drop_even, name="drop_even")
-        assert inserted["actors"] == ["raystream:rewire:drop_even:0:v2"]  # the graph version
-        ray.get_actor(inserted["actors"][0], namespace="raystream")
-        time.sleep(0.5)
-        removed = job.remove("drop_even")
+        with ThreadPoolExecutor(1) as pool:
+            # the insert waits in the queue behind a rescale of count, the removal behind a
+            # move of one of count's instances
+            rescaling = pool.submit(job.rescale, "count", 3)
+            _wait_for_change(job)
+            inserted = job.insert("source", drop_even, name="drop_even")
+            rescaled = rescaling.result()
+            # the graph version: 1 + the rescale + the insert
+            assert inserted["actors"] == ["raystream:rewire:drop_even:0:v3"]
+            ray.get_actor(inserted["actors"][0], namespace="raystream")
+            time.sleep(0.5)
+            moving = pool.submit(job.move, "count", 0, ray.get_runtime_context().get_node_id())
+            _wait_for_change(job)
+            removed = job.remove("drop_even")
+            moved = moving.result()
         status = job.status()
     finally:
         Path(gate).touch()
@@ -81,9 +93,22 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
     assert len(kept) < events, "the filter dropped nothing"
     assert last_counts(result.table("out")) == dict(collections.Counter(kept))
 
-    kinds = [r["kind"] for r in status["reconfigurations"]]
-    assert kinds == ["insert", "remove"] and status["graph_version"] == 3
+    recs = status["reconfigurations"]
+    assert [r["kind"] for r in recs] == ["rescale", "insert", "move", "remove"]
+    assert status["graph_version"] == 5
     assert [g["step"] for g in status["graph"]] == ["source", "count", "out"]
+    # each waited for the change before it, and ran after it (epochs grow in queue order)
+    assert inserted["queued_s"] > 0 and removed["queued_s"] > 0
+    assert recs[1]["epoch"] > max(recs[0]["epochs"]) and recs[3]["epoch"] > recs[2]["epoch"]
+    assert rescaled["to"] == 3 and moved["moved"]["key_groups"] > 0
+
+
+def _wait_for_change(job: rs.Job, timeout_s: float = 10.0) -> None:
+    """Until a change (the one just asked for in another thread) holds the queue."""
+    deadline = time.monotonic() + timeout_s
+    while not job.status()["rescaling"]:
+        assert time.monotonic() < deadline, f"no change started within {timeout_s} s"
+        time.sleep(0.02)
 
 
 # ---- a keyed step inserted, rescaled and removed (its state emitted, then dropped) ------------
