@@ -178,9 +178,10 @@ def _drive(
     inserted: str = "stateless",
 ) -> None:
     """The ``changes``, ``every_s`` apart (the first ``every_s`` after the start)."""
-    import ray
-
     t0 = time.monotonic()
+    # where a move goes, asked now: a status call asks every instance for its metrics, and
+    # right before the change it would disturb the steady span the change is compared with
+    target = _move_target(job) if "move" in changes else None
     for i, kind in enumerate(changes):
         time.sleep(max(0.0, (i + 1) * every_s - (time.monotonic() - t0)))
         try:
@@ -201,17 +202,23 @@ def _drive(
                 state = "drop" if inserted == "keyed" else None
                 log.append(job.remove("passthrough", state=state))
             else:
-                status = job.status()
-                here = next(
-                    m.get("node_id")
-                    for m in status["instances"]
-                    if m.get("step") == STEP and m.get("index") == 0
-                )
-                nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-                target = next((n for n in nodes if n != here), here)
                 log.append(job.move(STEP, 0, target, **(move_fetch or {})))
         except Exception as e:  # noqa: BLE001 - reported; the run fails below
             log.append(f"{kind}: {type(e).__name__}: {e}")
+
+
+def _move_target(job: rs.Job) -> str:
+    """Another alive node than the one instance 0 of the counting step runs on (that one if
+    there is no other)."""
+    import ray
+
+    here = next(
+        m.get("node_id")
+        for m in job.status()["instances"]
+        if m.get("step") == STEP and m.get("index") == 0
+    )
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    return next((n for n in nodes if n != here), here)
 
 
 def _fetch_options(values: tuple[str, ...]) -> dict[str, Any]:

@@ -70,6 +70,18 @@ def _parallelism(values: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
+def _load_object(spec: str, what: str = "operator") -> Any:
+    """The object at ``module:attr``, importable from the current directory too (as with
+    ``python -m`` or ``uvicorn module:app``); refused before connecting when it does not
+    import."""
+    from raystream.reconfigure import load_object
+
+    here = str(Path.cwd())
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return load_object(spec, what)
+
+
 def _load_flow(path: str, flow_name: str | None) -> Any:
     from raystream.dataflow import Dataflow
 
@@ -609,10 +621,9 @@ def update(
     """Replace the function of STEP of the running JOB by OPERATOR (module:attr of an operator
     made with @rs.map, @rs.keyed, ...). It takes over at a barrier; keyed state is kept."""
     import raystream as rs
-    from raystream.reconfigure import load_object
 
-    op = load_object(operator)  # refused here, before connecting, when it does not import
-    migrate = load_object(migrate_state, "state migration function") if migrate_state else None
+    op = _load_object(operator)  # refused here, before connecting, when it does not import
+    migrate = _load_object(migrate_state, "state migration function") if migrate_state else None
     _connect(address)
     rec = rs.attach(job).replace(step, op, migrate_state=migrate)
     click.echo(
@@ -667,9 +678,8 @@ def insert(
     """Put OPERATOR (module:attr) as a new step after step AFTER of the running JOB; records
     after the barrier go through it. A keyed operator needs --key-by and starts empty."""
     import raystream as rs
-    from raystream.reconfigure import load_object
 
-    op = load_object(operator)
+    op = _load_object(operator)
     _connect(address)
     rec = rs.attach(job).insert(
         after, op, name=name, parallelism=parallelism, before=before, key_by=key_by

@@ -1,17 +1,26 @@
-"""The ``raystream`` command line against a running job, from another process."""
+"""The ``raystream`` command line against a running job, from another process: listing and
+watching it, and changing it (update, insert, move, remove)."""
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import ray
 
 import raystream as rs
-from tests.integration._helpers import NOT_SCALED_OUT
+from tests.integration._helpers import (
+    NOT_SCALED_OUT,
+    finished_after_gate,
+    generator_prefix,
+    last_counts,
+)
+from tests.integration._rescale_helpers import RUNTIME, UntilGate, generator
 
 CLI = str(Path(sys.executable).parent / "raystream")
 
@@ -91,3 +100,78 @@ def test_list_and_watch_by_address_and_a_failed_run_exits_1_with_its_traceback(
     assert "job 'cli-fails' failed in step 'explode', instance 0: ZeroDivisionError" in err, err
     assert "while processing key 'boom'" in err
     assert "Traceback (most recent call last)" in err and "in explode" in err
+
+
+# ---- changing a running job from the command line ----------------------------------------------
+
+OPS = '''
+import numpy as np
+import raystream as rs
+
+
+@rs.keyed_batches(state=rs.ValueState(int, default=0))
+def count_v2(batch, state):
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    return batch.output({"count": new, "version": np.full(len(new), 2)})
+
+
+@rs.filter
+def keep_even(record):
+    return record["key"] % 2 == 0
+'''
+
+
+@rs.keyed_batches(state=rs.ValueState(int, default=0))
+def count_v1(batch: rs.KeyedBatch, state) -> pa.RecordBatch:  # noqa: ANN001
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    return batch.output({"count": new, "version": np.full(len(new), 1)})
+
+
+def test_update_insert_move_remove_from_the_command_line_count_each_event_once(
+    tmp_path: Path,
+) -> None:
+    """``raystream update``, ``insert``, ``move`` and ``remove`` from another process, with the
+    new functions in a module of the current directory (not installed, not on the job's
+    path): the replacement takes over at its barrier (per key, version-1 rows up to the key's
+    events before it, version 2 after), the filter drops exactly the odd-key events between
+    its two barriers, and every other event is counted once (the generator's own rows)."""
+    (tmp_path / "cli_ops.py").write_text(OPS)
+    gen = generator("int", skewed=False, seed=41, keys=64)
+    gate = str(tmp_path / "gate")
+    flow = rs.Dataflow("cli-changed", num_key_groups=16, sub_groups=4)
+    flow.source(UntilGate(gen, gate)).key_by("key").apply(count_v1, name="count").sink(
+        rs.sinks.collect(), name="out"
+    )
+    job = rs.start(flow, parallelism={"count": 2}, **NOT_SCALED_OUT, **RUNTIME)
+    try:
+        bad = _cli("update", "cli-changed", "count", "cli_ops:nope", cwd=tmp_path)
+        assert bad.returncode != 0 and "cannot load the operator 'cli_ops:nope'" in bad.stderr
+        steps = [
+            ("update", "cli-changed", "count", "cli_ops:count_v2"),
+            ("insert", "cli-changed", "source", "cli_ops:keep_even", "--name", "evens"),
+            ("move", "cli-changed", "count", "0", ray.get_runtime_context().get_node_id()),
+            ("remove", "cli-changed", "evens"),
+        ]
+        for args in steps:
+            done = _cli(*args, cwd=tmp_path)
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+            assert "at epoch" in done.stdout, done.stdout
+        recs = job.metrics()["reconfigurations"]
+    finally:
+        Path(gate).touch()
+    result, events = finished_after_gate(job, gate)
+
+    assert [r["kind"] for r in recs] == ["replace", "insert", "move", "remove"]
+    replaced, inserted, removed = (recs[i]["source_offsets"]["source/0"] for i in (0, 1, 3))
+    assert 0 < replaced <= inserted < removed < events
+    keys = generator_prefix(gen, events).column("key").to_pylist()
+    kept = [k for i, k in enumerate(keys) if not (inserted <= i < removed and k % 2)]
+    assert len(kept) < events, "the filter dropped nothing"
+    out = result.table("out")
+    assert last_counts(out) == dict(collections.Counter(kept))
+    before = collections.Counter(keys[:replaced])
+    rows = zip(*(out.column(c).to_pylist() for c in ("key", "count", "version")), strict=True)
+    wrong = [(k, c, v) for k, c, v in rows if (v == 2) != (c > before[k])]
+    assert not wrong, f"rows on the wrong side of the replace (key, count, version): {wrong[:5]}"
