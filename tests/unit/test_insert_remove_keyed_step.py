@@ -52,6 +52,13 @@ def _generator() -> Any:
     return rs.sources.generator(events=EVENTS, keys=200, zipf=1.1, seed=5, rate_eps=10_000.0)
 
 
+async def _until(check: Any, what: str, timeout_s: float = FINISH_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        await asyncio.sleep(0.01)
+
+
 async def _insert_then_remove(
     state_dir: Path, mode: str
 ) -> tuple[list[pa.RecordBatch], dict[int, int], list[Path]]:
@@ -77,7 +84,8 @@ async def _insert_then_remove(
     for iid, spec in plan.instances.items():
         add(iid, OperatorInstance(spec))
     runs = [asyncio.ensure_future(i.run()) for i in insts.values()]
-    await asyncio.sleep(0.15)
+    source = insts[SOURCE]
+    await _until(lambda: source.rows_emitted > 0, "the source emitted nothing")
 
     # insert: a keyed step as the controller builds it (empty state, its own routing table)
     step = inserted_step(count, "count", "source", COUNT_P, "key", num_key_groups=16)
@@ -107,6 +115,10 @@ async def _insert_then_remove(
     insert = {"step": "source", "replaces": "out", "output": to_count, "aligned": True}
     assert insts[SOURCE].inject_barrier(Barrier(1, "rewire", insert))
     await asyncio.sleep(0.25)
+    # records through the inserted step (a loaded machine may have held the source back)
+    await _until(
+        lambda: 1 in offsets and source.rows_emitted > offsets[1], "nothing after the insert"
+    )
 
     # remove: the source sends to out again (its old input reopens); the count's instances end
     await insts[SINK].add_inputs([SOURCE])
