@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import inspect
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ __all__ = [
     "instance_actor_name",
     "source_actor_name",
 ]
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "raystream"
 # an instance serves moved state (serve_state) on a loop and thread of its own: Ray's
@@ -185,6 +188,17 @@ class InstanceEndpoint:
         attempt a recovery replaced is answered and dropped, never processed."""
         if attempt is not None and attempt != self._attempt:
             self._stale_pushes += 1
+            if self._stale_pushes == 1 or attempt > self._attempt:
+                log.warning(
+                    "%s dropped a push of channel %s from attempt %d (it serves attempt %d)%s",
+                    self._instance.spec.id if self._instance is not None else "a warm actor",
+                    channel,
+                    attempt,
+                    self._attempt,
+                    ": a sender AHEAD of this actor, its channel stops here"
+                    if attempt > self._attempt
+                    else "",
+                )
             return
         await self._instance.push(channel, seq, item)
 

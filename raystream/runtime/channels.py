@@ -21,6 +21,7 @@ channel (*holds* it) until it has read each named old owner's fence. Neither wai
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -42,6 +43,12 @@ from raystream.runtime.messages import (
     RowsThenWatermark,
     Watermark,
 )
+
+log = logging.getLogger(__name__)
+
+# a push that waits this long for an earlier push of its channel that never came in is reported
+# (a push lost on the way would stop its channel for good: pushes are taken in sequence order)
+MISSING_PUSH_WARN_S = 30.0
 
 __all__ = [
     "ByKeyGroup",
@@ -117,6 +124,10 @@ class Inbox:
         self.marks_read = 0  # AfterFences marks passed so far
         self.holds = 0  # channels held so far
         self.hold_ms_max = 0.0  # the longest a channel was held
+        # pushes in put() per channel (came in, waiting for their turn or room), and reports of
+        # an earlier push that never came in (see MISSING_PUSH_WARN_S)
+        self._arrived: dict[ChannelId, set[int]] = {}
+        self.missing_pushes: list[dict[str, Any]] = []
 
     def poke(self) -> None:
         """Wake a waiting :meth:`get` (it returns None): something besides input needs work."""
@@ -197,6 +208,39 @@ class Inbox:
         """
         if channel not in self._queues:
             self.add_channel(channel)
+        arrived = self._arrived.setdefault(channel, set())
+        arrived.add(seq)
+        try:
+            await self._put(channel, seq, item)
+        finally:
+            arrived.discard(seq)
+
+    async def _in_turn(self, channel: ChannelId, seq: int, ready: Callable[[], bool]) -> None:
+        """``await cond.wait_for(ready)`` on ``channel``'s condition (held), reporting when push
+        ``seq`` waits longer than MISSING_PUSH_WARN_S for an earlier push that never came in."""
+        if ready():  # the usual case: no timer
+            return
+        cond = self._space[channel]
+        while True:
+            try:
+                await asyncio.wait_for(cond.wait_for(ready), MISSING_PUSH_WARN_S)
+                return
+            except TimeoutError:
+                missing = self._next_seq[channel]
+                if missing < seq and missing not in self._arrived.get(channel, ()):
+                    report = {"channel": channel, "waiting": seq, "missing": missing}
+                    if report not in self.missing_pushes:
+                        self.missing_pushes.append(report)
+                        log.warning(
+                            "input channel %s: push %d has waited %.0f s for push %d of the "
+                            "channel, which never came in; pushes are taken in order, so this "
+                            "channel stops here until it comes (it was lost or dropped on its "
+                            "way: look for a stale-attempt drop or a Ray RPC error in the "
+                            "sender's and this worker's logs)",
+                            channel, seq, MISSING_PUSH_WARN_S, missing,
+                        )  # fmt: skip
+
+    async def _put(self, channel: ChannelId, seq: int, item: Any) -> None:
         q = self._queues[channel]
         cond = self._space[channel]
         if isinstance(item, (Fence, AfterFences)):
@@ -211,7 +255,7 @@ class Inbox:
             try:
                 async with cond:
                     cond.notify_all()
-                    await cond.wait_for(lambda: self._next_seq[channel] == seq)
+                    await self._in_turn(channel, seq, lambda: self._next_seq[channel] == seq)
                     self._insert_overtaking(q, item)
                     self._next_seq[channel] = seq + 1
                     cond.notify_all()
@@ -220,12 +264,14 @@ class Inbox:
             self._readable.set()
             return
         async with cond:
-            await cond.wait_for(
+            await self._in_turn(
+                channel,
+                seq,
                 lambda: self._next_seq[channel] > seq
                 or (
                     self._next_seq[channel] == seq
                     and (len(q) < self.capacity or seq < self._overtake_below.get(channel, 0))
-                )
+                ),
             )
             if self._next_seq[channel] > seq:
                 # a push this channel already took: a direct writer's retry re-sent it
@@ -249,7 +295,7 @@ class Inbox:
         q = self._queues[channel]
         cond = self._space[channel]
         async with cond:
-            await cond.wait_for(lambda: self._next_seq[channel] == seq)
+            await self._in_turn(channel, seq, lambda: self._next_seq[channel] == seq)
             q.append(mark)
             self._next_seq[channel] = seq + 1
             cond.notify_all()

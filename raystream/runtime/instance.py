@@ -655,6 +655,8 @@ class OperatorInstance:
                 snap["ingest"].update(self.direct.stats())
         if self.inbox.duplicate_pushes:
             snap["duplicate_pushes"] = self.inbox.duplicate_pushes
+        if self.inbox.missing_pushes:  # an input channel stopped: an earlier push never came
+            snap["missing_pushes"] = list(self.inbox.missing_pushes)
         pace, started = self._pace
         if pace is not None and not self.finished:  # what the autoscaler sees as demand
             t_s = time.monotonic() - started
