@@ -155,7 +155,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self._heartbeats: dict[ChannelId, float] = {}
         self._hung: dict[ChannelId, str] = {}
         self._source_emitted: dict[ChannelId, int] = {}
-        self.reconfigurations: list[dict[str, Any]] = []  # one record per change (every kind)
+        # one record per change (every kind): the newest RECORDS_KEPT (len() counts them all)
+        self.reconfigurations: BoundedHistory = BoundedHistory(RECORDS_KEPT)
         # change index -> its (peak, p99) sink latency, once the sinks are past it
         self._settled_latency: dict[int, tuple[Any, Any]] = {}
         self.graph_version = 1  # +1 per completed change of the running graph

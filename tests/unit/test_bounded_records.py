@@ -181,3 +181,27 @@ def test_status_notes_name_the_actors_a_recovery_kept_and_started_and_the_totals
         "(the newest 100 recoveries below)"
     ]
     assert _totals_note({"recoveries": []}) == []
+
+
+def test_changes_keep_the_newest_records_and_settled_latencies(
+    tmp_path: Path, small_keep: int
+) -> None:
+    c = plain_controller("bounded-changes", tmp_path)
+    origin = c.origin_ns / 1e9
+    n = small_keep * 5
+    for i in range(n):
+        c._record_reconfiguration(
+            "rescale", "count", origin + i, origin + i + 0.5, epochs=[i], moved={}, change=f"#{i}"
+        )
+        c._settled_latency[i] = (float(i), float(i))  # as if every change's figures settled
+    c.handles = {}
+    got = asyncio.run(c.metrics())
+    assert got["reconfigurations_total"] == n
+    assert [r["change"] for r in got["reconfigurations"]] == [
+        f"#{i}" for i in range(n - small_keep, n)
+    ]
+    assert [r["peak_latency_ms"] for r in got["reconfigurations"]] == [
+        float(i) for i in range(n - small_keep, n)
+    ]
+    assert sorted(c._settled_latency) == list(range(n - small_keep, n))  # the others let go
+    assert c.graph_version == 1 + n
