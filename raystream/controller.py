@@ -480,7 +480,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             "recoveries_total": len(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
             "autoscaling": list(self.autoscaler.history) if self.autoscaler else [],
-            # every instance's of this attempt, those retired the newest RECORDS_KEPT
+            # every instance of this attempt (of those retired: the newest RECORDS_KEPT)
             "metrics": [
                 *self._history.kept(),
                 *(o.get("metrics", {}) for o in self.outcomes.values()),

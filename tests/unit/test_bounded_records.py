@@ -205,3 +205,35 @@ def test_changes_keep_the_newest_records_and_settled_latencies(
     ]
     assert sorted(c._settled_latency) == list(range(n - small_keep, n))  # the others let go
     assert c.graph_version == 1 + n
+
+
+def test_the_status_view_shows_them() -> None:
+    from rich.console import Console
+
+    from raystream import cli
+
+    recovery = {
+        "attempt": 1,
+        "at_s": 12.5,
+        "instance": ["count", 1],
+        "checkpoint_id": 4,
+        "downtime_s": 1.09,
+        "records_replayed": 1200,
+        "actors_kept": ["count/0", "out/0"],
+        "actors_started": ["count/1"],
+    }
+    st = {
+        "job": "j",
+        "state": "running",
+        "recoveries": [recovery],
+        "recoveries_total": 1,
+        "rescales_total": 2,
+    }
+    console = Console(record=True, width=240)
+    console.print(cli.status_view(st, []))
+    text = console.export_text()
+    assert "so far: 2 rescales, 1 recoveries" in text
+    assert (
+        "recovery 1: t=12.5s ['count', 1] failed; restarted from checkpoint 4, down 1.09 s, "
+        "1,200 records replayed; actors kept 2 (count/0, out/0), started 1 (count/1)"
+    ) in text
