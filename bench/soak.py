@@ -366,7 +366,7 @@ def take_sample(
             for m in status.get("instances", [])
             if m.get("step") == "source"
         ),
-        "recoveries": len(status.get("recoveries") or []),
+        "recoveries": status.get("recoveries_total", len(status.get("recoveries") or [])),
         # every file under the checkpoint folder (retained checkpoints and shared state files)
         "checkpoint_dir_bytes": _dir_bytes(checkpoint_dir),
     }

@@ -23,6 +23,8 @@ from typing import Any
 
 import ray
 
+from raystream.history import RECORDS_KEPT, BoundedHistory
+
 __all__ = ["ChangeSpares", "pick_spares", "spare_actor_name"]
 
 
@@ -48,7 +50,8 @@ class ChangeSpares:
         self._spares: list[tuple[Any, str, str]] = []  # (actor, its name, its node id)
         self._spare_serial = 0
         self._spare_filling = False
-        self.spare_refills: list[dict[str, Any]] = []
+        # the newest RECORDS_KEPT refills (len() counts them all)
+        self.spare_refills: BoundedHistory = BoundedHistory(RECORDS_KEPT)
         self.actor_names: dict[Any, str] = {}  # instance id -> actor name, where not the usual
 
     async def _fill_spares(self: Any, delay_s: float = 0.0, why: str = "start") -> None:

@@ -248,6 +248,12 @@ def run(
             f"recovered t={r['at_s']:.1f}s from checkpoint {r['checkpoint_id']} after "
             f"{r['instance'][0]}/{r['instance'][1]} failed ({r['cause'].splitlines()[0][:120]}): "
             f"down {r['downtime_s']:.2f} s, {r['records_replayed']:,} records replayed"
+            f"{_actors_note(r)}"
+        )
+    if (result.recoveries_total or 0) > len(result.recoveries):
+        click.echo(
+            f"({result.recoveries_total:,} recoveries in all; the newest "
+            f"{len(result.recoveries)} are listed above)"
         )
     ck = result.checkpoints
     if ck.get("completed") or ck.get("failed"):
@@ -523,11 +529,12 @@ def status_view(
             f"{c['end_s']:.1f}s, {c['change']}; moved: {moved or 'nothing'}"
             + ("" if peak is None else f"; peak latency {peak:g} ms")
         )
+    notes.extend(_totals_note(st))
     for r in st.get("recoveries") or []:
         notes.append(
             f"recovery {r['attempt']}: t={r['at_s']:.1f}s {r['instance']} failed; restarted from "
             f"checkpoint {r['checkpoint_id']}, down {r['downtime_s']:.2f} s, "
-            f"{r['records_replayed']:,} records replayed"
+            f"{r['records_replayed']:,} records replayed{_actors_note(r)}"
         )
     if st.get("latency"):
         lat = st["latency"]
@@ -536,6 +543,46 @@ def status_view(
             f"p99 {lat['p99_ms']} ms  max {lat['max_ms']} ms"
         )
     return Group(table, *notes)
+
+
+def _totals_note(st: dict[str, Any]) -> list[str]:
+    """How many rescales, standby refills and recoveries the job had (every one; the status
+    lists the newest recoveries only)."""
+    parts = []
+    for key, word in (
+        ("rescales_total", "rescales"),
+        ("standby_refills_total", "standby refills"),
+        ("recoveries_total", "recoveries"),
+    ):
+        if st.get(key):
+            parts.append(f"{st[key]:,} {word}")
+    if not parts:
+        return []
+    listed = len(st.get("recoveries") or [])
+    shown = (
+        f" (the newest {listed} recoveries below)"
+        if listed < int(st.get("recoveries_total") or 0)
+        else ""
+    )
+    return [f"so far: {', '.join(parts)}{shown}"]
+
+
+ACTORS_NAMED = 6  # actors a recovery's line names of those it kept or started (then a count)
+
+
+def _actors_note(recovery: dict[str, Any]) -> str:
+    """The actors a recovery kept (reset in place) and started, for its line in the status."""
+    if "actors_kept" not in recovery and "actors_started" not in recovery:
+        return ""  # (a record of a version that did not say)
+
+    def named(ids: list[str]) -> str:
+        shown = ", ".join(ids[:ACTORS_NAMED])
+        more = len(ids) - ACTORS_NAMED
+        return f" ({shown}{f', {more} more' if more > 0 else ''})" if ids else ""
+
+    kept = list(recovery.get("actors_kept") or [])
+    started = list(recovery.get("actors_started") or [])
+    return f"; actors kept {len(kept)}{named(kept)}, started {len(started)}{named(started)}"
 
 
 @main.command(name="list")

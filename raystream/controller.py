@@ -27,7 +27,7 @@ from raystream.dataflow import Dataflow
 from raystream.errors import JobFailedError, RaystreamError, RescaleError
 from raystream.keyed_chains import KeyedChains
 from raystream.keys import RoutingTable
-from raystream.metrics import LatencyRecorder
+from raystream.metrics import LatencyRecorder, step_totals
 from raystream.placement import check_satisfiable, choose_nodes, cluster_nodes, reachable_nodes
 from raystream.plan import PhysicalPlan, physical_plan
 from raystream.plugins import MIGRATION_STRATEGIES
@@ -35,7 +35,7 @@ from raystream.plugins import load as load_plugin
 from raystream.rescale import FetchPolicy, RescaleContext
 from raystream.runtime.actors import actor_of
 from raystream.runtime.instance import RuntimeConfig
-from raystream.history import CHECKPOINT_HISTORY, BoundedHistory
+from raystream.history import CHECKPOINT_HISTORY, RECORDS_KEPT, BoundedHistory
 from raystream.reconfigurations import Reconfigurations
 from raystream.recovery import Recovery
 from raystream.rewiring import Rewiring
@@ -95,13 +95,18 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self.parallelism = {n: s.parallelism or 1 for n, s in self.plan.steps.items()}
         self.specs = dict(self.plan.instances)
         self.retired: set[ChannelId] = set()
-        self.rescales: list[dict[str, Any]] = []
+        # the newest RECORDS_KEPT of each (a BoundedHistory: len() counts them all)
+        self.rescales: BoundedHistory = BoundedHistory(RECORDS_KEPT)
         self._rescale_lock = asyncio.Lock()
         self._waiters = 0  # wait() calls for the end in flight (a driver's, a CLI's)
         self._queued = 0
         self._run_futures: dict[ChannelId, asyncio.Future[Any]] = {}
         self._run_handles: dict[ChannelId, Any] = {}
-        self._history: list[dict[str, Any]] = []
+        # instances of this attempt retired by a change whose index came back: their metrics
+        # added up per step (every one: the totals of status()), and the newest RECORDS_KEPT
+        # of their metrics themselves (for the job's result)
+        self._retired_totals: dict[str, dict[str, float]] = {}
+        self._history: BoundedHistory = BoundedHistory(RECORDS_KEPT)
         # warm actors, each named for the instance it would become: (actor, its node id, slot)
         self._standby: list[tuple[Any, str, ChannelId]] = []
         self.nodes: dict[ChannelId, str] = {}  # the node each instance runs on
@@ -118,7 +123,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         # steps whose refill after a scale-out waits until its load is gone (ds2): a scale-in
         # meanwhile leaves its own refill to that one (standby_pacing)
         self._refill_waiting: Counter[str] = Counter()
-        self.standby_refills: list[dict[str, Any]] = []  # after each scale-out: when and why
+        # after each scale-out: when and why (the newest RECORDS_KEPT; len() counts all)
+        self.standby_refills: BoundedHistory = BoundedHistory(RECORDS_KEPT)
         self._standby_starts: list[tuple[int, float]] = []  # (processes, seconds) per wave
         self._cpus: float | None = None
         self._init_spares()  # warm actors under neutral names for inserts and moves
@@ -137,7 +143,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self.restart = RestartStrategy(
             config.restart_attempts, config.restart_delay_s, config.restart_failure_rate
         )
-        self.recoveries: list[dict[str, Any]] = []
+        self.recoveries: BoundedHistory = BoundedHistory(RECORDS_KEPT)  # len() counts all
         self.failed_attempts: list[dict[str, Any]] = []  # what each replaced attempt did
         # the newest CHECKPOINT_HISTORY records of each; len() counts them all (completed, failed)
         self.checkpoint_stats: BoundedHistory = BoundedHistory(CHECKPOINT_HISTORY)
@@ -149,7 +155,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         self._heartbeats: dict[ChannelId, float] = {}
         self._hung: dict[ChannelId, str] = {}
         self._source_emitted: dict[ChannelId, int] = {}
-        self.reconfigurations: list[dict[str, Any]] = []  # one record per change (every kind)
+        # one record per change (every kind): the newest RECORDS_KEPT (len() counts them all)
+        self.reconfigurations: BoundedHistory = BoundedHistory(RECORDS_KEPT)
         # change index -> its (peak, p99) sink latency, once the sinks are past it
         self._settled_latency: dict[int, tuple[Any, Any]] = {}
         self.graph_version = 1  # +1 per completed change of the running graph
@@ -462,13 +469,23 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 if iid in self.plan.sinks and not out.get("handed_over")
             },
             "retired_results": self.retired_sink_results(),
-            "rescales": list(self.rescales),
-            "standby_refills": list(self.standby_refills),
-            "spare_refills": list(self.spare_refills),
-            "recoveries": list(self.recoveries),
+            # the newest RECORDS_KEPT of each (newest last); <name>_total counts them all
+            "rescales": self.rescales.kept(),
+            "rescales_total": len(self.rescales),
+            "standby_refills": self.standby_refills.kept(),
+            "standby_refills_total": len(self.standby_refills),
+            "spare_refills": self.spare_refills.kept(),
+            "spare_refills_total": len(self.spare_refills),
+            "recoveries": self.recoveries.kept(),
+            "recoveries_total": len(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
             "autoscaling": list(self.autoscaler.history) if self.autoscaler else [],
-            "metrics": [o.get("metrics", {}) for o in [*self._history, *self.outcomes.values()]],
+            # every instance of this attempt (of those retired: the newest RECORDS_KEPT)
+            "metrics": [
+                *self._history.kept(),
+                *(o.get("metrics", {}) for o in self.outcomes.values()),
+            ],
+            "retired_instances_total": len(self._history),
             "failed_attempts": list(self.failed_attempts),
             "origin_ns": self.origin_ns,
         }
@@ -1331,7 +1348,7 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                         msg = f"instance {iid} retired earlier has not finished handing over"
                         raise RescaleError(msg)
                     await asyncio.sleep(0.01)
-                self._history.append(self.outcomes.pop(iid))
+                self._retire_outcome(iid)
                 self.retired.discard(iid)
                 reused.add(iid)
                 self._run_futures.pop(iid, None)
@@ -1600,7 +1617,10 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             "warm_actors_dropped": list(self.warm_actors_dropped),
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
             "checkpoints": self.checkpoint_summary(),
-            "recoveries": list(self.recoveries),
+            "recoveries": self.recoveries.kept(),  # the newest RECORDS_KEPT
+            "recoveries_total": len(self.recoveries),
+            "rescales_total": len(self.rescales),
+            "standby_refills_total": len(self.standby_refills),
             "deploys": list(self.deploys[:1] + self.deploys[1:][-5:]),
         }
 
@@ -1636,7 +1656,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             # live instances that did not answer within METRICS_ANSWER_S (or died meanwhile)
             "unanswered": unanswered,
             "latency": summary,
-            "recoveries": list(self.recoveries),
+            "recoveries": self.recoveries.kept(),  # the newest RECORDS_KEPT
+            "recoveries_total": len(self.recoveries),
             "checkpoints": self.checkpoint_summary(),
             # the last RECONFIGURATIONS_SHOWN changes (a job rescaled every minute for days
             # would otherwise send thousands with every status call) and how many there were
@@ -1645,11 +1666,19 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             ),
             "reconfigurations_total": len(self.reconfigurations),
             # every attempt's totals per step (failed ones kept at their recovery) and their sum
-            **self.attempts_summary([*(o.get("metrics", {}) for o in self._history), *snaps]),
+            **self.attempts_summary(snaps),
         }
 
     async def status(self) -> dict[str, Any]:
         return {**self.describe(), **(await self.metrics())}
+
+    def _retire_outcome(self, iid: ChannelId) -> None:
+        """Instance ``iid`` of this attempt ended for good (its index comes back as a new
+        instance): its metrics go into the per-step totals of the retired, and into the newest
+        RECORDS_KEPT listed in the result."""
+        metrics = self.outcomes.pop(iid).get("metrics", {})
+        self._retired_totals = step_totals([metrics], self._retired_totals)
+        self._history.append(metrics)
 
 
 async def _quietly(ref: Any) -> None:

@@ -22,14 +22,29 @@ Example::
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from raystream.errors import ConfigError
 
-__all__ = ["ACKED_EPOCHS_KEPT", "CHECKPOINT_HISTORY", "BoundedHistory", "RecentEpochs"]
+__all__ = [
+    "ACKED_EPOCHS_KEPT",
+    "CHECKPOINT_HISTORY",
+    "PUBLISHED_PATHS_KEPT",
+    "RECORDS_KEPT",
+    "BoundedHistory",
+    "PublishedFiles",
+    "RecentEpochs",
+]
 
 CHECKPOINT_HISTORY = 100  # checkpoint records the controller keeps (the newest)
+# records of what happens again and again over a job's life that the controller keeps (the
+# newest; a ``<name>_total`` beside each counts them all): rescales, standby and spare refills,
+# recoveries, and the metrics of retired instances listed in the job's result
+RECORDS_KEPT = 100
+# paths a Parquet sink instance lists in its result (the newest; ``files`` counts them all):
+# a checkpoint a second publishes a part file a second, 604,800 in a week
+PUBLISHED_PATHS_KEPT = 1000
 ACKED_EPOCHS_KEPT = 1024  # barrier epochs an instance remembers acknowledging (the newest)
 
 
@@ -117,3 +132,57 @@ class RecentEpochs:
 
     def __len__(self) -> int:
         return len(self._set)
+
+
+class PublishedFiles:
+    """The files a sink instance published: how many (``files``) and their rows (``rows``),
+    every one counted, and the paths of the newest ``keep`` (``paths``, in publishing order).
+
+    Example::
+
+        >>> done = PublishedFiles(keep=2)
+        >>> done.extend([("a", 5), ("b", 0), ("c", 7)])
+        >>> done.paths, done.files, done.rows, bool(done)
+        (('b', 'c'), 3, 12, True)
+    """
+
+    def __init__(self, keep: int | None = None) -> None:
+        keep = PUBLISHED_PATHS_KEPT if keep is None else keep
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            msg = f"keep must be an int >= 1 (paths kept), got {keep!r}"
+            raise ConfigError(msg)
+        self.keep = keep
+        self._paths: deque[str] = deque(maxlen=keep)
+        self.files = 0
+        self.rows = 0
+
+    def add(self, path: str, rows: int) -> None:
+        self._paths.append(path)
+        self.files += 1
+        self.rows += int(rows)
+
+    def extend(self, published: Iterable[tuple[str, int]]) -> None:
+        """Add ``(path, rows)`` of each file, in publishing order."""
+        for path, rows in published:
+            self.add(path, rows)
+
+    def merge(self, other: PublishedFiles) -> None:
+        """Add what ``other`` counted, its paths after these (the newest ``keep`` stay)."""
+        self._paths.extend(other._paths)
+        self.files += other.files
+        self.rows += other.rows
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(self._paths)
+
+    @property
+    def last(self) -> str | None:
+        """The path of the file published last (None if none was)."""
+        return self._paths[-1] if self._paths else None
+
+    def __bool__(self) -> bool:
+        return self.files > 0
+
+    def __repr__(self) -> str:
+        return f"PublishedFiles(files={self.files}, rows={self.rows}, kept={len(self._paths)})"

@@ -63,6 +63,21 @@ class JobResult:
     standby_refills: list[dict[str, Any]] = field(default_factory=list)
     # after each change that used warm spares (RuntimeConfig.change_spares), their refill
     spare_refills: list[dict[str, Any]] = field(default_factory=list)
+    # rescales, recoveries, standby and spare refills list the newest RECORDS_KEPT (100, see
+    # raystream.history: a job that rescales every few minutes for days has thousands); these
+    # count them all (None: the list's length)
+    rescales_total: int | None = None
+    recoveries_total: int | None = None
+    standby_refills_total: int | None = None
+    spare_refills_total: int | None = None
+    # instances retired by a change (their index came back): ``metrics`` lists the newest
+    # RECORDS_KEPT of them
+    retired_instances_total: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("rescales", "recoveries", "standby_refills", "spare_refills"):
+            if getattr(self, f"{name}_total") is None:
+                setattr(self, f"{name}_total", len(getattr(self, name)))
 
     def table(self, sink: str | None = None) -> pa.Table:
         """The rows a collect sink received, as one table (all instances)."""
@@ -277,6 +292,11 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
             out.get("failed_attempts", []),
             out.get("standby_refills", []),
             out.get("spare_refills", []),
+            rescales_total=out.get("rescales_total"),
+            recoveries_total=out.get("recoveries_total"),
+            standby_refills_total=out.get("standby_refills_total"),
+            spare_refills_total=out.get("spare_refills_total"),
+            retired_instances_total=out.get("retired_instances_total", 0),
         )
     finally:
         if out["state"] in ("finished", "failed", "stopped"):

@@ -766,9 +766,13 @@ def rescale_impact(
 # attempts (a job that recovered ran more than once)
 
 
-def step_totals(snapshots: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def step_totals(
+    snapshots: Sequence[dict[str, Any]], start: dict[str, dict[str, float]] | None = None
+) -> dict[str, dict[str, float]]:
     """Per step, the sum over its instances' snapshots of ``records_in``, ``records_out`` and
     ``busy_s`` (snapshots without a step, e.g. of an actor that died first, are left out).
+    ``start``: totals of earlier snapshots to go on from (not changed): ``step_totals(b,
+    step_totals(a))`` is ``step_totals(a + b)``, the same additions in the same order.
 
     Example::
 
@@ -776,7 +780,7 @@ def step_totals(snapshots: Sequence[dict[str, Any]]) -> dict[str, dict[str, floa
         ...              {"step": "count", "records_in": 3, "records_out": 2, "busy_s": 0.25}])
         {'count': {'records_in': 8, 'records_out': 7, 'busy_s': 0.75, 'instances': 2}}
     """
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, float]] = {step: dict(t) for step, t in (start or {}).items()}
     for snap in snapshots:
         step = snap.get("step")
         if step is None:

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raystream.errors import CheckpointError, ConfigError, SchemaError
+from raystream.history import PublishedFiles
 
 if TYPE_CHECKING:
     from raystream.part_store import PartStore
@@ -205,7 +206,8 @@ class PartitionedParquetWriter:
         self._where = where
         self._writers: dict[str, _ParquetWriter] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # open parts, least recent first
-        self._published: list[tuple[str, int]] = []  # of folder writers dropped when idle
+        # of folder writers dropped when idle: counted, the newest paths kept
+        self._published = PublishedFiles()
         self._written: dict[str, None] = {}  # every folder this instance wrote rows into
         self._schema: pa.Schema | None = None
         self._lock = threading.Lock()  # _writers: commit may run in a thread
@@ -303,7 +305,7 @@ class PartitionedParquetWriter:
                     idle = not (writer._pending or writer._uploads)
                 if idle and writer._writer is None and not writer._rolled:
                     with writer._lock:
-                        self._published.extend(writer._published)
+                        self._published.merge(writer._published)
                     writer._store.close()
                     del self._writers[folder]
 
@@ -353,19 +355,20 @@ class PartitionedParquetWriter:
             msg = "close was called on a sink writer that is already closed or aborted"
             raise RuntimeError(msg)
         self._open = False
-        published = list(self._published)
+        published = PublishedFiles()
+        published.merge(self._published)
         with self._lock:
             writers = list(self._writers.values())
         for writer in writers:
-            done = writer.close()
-            published.extend(zip(done.paths, _rows_per_path(writer), strict=True))
+            writer.close()
+            published.merge(writer._published)
         self._root.close()
-        paths = tuple(p for p, _ in published)
         return WrittenFile(
-            path=paths[-1] if paths else None,
-            rows=sum(r for _, r in published),
-            paths=paths,
+            path=published.last,
+            rows=published.rows,
+            paths=published.paths,
             partitions=tuple(self._written),
+            files=published.files,
         )
 
     def abort(self) -> None:
@@ -378,6 +381,3 @@ class PartitionedParquetWriter:
                 writer.abort()
         self._root.close()
 
-
-def _rows_per_path(writer: _ParquetWriter) -> list[int]:
-    return [rows for _, rows in writer._published]

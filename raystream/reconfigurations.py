@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from raystream.errors import ReconfigurationError
+from raystream.history import BoundedHistory
 from raystream.metrics import LatencyRecorder
 from raystream.reconfigure import check_replacement
 from raystream.runtime.messages import Barrier
@@ -530,8 +531,9 @@ class Reconfigurations:
         complete: bool = True,
         last: int | None = None,
     ) -> list[dict[str, Any]]:
-        """Every change so far (the ``last`` ones if given); with sink latency, the peak (max) and p99 of the records that
-        reached a sink from the change's start until ``PEAK_AFTER_S`` after its end.
+        """Every change kept (the newest RECORDS_KEPT; the ``last`` ones if given); with sink
+        latency, the peak (max) and p99 of the records that reached a sink from the change's
+        start until ``PEAK_AFTER_S`` after its end.
 
         Once the sinks' latency is past that span (and ``complete``: every sink answered), a
         change's figures are kept with it: they do not change any more, a status call does not
@@ -540,9 +542,14 @@ class Reconfigurations:
         settled: dict[int, tuple[Any, Any]] = self._settled_latency
         newest = latency.newest_s if latency else None
         out = []
-        first = 0 if last is None else max(0, len(self.reconfigurations) - last)
-        for i in range(first, len(self.reconfigurations)):
-            r = dict(self.reconfigurations[i])
+        changes = self.reconfigurations
+        # the position of the oldest change kept (a long job's oldest ones are gone)
+        oldest = len(changes) - len(changes.kept()) if isinstance(changes, BoundedHistory) else 0
+        for i in [i for i in settled if i < oldest]:
+            del settled[i]
+        first = max(oldest, 0 if last is None else len(changes) - last)
+        for i in range(first, len(changes)):
+            r = dict(changes[i])
             if i in settled:
                 r["peak_latency_ms"], r["p99_latency_ms"] = settled[i]
             elif latency:

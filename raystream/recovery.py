@@ -34,6 +34,7 @@ import ray
 from raystream.chaining import chain_edges, follow_keyed, steps_following
 from raystream.checkpointing import build_manifest, manifest_routing, restore_specs
 from raystream.errors import CheckpointError, RaystreamError
+from raystream.history import RECORDS_KEPT, BoundedHistory
 from raystream.metrics import step_totals, sum_totals
 from raystream.partition_commit import JobPartitionCommits, now_ms, written_partitions
 from raystream.runtime.actors import actor_of
@@ -662,7 +663,10 @@ class Recovery:
         """Before a recovery resets or replaces every instance: keep what the failed ``attempt`` did
         (each instance's last metrics: live ones are asked, ended ones gave theirs; one that
         died without answering is listed in ``unreported``)."""
-        snaps = await self._attempt_snapshots(attempt, timeout_s=2.0)
+        live, ended = await self._attempt_snapshots(attempt, timeout_s=2.0)
+        # the retired instances' metrics: the newest kept (listed), every one in the totals
+        retired = [{**m, "attempt": attempt} for m in self._history.kept() if m]
+        snaps = [*live, *retired, *ended]
         self.failed_attempts.append(
             {
                 "attempt": attempt,
@@ -674,14 +678,18 @@ class Recovery:
                     f"{s}/{i}"
                     for s, i in set(self.handles) - {(m.get("step"), m.get("index")) for m in snaps}
                 ),
-                "totals": step_totals(snaps),
+                "totals": step_totals([*live, *ended], self._retired_totals),
             }
         )
-        self._history = []
+        self._history = BoundedHistory(RECORDS_KEPT)
+        self._retired_totals = {}
 
-    async def _attempt_snapshots(self: Any, attempt: int, timeout_s: float) -> list[dict[str, Any]]:
-        """The metrics of every instance of ``attempt`` (live ones asked, at most
-        ``timeout_s``), each tagged with it."""
+    async def _attempt_snapshots(
+        self: Any, attempt: int, timeout_s: float
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The metrics of the instances of ``attempt`` (live ones asked, at most ``timeout_s``;
+        ended ones from their outcome), each tagged with it: (live, ended). Retired instances
+        are not among them (``_history``, ``_retired_totals``)."""
         live = {
             iid: h
             for iid, h in self.handles.items()
@@ -691,18 +699,20 @@ class Recovery:
             *(asyncio.wait_for(_result(h.metrics.remote()), timeout_s) for h in live.values()),
             return_exceptions=True,
         )
-        snaps = [s for s in asked if isinstance(s, dict)]
-        snaps += [o.get("metrics", {}) for o in [*self._history, *self.outcomes.values()]]
-        return [{**s, "attempt": attempt} for s in snaps if s]
+        live_snaps = [{**s, "attempt": attempt} for s in asked if isinstance(s, dict) and s]
+        ended = [o.get("metrics", {}) for o in self.outcomes.values()]
+        return live_snaps, [{**s, "attempt": attempt} for s in ended if s]
 
     def attempts_summary(self: Any, current: list[dict[str, Any]]) -> dict[str, Any]:
         """What every attempt did: the failed ones (kept at their recovery) and the running one
-        (``current``: its instances' metrics; none while it is being deployed); ``totals``
-        adds them up per step (records a recovery replayed are counted again, as they were
-        processed again)."""
+        (``current``: its instances' metrics, added to those of its instances retired so far;
+        none while it is being deployed); ``totals`` adds them up per step (records a recovery
+        replayed are counted again, as they were processed again)."""
         if self.state == "recovering":  # the instances at hand belong to the failed attempt
-            current = []
-        now = {"attempt": self._attempt, "instances": None, "totals": step_totals(current)}
+            totals = step_totals([])
+        else:
+            totals = step_totals(current, self._retired_totals)
+        now = {"attempt": self._attempt, "instances": None, "totals": totals}
         attempts = [
             {k: v for k, v in a.items() if k != "instances"} for a in self.failed_attempts
         ] + [{k: v for k, v in now.items() if k != "instances"}]

@@ -313,7 +313,7 @@ class Rewiring:
                     )
                     raise ReconfigurationError(msg)
                 await asyncio.sleep(0.01)
-            self._history.append(self.outcomes.pop(iid))
+            self._retire_outcome(iid)
             self.retired.discard(iid)
             self._run_futures.pop(iid, None)
 

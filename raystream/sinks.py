@@ -39,6 +39,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raystream.errors import CheckpointError, ConfigError, SchemaError
+from raystream.history import PublishedFiles
 from raystream.part_store import PartStore, check_uri, redact
 from raystream.partition_commit import PartitionCommit, partition_commit
 from raystream.partitioned_sink import (
@@ -230,15 +231,22 @@ def collect() -> CollectSink:
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """What a Parquet sink instance published: ``paths``, every file in publishing order
-    (checkpoint parts, then the last part written at ``close()``); ``path``, the last of them
-    (None if it published none); ``rows``, the rows in those files; ``partitions``, the
-    folders a partitioned sink wrote rows into (relative, ``dt=…/hm=…``)."""
+    """What a Parquet sink instance published: ``files``, how many files; ``rows``, the rows
+    in all of them; ``paths``, the newest ``PUBLISHED_PATHS_KEPT`` (1,000) of those files in
+    publishing order (checkpoint parts, then the last part written at ``close()``: every file
+    unless a long job published more); ``path``, the last of them (None if it published
+    none); ``partitions``, the folders a partitioned sink wrote rows into (relative,
+    ``dt=…/hm=…``). ``files`` left out is ``len(paths)``."""
 
     path: str | None
     rows: int
     paths: tuple[str, ...] = ()
     partitions: tuple[str, ...] = ()
+    files: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.files is None:
+            object.__setattr__(self, "files", len(self.paths))
 
 
 def _is_string_like(t: pa.DataType) -> bool:
@@ -517,7 +525,8 @@ class _ParquetWriter:
         self._schema: pa.Schema | None = None
         self._part_rows = 0
         self._pending: list[dict[str, Any]] = []  # {"file", "checkpoint", "rows"}, in order
-        self._published: list[tuple[str, int]] = []
+        # every file published: counted, with its rows; the newest PUBLISHED_PATHS_KEPT paths
+        self._published = PublishedFiles()
         self._uploads: list[tuple[str, str]] = []  # (local file, pending name) not uploaded yet
         self._lock = threading.Lock()  # pending/published/uploads: commit may run in a thread
         self._upload_lock = threading.Lock()  # uploads run one at a time
@@ -758,7 +767,7 @@ class _ParquetWriter:
         keep = set()
         for p in (state or {}).get("pending", []):
             path = self._publish(p)
-            self._published.append((path, int(p["rows"])))
+            self._published.add(path, int(p["rows"]))
             keep.add(p["file"][1 : -len(".pending")])
         for name in self._store.names():
             match = _PART.match(name)
@@ -787,7 +796,7 @@ class _ParquetWriter:
             for roll_no, rows in self._rolled:
                 final = f"part-{self._index:05d}-r{roll_no:04d}.parquet"
                 self._store.put(self._rolled_file(roll_no), final)
-                self._published.append((self._store.display(final), rows))
+                self._published.add(self._store.display(final), rows)
             self._rolled = []
         # Only empty batches and nothing else published: an empty file still records the schema.
         done, rows = self._finish_part(keep_empty=not self._published)
@@ -797,14 +806,10 @@ class _ParquetWriter:
             except BaseException:
                 self._remove_tmp()
                 raise
-            self._published.append((self._store.display(self._final), rows))
+            self._published.add(self._store.display(self._final), rows)
         self._store.close()
-        paths = tuple(p for p, _ in self._published)
-        return WrittenFile(
-            path=paths[-1] if paths else None,
-            rows=sum(r for _, r in self._published),
-            paths=paths,
-        )
+        done = self._published
+        return WrittenFile(path=done.last, rows=done.rows, paths=done.paths, files=done.files)
 
     def abort(self) -> None:
         """Drop the parts not pre-committed yet; pending files stay for ``restore``."""

@@ -211,7 +211,9 @@ def describe_sink_result(parts: list[Any]) -> str:
         out.append(f"{sum(t.num_rows for t in tables):,} rows collected (columns: {cols})")
     if files:
         paths = [str(x) for f in files for x in (f.paths or ((f.path,) if f.path else ()))]
-        shown = ", ".join(paths[:3]) + (f", ... ({len(paths)} files)" if len(paths) > 3 else "")
+        # a long job's result lists the newest paths only; ``files`` counts every one
+        count = sum(_file_count(f) for f in files)
+        shown = ", ".join(paths[:3]) + (f", ... ({count} files)" if count > 3 else "")
         out.append(f"{sum(int(f.rows) for f in files):,} rows written to {shown or 'no file'}")
     if counts:
         out.append(f"{sum(counts):,} rows")
@@ -219,6 +221,14 @@ def describe_sink_result(parts: list[Any]) -> str:
         others = [p for p in parts if p is not None and p not in tables + files + counts]
         out.append(", ".join(repr(p)[:120] for p in others[:3]))
     return "; ".join(out) if out else "no output"
+
+
+def _file_count(written: Any) -> int:
+    """The files a sink instance's result says it published (``files``; else its paths)."""
+    files = getattr(written, "files", None)
+    if isinstance(files, int):
+        return files
+    return len(written.paths or ((written.path,) if written.path else ()))
 
 
 def summary_lines(result: Any) -> list[str]:
@@ -244,6 +254,9 @@ def summary_lines(result: Any) -> list[str]:
     if lat is not None:
         s = lat.summary()
         lines.append(f"latency p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms, max {s['max_ms']} ms")
+    total = getattr(result, "rescales_total", None) or 0
+    if total > len(result.rescales):  # a long job's result lists the newest only
+        lines.append(f"{total:,} rescales; the newest {len(result.rescales)}:")
     for r in result.rescales:
         if "from" in r and "to" in r:
             lines.append(

@@ -12,6 +12,7 @@ import gc
 import inspect
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,10 @@ class InstanceEndpoint:
         # sender of an attempt a recovery replaced, see reset)
         self._attempt = spec.attempt if spec is not None else -1
         self._resets = 0
+        # serve_state calls running on the transfer group's loop: {task: its loop} (a reset
+        # cancels them before it closes the state they read)
+        self._serving: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = {}
+        self._serving_lock = threading.Lock()
         gc.freeze()  # what the imports made lives on: full collections need not walk it
         self._startup["init_done_at"] = time.time()
 
@@ -308,9 +313,40 @@ class InstanceEndpoint:
         attempt: int | None = None,
     ) -> Any:
         """Moved state, served on the transfer group's own loop and thread (see
-        :mod:`raystream.runtime.migration`): never behind the instance's record slices."""
-        self._check_caller(attempt, "serve_state")
-        return await self._instance.serve_state(epoch, groups, max_bytes, urgent)
+        :mod:`raystream.runtime.migration`): never behind the instance's record slices.
+
+        A reset (a recovery keeping this actor) cancels the calls in progress (their callers
+        get a :class:`StaleAttemptError`) and refuses new ones of the old attempt; a chunk read
+        before the reset is never answered after it."""
+        task = asyncio.current_task()
+        assert task is not None
+        with self._serving_lock:  # registered before the check: a reset after it sees this call
+            self._serving[task] = asyncio.get_running_loop()
+        try:
+            self._check_caller(attempt, "serve_state")
+            serving, inst = self._attempt, self._instance
+            try:
+                out = await inst.serve_state(epoch, groups, max_bytes, urgent)
+            except asyncio.CancelledError:
+                if self._attempt == serving:  # not a reset: the call itself was cancelled
+                    raise
+                out = None
+            if self._attempt != serving or self._instance is not inst:
+                msg = (
+                    f"serve_state of epoch {epoch} (attempt {serving}) was stopped: this actor "
+                    f"was reset for attempt {self._attempt} while it served (the job recovered "
+                    "from a checkpoint)"
+                )
+                raise StaleAttemptError(msg)
+            return out
+        finally:
+            with self._serving_lock:
+                self._serving.pop(task, None)
+
+    def _serving_calls(self) -> dict[asyncio.Task[Any], asyncio.AbstractEventLoop]:
+        """The serve_state calls in progress, with their loops (see :func:`reset_endpoint`)."""
+        with self._serving_lock:
+            return dict(self._serving)
 
     async def migration_done(self, epoch: int) -> dict[str, Any]:
         return await self._instance.migration_done(epoch)
@@ -513,6 +549,8 @@ class _ChainMember(InstanceEndpoint):
         self._metrics_task = None
         self._run_task = self._run_call = None
         self._attempt = instance.spec.attempt
+        self._serving = {}
+        self._serving_lock = threading.Lock()
 
     async def _run_instance(self) -> None:
         await self._chain.done.wait()  # the head's loop drives this instance

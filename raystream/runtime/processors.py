@@ -637,6 +637,12 @@ class KeyedProcessor:
     def close(self) -> None:
         self.backend.close()
 
+    def discard(self) -> None:
+        """Close the state without writing what is only in memory (the cache, resident states,
+        unwritten timers): a recovery that resets this instance deletes its folder next."""
+        self.states.release(write=False)
+        self.backend.close(write=False)
+
 
 def make_processor(
     step: Step,

@@ -14,8 +14,11 @@ on, see ``InstanceEndpoint.push``); what is reset here:
   gets its answer (an error) at once, as it would from an actor that died;
 - sinks drop what they did not pre-commit (as a failing instance does; the pre-committed
   parts stay for the restore);
-- keyed state: RocksDB is closed (its caches flushed into it) so the old attempt's folders can
-  be deleted;
+- moved state being served (``serve_state`` on the actor's transfer loop, and the migration
+  engine's serving loop there) is cancelled first, and the reset waits for it to end: it reads
+  the state closed below; its callers get a ``StaleAttemptError``, never a chunk read before;
+- keyed state: RocksDB is closed without writing its caches (the old attempt's folder is
+  deleted next: writing them would be wasted work on the recovery's path);
 - the wiring (receivers, peers, a move's take-over) is dropped, then a full garbage collection.
 """
 
@@ -24,11 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from raystream.errors import RaystreamError
 
-__all__ = ["StaleAttemptError", "reset_endpoint", "stale_attempt_reason"]
+__all__ = ["StaleAttemptError", "reset_endpoint", "stale_attempt_reason", "stop_serving"]
 
 log = logging.getLogger("raystream.reset")
 
@@ -51,6 +55,7 @@ async def reset_endpoint(endpoint: Any, attempt: int) -> None:
     instances = endpoint._instances()
     for inst in instances:
         inst.stop()
+    await stop_serving(endpoint, instances)
     for inst in instances:  # writers of the old attempt stop waiting first
         buffer = getattr(inst.reader, "buffer", None)
         if buffer is not None and hasattr(buffer, "fail"):
@@ -88,6 +93,45 @@ async def reset_endpoint(endpoint: Any, attempt: int) -> None:
             delattr(endpoint, name)
 
 
+async def stop_serving(endpoint: Any, instances: list[Any]) -> list[Any]:
+    """Cancel the moved-state serving in progress on other loops (the actor's transfer group):
+    the endpoint's ``serve_state`` calls and each instance's migration engine serving loop; wait
+    until they ended (at most ``RUN_STOP_S``). Returns those still running then (logged)."""
+    here = asyncio.get_running_loop()
+    pending: list[Any] = []
+
+    def cancel(task: Any, loop: asyncio.AbstractEventLoop) -> None:
+        if task.done():
+            return
+        if loop is here:
+            task.cancel()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(task.cancel)
+        else:
+            return
+        pending.append(task)
+
+    calls = endpoint._serving_calls() if hasattr(endpoint, "_serving_calls") else {}
+    for task, loop in calls.items():
+        cancel(task, loop)
+    for inst in instances:
+        migration = getattr(getattr(inst, "engine", None), "task", None)
+        server = getattr(migration, "server", None)
+        if server is not None:
+            cancel(server, server.get_loop())
+    deadline = time.monotonic() + RUN_STOP_S
+    while any(not t.done() for t in pending) and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+    stuck = [t for t in pending if not t.done()]
+    if stuck:
+        log.warning(
+            "reset: %d state serving task(s) did not end within %.1f s of their cancel",
+            len(stuck),
+            RUN_STOP_S,
+        )
+    return stuck
+
+
 async def _release(inst: Any) -> None:
     """Free what one instance of the old attempt holds in this process."""
     engine = inst.engine
@@ -101,8 +145,10 @@ async def _release(inst: Any) -> None:
         with contextlib.suppress(Exception):
             reader.close()
     processor = inst.processor
-    if processor is not None and hasattr(processor, "close"):
+    # keyed state: dropped without writing its cache (the folder is deleted next)
+    close = getattr(processor, "discard", None) or getattr(processor, "close", None)
+    if close is not None:
         try:
-            await asyncio.to_thread(processor.close)  # RocksDB: waits for a snapshot, flushes
+            await asyncio.to_thread(close)  # RocksDB: waits for a checkpoint in a thread
         except Exception as e:  # noqa: BLE001 - the folder is deleted anyway
             log.warning("closing the state of %s failed: %s", inst.spec.id, e)

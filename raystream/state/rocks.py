@@ -757,10 +757,17 @@ class RocksStateBackend:
         self.flush_cache()
         self._db.flush(True)
 
-    def close(self) -> None:
+    def close(self, *, write: bool = True) -> None:
+        """Close RocksDB, first writing what is only in memory (the cache's dirty entries, the
+        pending writers' rows); ``write=False``: drop that instead (the folder is deleted next,
+        e.g. by a recovery that resets the instance). Waits for a checkpoint taken in a thread."""
         if not self._closed:
-            self.wait_snapshot()
-            self.flush_cache()
+            if write:
+                self.wait_snapshot()
+                self.flush_cache()
+            else:
+                self.discard_cache()  # (waits for the checkpoint thread too)
+                self._pending_writers = []
             self._closed = True
             self._db.close()
 
