@@ -633,10 +633,12 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
         strat = self._check_rescale(step, parallelism, strategy, strategy_args)
         attempt = self._attempt
         async with self._change_turn():
-            if self._attempt != attempt:
+            if self._attempt != attempt or self.state == "recovering":
+                how = "is recovering" if self.state == "recovering" else "recovered"
                 msg = (
-                    f"job {self.flow.name!r} recovered from a failure while the rescale of "
-                    f"{step!r} to {parallelism} waited; request it again"
+                    f"job {self.flow.name!r} {how} from a failure while the rescale of "
+                    f"{step!r} to {parallelism} waited; nothing was changed, request it again"
+                    " once the job runs"
                 )
                 raise RescaleError(msg)
             if self.state != "running":
