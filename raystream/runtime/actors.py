@@ -469,6 +469,9 @@ class InstanceEndpoint:
         inst = self._instance
         if inst is None:
             return {}
+        now = time.monotonic()
+        for each in self._instances():  # an input channel stopped by a push that never came
+            each.inbox.check_missing_pushes(now)
         return {"records_in": inst.metrics.records_in, "rows_emitted": inst.rows_emitted}
 
     async def pause(self) -> None:

@@ -47,7 +47,8 @@ from raystream.runtime.messages import (
 log = logging.getLogger(__name__)
 
 # a push that waits this long for an earlier push of its channel that never came in is reported
-# (a push lost on the way would stop its channel for good: pushes are taken in sequence order)
+# (a push lost on the way would stop its channel for good: pushes are taken in sequence order);
+# checked with each heartbeat the controller sends (Inbox.check_missing_pushes)
 MISSING_PUSH_WARN_S = 30.0
 
 __all__ = [
@@ -124,9 +125,11 @@ class Inbox:
         self.marks_read = 0  # AfterFences marks passed so far
         self.holds = 0  # channels held so far
         self.hold_ms_max = 0.0  # the longest a channel was held
-        # pushes in put() per channel (came in, waiting for their turn or room), and reports of
-        # an earlier push that never came in (see MISSING_PUSH_WARN_S)
+        # pushes in put() per channel (came in, waiting for their turn or room); per channel
+        # whose waiting pushes all come after one that has not come in: (that one, since when);
+        # and the reports of those that waited MISSING_PUSH_WARN_S (check_missing_pushes)
         self._arrived: dict[ChannelId, set[int]] = {}
+        self._gaps: dict[ChannelId, tuple[int, float]] = {}
         self.missing_pushes: list[dict[str, Any]] = []
 
     def poke(self) -> None:
@@ -215,30 +218,38 @@ class Inbox:
         finally:
             arrived.discard(seq)
 
-    async def _in_turn(self, channel: ChannelId, seq: int, ready: Callable[[], bool]) -> None:
-        """``await cond.wait_for(ready)`` on ``channel``'s condition (held), reporting when push
-        ``seq`` waits longer than MISSING_PUSH_WARN_S for an earlier push that never came in."""
-        if ready():  # the usual case: no timer
-            return
-        cond = self._space[channel]
-        while True:
-            try:
-                await asyncio.wait_for(cond.wait_for(ready), MISSING_PUSH_WARN_S)
-                return
-            except TimeoutError:
-                missing = self._next_seq[channel]
-                if missing < seq and missing not in self._arrived.get(channel, ()):
-                    report = {"channel": channel, "waiting": seq, "missing": missing}
-                    if report not in self.missing_pushes:
-                        self.missing_pushes.append(report)
-                        log.warning(
-                            "input channel %s: push %d has waited %.0f s for push %d of the "
-                            "channel, which never came in; pushes are taken in order, so this "
-                            "channel stops here until it comes (it was lost or dropped on its "
-                            "way: look for a stale-attempt drop or a Ray RPC error in the "
-                            "sender's and this worker's logs)",
-                            channel, seq, MISSING_PUSH_WARN_S, missing,
-                        )  # fmt: skip
+    def check_missing_pushes(
+        self, now: float, after_s: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Channels whose pushes have waited ``after_s`` (MISSING_PUSH_WARN_S) for an earlier
+        push that never came in (``now``: ``time.monotonic()``; called now and then, off the
+        pushes' path): each reported once, logged as a warning and added to
+        :attr:`missing_pushes`. A push waiting behind one that came in and waits for room is
+        backpressure, not reported."""
+        after_s = MISSING_PUSH_WARN_S if after_s is None else after_s
+        new: list[dict[str, Any]] = []
+        for channel, arrived in self._arrived.items():
+            missing = self._next_seq.get(channel, 0)
+            if not arrived or missing in arrived or min(arrived) < missing:
+                self._gaps.pop(channel, None)
+                continue
+            gap = self._gaps.get(channel)
+            if gap is None or gap[0] != missing:
+                self._gaps[channel] = (missing, now)
+                continue
+            report = {"channel": channel, "waiting": min(arrived), "missing": missing}
+            if now - gap[1] < after_s or report in self.missing_pushes:
+                continue
+            self.missing_pushes.append(report)
+            new.append(report)
+            log.warning(
+                "input channel %s: push %d has waited %.0f s for push %d of the channel, which "
+                "never came in; pushes are taken in order, so this channel stops here until it "
+                "comes (it was lost or dropped on its way: look for a stale-attempt drop or a "
+                "Ray RPC error in the sender's and this worker's logs)",
+                channel, report["waiting"], now - gap[1], missing,
+            )  # fmt: skip
+        return new
 
     async def _put(self, channel: ChannelId, seq: int, item: Any) -> None:
         q = self._queues[channel]
@@ -255,7 +266,7 @@ class Inbox:
             try:
                 async with cond:
                     cond.notify_all()
-                    await self._in_turn(channel, seq, lambda: self._next_seq[channel] == seq)
+                    await cond.wait_for(lambda: self._next_seq[channel] == seq)
                     self._insert_overtaking(q, item)
                     self._next_seq[channel] = seq + 1
                     cond.notify_all()
@@ -264,14 +275,12 @@ class Inbox:
             self._readable.set()
             return
         async with cond:
-            await self._in_turn(
-                channel,
-                seq,
+            await cond.wait_for(
                 lambda: self._next_seq[channel] > seq
                 or (
                     self._next_seq[channel] == seq
                     and (len(q) < self.capacity or seq < self._overtake_below.get(channel, 0))
-                ),
+                )
             )
             if self._next_seq[channel] > seq:
                 # a push this channel already took: a direct writer's retry re-sent it
@@ -295,7 +304,7 @@ class Inbox:
         q = self._queues[channel]
         cond = self._space[channel]
         async with cond:
-            await self._in_turn(channel, seq, lambda: self._next_seq[channel] == seq)
+            await cond.wait_for(lambda: self._next_seq[channel] == seq)
             q.append(mark)
             self._next_seq[channel] = seq + 1
             cond.notify_all()
