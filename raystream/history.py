@@ -48,14 +48,19 @@ PUBLISHED_PATHS_KEPT = 1000
 ACKED_EPOCHS_KEPT = 1024  # barrier epochs an instance remembers acknowledging (the newest)
 
 
+def _kept_count(keep: Any, what: str) -> int:
+    """``keep`` checked: an int >= 1 (how many ``what`` are kept)."""
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        msg = f"keep must be an int >= 1 ({what} kept), got {keep!r}"
+        raise ConfigError(msg)
+    return keep
+
+
 class BoundedHistory:
     """The newest ``keep`` records appended, and how many were (see the module)."""
 
     def __init__(self, keep: int = CHECKPOINT_HISTORY) -> None:
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            msg = f"keep must be an int >= 1 (records kept), got {keep!r}"
-            raise ConfigError(msg)
-        self.keep = keep
+        self.keep = _kept_count(keep, "records")
         self._kept: deque[Any] = deque(maxlen=keep)
         self._appended = 0
 
@@ -147,10 +152,7 @@ class PublishedFiles:
     """
 
     def __init__(self, keep: int | None = None) -> None:
-        keep = PUBLISHED_PATHS_KEPT if keep is None else keep
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            msg = f"keep must be an int >= 1 (paths kept), got {keep!r}"
-            raise ConfigError(msg)
+        keep = _kept_count(PUBLISHED_PATHS_KEPT if keep is None else keep, "paths")
         self.keep = keep
         self._paths: deque[str] = deque(maxlen=keep)
         self.files = 0
