@@ -5,6 +5,7 @@ local Ray with key-count state in RocksDB. The oracle is numpy's count of the sa
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -40,14 +41,6 @@ def spark() -> Iterator[Any]:
 
 @rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
 def count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
-    new = state.get(batch.keys) + batch.counts
-    state.put(batch.keys, new)
-    return batch.output({"count": new})
-
-
-@rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
-def slower_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
-    time.sleep(0.1)  # the ingest lasts longer than it takes a move to start (a new actor)
     new = state.get(batch.keys) + batch.counts
     state.put(batch.keys, new)
     return batch.output({"count": new})
@@ -107,29 +100,48 @@ def test_direct_and_through_the_source_count_the_same_rows_exactly(
         assert all(i["direct"] for i in ingest), ingest
 
 
-def _ingesting(spark: Any, name: str, rows: int) -> tuple[rs.Job, Any]:
-    """A key-count over ``rows`` Spark rows pushed straight to its (slower) count, running;
-    returns it once the count took 50,000 rows, and a reading of the rows it took so far."""
+def _slow_until(gate: str) -> Any:
+    """A count that takes 100 us per row until the file ``gate`` exists, then runs at full speed:
+    an ingest of millions of rows lasts minutes unless the test opens the gate, so it is still
+    running whatever a change costs on a slow machine, and ends soon after the change."""
+
+    @rs.keyed_batches(name="count", state=rs.ValueState(int, default=0))
+    def gated_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+        if not os.path.exists(gate):
+            time.sleep(len(batch) * 100e-6)
+        new = state.get(batch.keys) + batch.counts
+        state.put(batch.keys, new)
+        return batch.output({"count": new})
+
+    return gated_count
+
+
+def _ingesting(spark: Any, name: str, rows: int, gate: Path) -> tuple[rs.Job, Any]:
+    """A key-count over ``rows`` Spark rows pushed straight to its count, slow until ``gate``
+    exists; returns it running once the count took rows, and a reading of the rows it took."""
     df = spark.range(0, rows, numPartitions=4).selectExpr("(id * 7919) % 5003 as key", "id as seq")
     src = rs.sources.spark(df, push_rows=10_000, direct=True)
-    job = rs.start(keycount(name, src, slower_count), parallelism={"count": 2})
+    job = rs.start(keycount(name, src, _slow_until(str(gate))), parallelism={"count": 2})
 
     def counted() -> int:
         instances = job.metrics()["instances"]
         return sum(int(m.get("records_in", 0)) for m in instances if m.get("step") == "count")
 
     deadline = time.monotonic() + 120
-    while counted() < 50_000 and time.monotonic() < deadline:
+    while counted() < 10_000 and time.monotonic() < deadline:
         time.sleep(0.05)
     return job, counted
 
 
-def test_direct_push_stays_exact_across_a_rescale_during_ingest(spark: Any) -> None:
-    rows = 2_000_000  # the ingest outlasts the rescale's start (a new actor)
-    job, counted = _ingesting(spark, "e2e-direct-rescale", rows)
-    assert 0 < counted() < rows // 2, "the rescale would not run during the ingest"
+def test_direct_push_stays_exact_across_a_rescale_during_ingest(spark: Any, tmp_path: Path) -> None:
+    rows = 2_000_000
+    gate = tmp_path / "gate"
+    job, counted = _ingesting(spark, "e2e-direct-rescale", rows, gate)
+    assert 0 < counted() < rows, "the rescale would not run during the ingest"
     stats = job.rescale("count", 3)
     assert stats["to"] == 3
+    assert counted() < rows, "the ingest ended before the rescale did"
+    gate.touch()
     result = job.wait(300)
     assert result.state == "finished"
     assert final_counts(result) == oracle((np.arange(rows) * 7919) % 5003)
@@ -227,16 +239,18 @@ def test_direct_windows_fire_on_watermarks_from_the_reservations(
     assert len(during) >= 3, source["watermark_timeline"]  # watermarks while rows came in
 
 
-def test_direct_push_stays_exact_across_a_move_during_ingest(spark: Any) -> None:
+def test_direct_push_stays_exact_across_a_move_during_ingest(spark: Any, tmp_path: Path) -> None:
     """A move ends the source's channel to the old instance (what was reserved before the
     barrier, the barrier, EndOfStream) and opens one to the new instance: tasks re-route to it."""
     import ray
 
     rows = 2_000_000
-    job, counted = _ingesting(spark, "e2e-direct-move", rows)
+    gate = tmp_path / "gate"
+    job, counted = _ingesting(spark, "e2e-direct-move", rows, gate)
     node = ray.get_runtime_context().get_node_id()
     moves = [job.move("count", 1, node)]  # the sources must still run (its barrier starts there)
-    assert counted() < rows, "the moves would not run during the ingest"
+    assert counted() < rows, "the ingest ended before the move did"
+    gate.touch()
     result = job.wait(300)
     assert result.state == "finished"
     assert [m["kind"] for m in moves] == ["move"], moves
