@@ -13,6 +13,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/python -m compileall -q raystream  # each Ray worker process then loads bytecode
 	@touch $(STAMP)
 
 check-java:
