@@ -144,7 +144,10 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             config.restart_attempts, config.restart_delay_s, config.restart_failure_rate
         )
         self.recoveries: BoundedHistory = BoundedHistory(RECORDS_KEPT)  # len() counts all
-        self.failed_attempts: list[dict[str, Any]] = []  # what each replaced attempt did
+        # what each replaced attempt did (the newest RECORDS_KEPT; len() counts them all), and
+        # the per-step totals of every failed attempt, those no longer kept included
+        self.failed_attempts: BoundedHistory = BoundedHistory(RECORDS_KEPT)
+        self._failed_totals: dict[str, dict[str, float]] = {}
         # the newest CHECKPOINT_HISTORY records of each; len() counts them all (completed, failed)
         self.checkpoint_stats: BoundedHistory = BoundedHistory(CHECKPOINT_HISTORY)
         self.failed_checkpoints: BoundedHistory = BoundedHistory(CHECKPOINT_HISTORY)
@@ -486,7 +489,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
                 *(o.get("metrics", {}) for o in self.outcomes.values()),
             ],
             "retired_instances_total": len(self._history),
-            "failed_attempts": list(self.failed_attempts),
+            "failed_attempts": self.failed_attempts.kept(),
+            "failed_attempts_total": len(self.failed_attempts),
             "origin_ns": self.origin_ns,
         }
 
@@ -1616,7 +1620,8 @@ class Controller(Recovery, Reconfigurations, Rewiring, KeyedChains, ChangeSpares
             # warm standbys configured and connected for their slot (raystream.standby_prep)
             "prepared_standbys": [f"{s}/{i}" for s, i in sorted(self._prepared)],
             # warm actors found dead or on a lost node while the job ran (then refilled)
-            "warm_actors_dropped": list(self.warm_actors_dropped),
+            "warm_actors_dropped": self.warm_actors_dropped.kept(),  # the newest RECORDS_KEPT
+            "warm_actors_dropped_total": len(self.warm_actors_dropped),
             "autoscaler": self.autoscaler.summary() if self.autoscaler else None,
             "checkpoints": self.checkpoint_summary(),
             "recoveries": self.recoveries.kept(),  # the newest RECORDS_KEPT

@@ -57,7 +57,8 @@ class JobResult:
     autoscaling: list[dict[str, Any]] = field(default_factory=list)  # the autoscaler's decisions
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # cause, checkpoint, downtime
     checkpoints: dict[str, Any] = field(default_factory=dict)  # completed, failed, last
-    # attempts a recovery replaced: cause, each instance's last metrics, totals per step
+    # attempts a recovery replaced: cause, each instance's last metrics, totals per step (the
+    # newest RECORDS_KEPT; failed_attempts_total counts them all)
     failed_attempts: list[dict[str, Any]] = field(default_factory=list)
     # after each scale-out, when the warm standbys it used were refilled (raystream.standby_pacing)
     standby_refills: list[dict[str, Any]] = field(default_factory=list)
@@ -70,12 +71,19 @@ class JobResult:
     recoveries_total: int | None = None
     standby_refills_total: int | None = None
     spare_refills_total: int | None = None
+    failed_attempts_total: int | None = None
     # instances retired by a change (their index came back): ``metrics`` lists the newest
     # RECORDS_KEPT of them
     retired_instances_total: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("rescales", "recoveries", "standby_refills", "spare_refills"):
+        for name in (
+            "rescales",
+            "recoveries",
+            "standby_refills",
+            "spare_refills",
+            "failed_attempts",
+        ):
             if getattr(self, f"{name}_total") is None:
                 setattr(self, f"{name}_total", len(getattr(self, name)))
 
@@ -165,7 +173,9 @@ class Job:
         all state settled (see ``migration/`` for strategies: meces, all_at_once, fluid, batched,
         lazy, stop_restart, or a ``"module:attr"`` of your own)."""
         try:
-            return ray.get(self.controller.rescale.remote(step, parallelism, strategy, **strategy_args))  # type: ignore[no-any-return]
+            return ray.get(  # type: ignore[no-any-return]
+                self.controller.rescale.remote(step, parallelism, strategy, **strategy_args)
+            )
         except ray.exceptions.RayActorError as e:
             if self._ended is None:
                 raise
@@ -296,6 +306,7 @@ def _result(out: dict[str, Any], job: Job, *, raise_on_error: bool = True) -> Jo
             recoveries_total=out.get("recoveries_total"),
             standby_refills_total=out.get("standby_refills_total"),
             spare_refills_total=out.get("spare_refills_total"),
+            failed_attempts_total=out.get("failed_attempts_total"),
             retired_instances_total=out.get("retired_instances_total", 0),
         )
     finally:

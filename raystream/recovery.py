@@ -667,6 +667,8 @@ class Recovery:
         # the retired instances' metrics: the newest kept (listed), every one in the totals
         retired = [{**m, "attempt": attempt} for m in self._history.kept() if m]
         snaps = [*live, *retired, *ended]
+        totals = step_totals([*live, *ended], self._retired_totals)
+        self._failed_totals = sum_totals([self._failed_totals, totals])
         self.failed_attempts.append(
             {
                 "attempt": attempt,
@@ -678,7 +680,7 @@ class Recovery:
                     f"{s}/{i}"
                     for s, i in set(self.handles) - {(m.get("step"), m.get("index")) for m in snaps}
                 ),
-                "totals": step_totals([*live, *ended], self._retired_totals),
+                "totals": totals,
             }
         )
         self._history = BoundedHistory(RECORDS_KEPT)
@@ -704,10 +706,11 @@ class Recovery:
         return live_snaps, [{**s, "attempt": attempt} for s in ended if s]
 
     def attempts_summary(self: Any, current: list[dict[str, Any]]) -> dict[str, Any]:
-        """What every attempt did: the failed ones (kept at their recovery) and the running one
-        (``current``: its instances' metrics, added to those of its instances retired so far;
-        none while it is being deployed); ``totals`` adds them up per step (records a recovery
-        replayed are counted again, as they were processed again)."""
+        """What every attempt did: the failed ones (kept at their recovery; the newest
+        RECORDS_KEPT listed) and the running one (``current``: its instances' metrics, added to
+        those of its instances retired so far; none while it is being deployed); ``totals`` adds
+        up every attempt per step, those no longer listed included (records a recovery replayed
+        are counted again, as they were processed again)."""
         if self.state == "recovering":  # the instances at hand belong to the failed attempt
             totals = step_totals([])
         else:
@@ -718,7 +721,8 @@ class Recovery:
         ] + [{k: v for k, v in now.items() if k != "instances"}]
         return {
             "attempts": attempts,
-            "totals": sum_totals([a["totals"] for a in attempts]),
+            "attempts_total": len(self.failed_attempts) + 1,
+            "totals": sum_totals([self._failed_totals, totals]),
         }
 
     async def _source_positions(self: Any) -> dict[ChannelId, int]:

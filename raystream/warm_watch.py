@@ -19,6 +19,8 @@ from typing import Any
 
 import ray
 
+from raystream.history import RECORDS_KEPT, BoundedHistory
+
 __all__ = ["WARM_CHECK_S", "WARM_PING_S", "WarmWatch", "unanswered_on_lost_nodes"]
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,8 @@ class WarmWatch:
     """The controller's watch over its warm standbys and change spares."""
 
     def _init_warm_watch(self: Any) -> None:
-        self.warm_actors_dropped: list[dict[str, Any]] = []
+        # the newest RECORDS_KEPT drops (len() counts them all)
+        self.warm_actors_dropped: BoundedHistory = BoundedHistory(RECORDS_KEPT)
 
     async def _watch_warm_actors(self: Any, every_s: float = WARM_CHECK_S) -> None:
         while self.state in ("running", "recovering"):

@@ -16,6 +16,7 @@ import pytest
 from raystream import change_spares as spares_module
 from raystream import controller as controller_module
 from raystream import recovery as recovery_module
+from raystream import warm_watch as warm_watch_module
 from raystream.cli import _actors_note, _totals_note
 from raystream.job import JobResult
 from raystream.metrics import step_totals, sum_totals
@@ -30,6 +31,7 @@ def small_keep(monkeypatch: pytest.MonkeyPatch) -> int:
     monkeypatch.setattr(controller_module, "RECORDS_KEPT", KEEP)
     monkeypatch.setattr(recovery_module, "RECORDS_KEPT", KEEP)
     monkeypatch.setattr(spares_module, "RECORDS_KEPT", KEEP)
+    monkeypatch.setattr(warm_watch_module, "RECORDS_KEPT", KEEP)
     return KEEP
 
 
@@ -159,6 +161,66 @@ def test_a_recovery_keeps_the_failed_attempts_totals_with_every_retired_instance
     c.handles = {}
     got = asyncio.run(c.metrics())
     assert got["totals"] == sum_totals([after, {}])
+
+
+def test_a_job_that_fails_again_and_again_keeps_the_newest_attempts_and_every_attempts_totals(
+    tmp_path: Path, small_keep: int
+) -> None:
+    """A failure-rate restart strategy restarts for as long as failures stay rare: failed
+    attempts are kept like the other records (newest listed, all counted), and the job's totals
+    still add up every attempt, also those no longer listed."""
+    rng = random.Random(12)
+    c = plain_controller("bounded-attempts", tmp_path)
+    # the oracle: plain sums of every snapshot of every failed attempt, per step
+    want: dict[str, dict[str, float]] = {}
+    attempts = small_keep * 3 + 1
+    for attempt in range(attempts):
+        live = [_snap(rng, s, i) for s, i in c.specs]
+        c.handles = {(m["step"], m["index"]): _Handle(m) for m in live}
+        c.outcomes = {}
+        c._attempt = attempt
+        cause = {"error": f"boom {attempt}", "instance": ["count", 0]}
+        asyncio.run(c._keep_attempt_metrics(cause, attempt))
+        for m in live:
+            acc = want.setdefault(m["step"], {"records_in": 0, "records_out": 0, "busy_s": 0.0})
+            for k in acc:
+                acc[k] += m[k]
+    out = c.outcome()
+    assert out["failed_attempts_total"] == attempts
+    assert [a["attempt"] for a in out["failed_attempts"]] == list(
+        range(attempts - small_keep, attempts)
+    )
+    result = JobResult(
+        "j",
+        "finished",
+        1.0,
+        {},
+        [],
+        0,
+        failed_attempts=out["failed_attempts"],
+        failed_attempts_total=out["failed_attempts_total"],
+    )
+    assert result.failed_attempts_total == attempts and len(result.failed_attempts) == small_keep
+    c.handles, c.outcomes, c._attempt = {}, {}, attempts
+    got = asyncio.run(c.metrics())
+    assert got["attempts_total"] == attempts + 1 and len(got["attempts"]) == small_keep + 1
+    assert got["totals"].keys() == want.keys()
+    for step, t in want.items():
+        assert got["totals"][step]["records_in"] == t["records_in"], step
+        assert got["totals"][step]["records_out"] == t["records_out"], step
+        assert got["totals"][step]["busy_s"] == pytest.approx(t["busy_s"], rel=1e-9), step
+
+
+def test_warm_actors_dropped_keep_the_newest_and_count_all(tmp_path: Path, small_keep: int) -> None:
+    c = plain_controller("bounded-warm-drops", tmp_path)
+    drops = [
+        {"at_s": float(i), "actor": f"spare:{i}", "why": "dead"} for i in range(small_keep * 2)
+    ]
+    for d in drops:
+        c.warm_actors_dropped.append(d)
+    st = c.describe()
+    assert st["warm_actors_dropped"] == drops[-small_keep:]
+    assert st["warm_actors_dropped_total"] == len(drops)
 
 
 def test_status_notes_name_the_actors_a_recovery_kept_and_started_and_the_totals() -> None:

@@ -102,7 +102,8 @@ def test_dead_and_lost_warm_actors_are_dropped_and_refilled_slow_ones_kept(
         ("raystream:warmwatch:count:4", "node lost"),
         ("raystream:warmwatch:spare:2", "node lost"),
     ]
-    assert c.describe()["warm_actors_dropped"] == c.warm_actors_dropped
+    assert c.describe()["warm_actors_dropped"] == c.warm_actors_dropped.kept()
+    assert c.describe()["warm_actors_dropped_total"] == 3
 
 
 def test_a_warm_actor_taken_while_it_was_pinged_is_not_dropped_twice(
