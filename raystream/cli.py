@@ -806,6 +806,9 @@ def savepoint(job: str, path: str, address: str | None) -> None:
     )
 
 
+TIMERS_SHOWN_AS = "pending_timers"  # `raystream state`: the timers' table (and Parquet file)
+
+
 @main.command("state")
 @click.argument("job_file")
 @click.argument("step")
@@ -849,7 +852,7 @@ def state(
 ) -> None:
     """Show the keyed state STEP of JOB_FILE's dataflow held at a checkpoint (or savepoint),
     without starting the job: one table per declared state (key, value; a map state: key,
-    map_key, value)."""
+    map_key, value), then the pending timers (key, domain, timestamp) if there are any."""
     import raystream as rs
 
     if limit < 0:
@@ -867,24 +870,30 @@ def state(
     tables = None
     for typed in _key_candidates(key, key_type):
         tables = rs.read_state(flow, step, key=typed, key_type=key_type, **where)
-        if typed is None or any(t.num_rows for t in tables.values()):
+        pending = tables.timers.num_rows if tables.timers is not None else 0
+        if typed is None or pending or any(t.num_rows for t in tables.values()):
             break
     assert tables is not None
+    shown = dict(tables.items())
+    if tables.timers is not None and tables.timers.num_rows:
+        shown[TIMERS_SHOWN_AS] = tables.timers
     if parquet_dir:
         import pyarrow.parquet as pq
 
         Path(parquet_dir).mkdir(parents=True, exist_ok=True)
-        for name, table in tables.items():
+        for name, table in shown.items():
             pq.write_table(table, str(Path(parquet_dir) / f"{name}.parquet"))
             click.echo(f"{Path(parquet_dir) / name}.parquet: {table.num_rows:,} rows")
         return
-    for name, table in tables.items():
-        if as_json:
+    for name, table in shown.items():
+        what = "pending timers" if name == TIMERS_SHOWN_AS else f"state {name!r}"
+        if as_json:  # a state's row: {"state": name, ...}; a timer's: {"timer": domain, ...}
             for row in table.to_pylist():
-                click.echo(json.dumps({"state": name, **row}, default=_json_value))
+                head = {"timer": row.pop("domain")} if name == TIMERS_SHOWN_AS else {"state": name}
+                click.echo(json.dumps({**head, **row}, default=_json_value))
             continue
         click.echo(
-            f"state {name!r} of step {step!r}, {tables.where}: {table.num_rows:,} rows"
+            f"{what} of step {step!r}, {tables.where}: {table.num_rows:,} rows"
             + (f" (first {limit})" if table.num_rows > limit else "")
         )
         for line in _text_rows(table.slice(0, limit)):

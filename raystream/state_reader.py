@@ -15,8 +15,10 @@ space, is refused). The temporary folders are removed afterwards.
 What is read: every declared state (ValueState, ListState, MapState, ResidentState), so the
 state of the built-in windows and joins (``raystream.operators``) too, as those operators declare
 it (a window's ``ValueState(bytes)`` or ``ResidentState`` comes out as the stored bytes, their
-own encoding). Timers (state ids 253 and 254) are not read. A keyed instance that had finished
-before the checkpoint holds no state for its key groups (listed in
+own encoding). Timers (state ids 253 and 254) are read into :attr:`StateTables.timers`: one row
+per pending timer (key, ``domain`` ``"event"`` or ``"processing"``, ``timestamp``), as Flink's
+reader lists a key's registered event- and processing-time timers. A keyed instance that had
+finished before the checkpoint holds no state for its key groups (listed in
 :attr:`StateTables.finished_key_groups`); a final checkpoint (taken at the end of input) holds
 no keyed state at all and is refused with the ids of the ones that do.
 """
@@ -34,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from raystream.errors import CheckpointError, ConfigError, SchemaError
 from raystream.keys import KeySpace
@@ -43,7 +46,11 @@ from raystream.state.spec import ListState, MapState, StateSpec
 __all__ = ["KEY_TYPES", "StateTables", "read_state", "state_tables_of"]
 
 KEY_TYPES = {"int": pa.int64(), "str": pa.string(), "bytes": pa.binary()}
-TIMER_STATE_IDS = frozenset({253, 254})  # raystream.runtime.timers: event and processing time
+# raystream.runtime.timers' state ids: EVENT_TIMERS, PROCESSING_TIMERS (not imported: the
+# reader needs no runtime); a timer's stored key is [prefix][timestamp, 8 bytes][user key]
+TIMER_DOMAINS = {254: "event", 253: "processing"}
+TIMER_STATE_IDS = frozenset(TIMER_DOMAINS)
+_TIMESTAMP_LEN = 8
 _SIGN = np.uint64(1 << 63)
 _PICKLE_START = 0x80  # pickle protocol 2+ starts with PROTO (0x80): a map key follows a user key
 _SCAN_RUN = 4096  # rows taken from a RocksDB iterator at once
@@ -57,7 +64,11 @@ class StateTables(Mapping[str, pa.Table]):
     unnamed state). Columns: the step's key column (int64, string or binary, as the step's keys),
     then ``value`` for a value, list or resident state (one row per key), or ``map_key`` and
     ``value`` for a map state (one row per key and map key); rows ordered by key (then map key).
-    With ``decode=False`` the values (and map keys) are the stored bytes."""
+    With ``decode=False`` the values (and map keys) are the stored bytes.
+
+    ``timers``: the pending timers, one row each: the key column, ``domain`` (``"event"`` or
+    ``"processing"``) and ``timestamp`` (int64 ms), ordered by key, domain and timestamp (a timer
+    that had fired before the checkpoint is not there)."""
 
     step: str
     key_column: str
@@ -65,6 +76,7 @@ class StateTables(Mapping[str, pa.Table]):
     where: str  # what was read: "checkpoint 7 of job 'x' under /tmp/chk", "savepoint /sp"
     tables: dict[str, pa.Table]
     finished_key_groups: tuple[int, ...] = ()  # held by instances that had ended: no state
+    timers: pa.Table | None = None
 
     def __getitem__(self, name: str) -> pa.Table:
         try:
@@ -81,7 +93,8 @@ class StateTables(Mapping[str, pa.Table]):
 
     def __repr__(self) -> str:
         rows = ", ".join(f"{n}: {t.num_rows} rows" for n, t in self.tables.items())
-        return f"StateTables(step={self.step!r}, {self.where}, {rows})"
+        timers = f", timers: {self.timers.num_rows} rows" if self.timers is not None else ""
+        return f"StateTables(step={self.step!r}, {self.where}, {rows}{timers})"
 
 
 def read_state(
@@ -140,7 +153,7 @@ def read_state(
     )
     rows = _read_parts(reader, parts, flow.key_space, key, where, work_dir)
     key_column = st.input_keys[0].key_column
-    tables = state_tables_of(
+    tables, timers = _decode(
         rows,
         st.state,
         flow.key_space,
@@ -157,6 +170,7 @@ def read_state(
         where=where,
         tables=tables,
         finished_key_groups=tuple(finished),
+        timers=timers,
     )
 
 
@@ -544,8 +558,33 @@ def state_tables_of(
     where: str = "the state",
 ) -> dict[str, pa.Table]:
     """Decode stored rows (keys, values: large_binary) of one keyed step into one table per
-    declared state (see :class:`StateTables`). Rows of timers are left out; a row of a state id
-    the step does not declare is an error (the dataflow declares other states than the job's)."""
+    declared state (see :class:`StateTables`). Rows of timers are left out (:func:`read_state`
+    reads them into ``StateTables.timers``); a row of a state id the step does not declare is an
+    error (the dataflow declares other states than the job's)."""
+    return _decode(
+        rows,
+        specs,
+        key_space,
+        key_column,
+        key_type=key_type,
+        decode=decode,
+        key=key,
+        where=where,
+    )[0]
+
+
+def _decode(
+    rows: tuple[pa.Array, pa.Array],
+    specs: dict[str, StateSpec],
+    key_space: KeySpace,
+    key_column: str,
+    *,
+    key_type: str | None,
+    decode: bool,
+    key: Any,
+    where: str,
+) -> tuple[dict[str, pa.Table], pa.Table]:
+    """The declared states' tables and the timers' table (see :class:`StateTables`)."""
     keys, values = rows
     split = _split(keys)
     data, starts, lengths = split
@@ -574,7 +613,8 @@ def state_tables_of(
             name: _only_key(r, key, key_type, ids[name], key_space)
             for name, r in per_state.items()
         }
-    kind = _kind_of(list(per_state.values()), key_type, key_space, where)
+    timer_rows = {sid_: _timer_rows(values, split, sid == sid_, where) for sid_ in TIMER_DOMAINS}
+    kind = _kind_of([*per_state.values(), *timer_rows.values()], key_type, key_space, where)
     out: dict[str, pa.Table] = {}
     for name, spec in specs.items():
         r = per_state[name]
@@ -590,7 +630,48 @@ def state_tables_of(
         columns[value_col] = _values(r.values, spec, decode, name, where)
         table = pa.table(columns)
         out[name or "state"] = _sorted(table, key_column)
-    return out
+    return out, _timers_table(timer_rows, kind, key_column, key, where)
+
+
+def _timer_rows(values: pa.Array, data_split: Any, mask: np.ndarray, where: str) -> _Rows:
+    """The rows of one timer domain, their starts moved past the timestamp (so the user key
+    decodes as a state row's does; the key group and sub-group are read before the move)."""
+    r = _rows_of(values, data_split, mask, is_map=False)
+    if len(r.lengths) and int(r.lengths.min()) < PREFIX_LEN + _TIMESTAMP_LEN:
+        msg = f"{where} is damaged: a stored timer of {int(r.lengths.min())} bytes has no timestamp"
+        raise CheckpointError(msg)
+    return _Rows(
+        r.data,
+        r.starts + _TIMESTAMP_LEN,
+        r.lengths - _TIMESTAMP_LEN,
+        r.key_group,
+        r.sub_group,
+        r.values,
+        is_map=False,
+    )
+
+
+def _timers_table(
+    timer_rows: dict[int, _Rows], kind: str, key_column: str, key: Any, where: str
+) -> pa.Table:
+    """One row per stored timer: key, domain, timestamp (ordered by them)."""
+    parts = []
+    for sid, r in timer_rows.items():
+        user_keys, _ = r.user_keys(kind)
+        # the timestamp: the 8 bytes right after the prefix (before the move in _timer_rows)
+        ts = _int_keys(r.data, r.starts - _TIMESTAMP_LEN)
+        domain = pa.array([TIMER_DOMAINS[sid]] * len(ts), pa.string())
+        parts.append(
+            pa.table(
+                {key_column: _as_kind(user_keys, kind, where), "domain": domain, "timestamp": ts}
+            )
+        )
+    table = pa.concat_tables(parts)
+    if key is not None:
+        table = table.filter(pc.equal(table.column(key_column), pa.scalar(key, KEY_TYPES[kind])))
+    return table.sort_by(
+        [(key_column, "ascending"), ("domain", "ascending"), ("timestamp", "ascending")]
+    )
 
 
 def _values(stored: pa.Array, spec: StateSpec, decode: bool, name: str, where: str) -> pa.Array:

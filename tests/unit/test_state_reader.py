@@ -244,6 +244,95 @@ def test_binary_keys_are_found_and_read(tmp_path: Path) -> None:
     assert _as_dict(got, "k") == dict(collections.Counter(keys))
 
 
+PROCESSING_BASE = 10**12  # processing-time timers far ahead: none is due in the test
+WATERMARK = 60_000
+
+
+def _fired(timers: rs.FiredTimers, state: Any) -> pa.RecordBatch:
+    return timers.output({"fired": np.ones(len(timers), np.int64)})
+
+
+@rs.keyed_batches(state=rs.ValueState(int, default=0), on_timer=_fired)
+def count_and_remind(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+    """Counts, and per event an event-time timer 1 s after it; keys divisible by 3 also get a
+    processing-time timer."""
+    new = state.get(batch.keys) + batch.counts
+    state.put(batch.keys, new)
+    ts = batch.records.column("ts").to_numpy()
+    batch.timers.register_at(batch.key_index(), ts + 1_000)
+    keys = batch.keys.keys.to_numpy()
+    every3 = np.flatnonzero(keys % 3 == 0)
+    batch.timers.register_processing_at(every3, PROCESSING_BASE + keys[every3])
+    return batch.output({"count": new})
+
+
+def _timers_flow(events: pa.Table) -> rs.Dataflow:
+    flow = rs.Dataflow("timers", num_key_groups=16, sub_groups=4)
+    flow.source(rs.sources.from_table(events)).key_by("key").apply(
+        count_and_remind, name="count"
+    ).sink(rs.sinks.collect(), name="out")
+    return flow
+
+
+def test_pending_timers_are_read_with_their_domain_and_timestamp(tmp_path: Path) -> None:
+    """Timers registered per event, some fired by a watermark before the checkpoint: the
+    reader lists exactly the pending ones (DuckDB computes them from the input)."""
+    rng = np.random.default_rng(21)
+    n = 20_000
+    events = pa.table({"key": rng.integers(0, 500, n), "ts": rng.integers(0, 100_000, n)})
+    flow = _timers_flow(events)
+    inst = Instances(flow, "count", 2, tmp_path / "state", str(tmp_path / "chk"))
+    try:
+        inst.process(events, "key")
+        fired = sum(sum(b.num_rows for b in proc.on_watermark(WATERMARK)) for proc in inst.procs)
+        inst.checkpoint(1)
+    finally:
+        inst.close()
+    con = duckdb.connect()
+    con.register("events", events)
+    want = con.execute(
+        f"""select key, 'event' as domain, ts + 1000 as t from events where ts + 1000 > {WATERMARK}
+            union
+            select key, 'processing', {PROCESSING_BASE} + key from events where key % 3 = 0
+            order by key, domain, t"""
+    ).fetchall()
+    due = con.execute(
+        f"select count(*) from (select distinct key, ts from events where ts + 1000 <= {WATERMARK})"
+    ).fetchone()[0]
+    assert fired == due > 0  # the watermark fired some: they must be gone from the checkpoint
+    got = rs.read_state(flow, "count", checkpoint_dir=str(tmp_path / "chk"))
+    timers = got.timers
+    assert timers.column_names == ["key", "domain", "timestamp"]
+    assert list(zip(*(timers.column(c).to_pylist() for c in timers.column_names))) == want
+    assert _as_dict(got["state"]) == dict(collections.Counter(events.column("key").to_pylist()))
+    one = rs.read_state(flow, "count", checkpoint_dir=str(tmp_path / "chk"), key=3)
+    assert one.timers.to_pylist() == [
+        {"key": k, "domain": d, "timestamp": t} for k, d, t in want if k == 3
+    ]
+    assert "timers:" in repr(got)
+    # the command line shows them after the states (text, JSON, Parquet)
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import pyarrow as pa\n"
+        "from tests.unit.test_state_reader import _timers_flow\n"
+        "flow = _timers_flow(pa.table({'key': [0], 'ts': [0]}))\n"
+    )
+    base = ["state", str(job), "count", "--checkpoint-dir", str(tmp_path / "chk")]
+    runner = CliRunner()
+    out = runner.invoke(cli.main, [*base, "--key", "3"])
+    assert out.exit_code == 0, out.output
+    pending = [(k, d, t) for k, d, t in want if k == 3]
+    assert "pending timers of step 'count', checkpoint 1" in out.output
+    assert f": {len(pending)} rows" in out.output
+    out = runner.invoke(cli.main, [*base, "--json"])
+    assert out.exit_code == 0, out.output
+    rows = [json.loads(line) for line in out.output.splitlines()]
+    assert [(r["key"], r["timer"], r["timestamp"]) for r in rows if "timer" in r] == want
+    out = runner.invoke(cli.main, [*base, "--parquet", str(tmp_path / "pq")])
+    assert out.exit_code == 0, out.output
+    assert pq.read_table(tmp_path / "pq" / "pending_timers.parquet").equals(timers)
+
+
 # ---- bad input ------------------------------------------------------------------------------
 def test_unknown_and_stateless_steps_name_the_keyed_steps(int_checkpoints: dict[str, Any]) -> None:
     flow, uri = int_checkpoints["flow"], int_checkpoints["uri"]
@@ -255,7 +344,9 @@ def test_unknown_and_stateless_steps_name_the_keyed_steps(int_checkpoints: dict[
 
 def test_no_checkpoint_says_where_it_looked(tmp_path: Path) -> None:
     empty = tmp_path / "nothing"
-    with pytest.raises(CheckpointError, match=rf"no complete checkpoint of job 'readcount' under {empty}"):
+    with pytest.raises(
+        CheckpointError, match=rf"no complete checkpoint of job 'readcount' under {empty}"
+    ):
         rs.read_state(_count_flow(), "count", checkpoint_dir=str(empty))
     assert not empty.exists()  # reading writes nothing
     with pytest.raises(CheckpointError, match=r"checkpoint 9 .* cannot be used"):
