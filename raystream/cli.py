@@ -98,7 +98,10 @@ def _load_flow(path: str, flow_name: str | None) -> Any:
             raise click.BadParameter(msg)
         return flows[flow_name]
     if len(flows) != 1:
-        msg = f"{path} must define exactly one Dataflow at module level (found {sorted(flows)}); pick one with --flow"
+        msg = (
+            f"{path} must define exactly one Dataflow at module level (found {sorted(flows)}); "
+            "pick one with --flow"
+        )
         raise click.BadParameter(msg)
     return next(iter(flows.values()))
 
@@ -889,7 +892,8 @@ def state(
         what = "pending timers" if name == TIMERS_SHOWN_AS else f"state {name!r}"
         if as_json:  # a state's row: {"state": name, ...}; a timer's: {"timer": domain, ...}
             for row in table.to_pylist():
-                head = {"timer": row.pop("domain")} if name == TIMERS_SHOWN_AS else {"state": name}
+                timer = name == TIMERS_SHOWN_AS
+                head = {"timer": row.pop(table.column_names[1])} if timer else {"state": name}
                 click.echo(json.dumps({**head, **row}, default=_json_value))
             continue
         click.echo(

@@ -654,7 +654,10 @@ def _timer_rows(values: pa.Array, data_split: Any, mask: np.ndarray, where: str)
 def _timers_table(
     timer_rows: dict[int, _Rows], kind: str, key_column: str, key: Any, where: str
 ) -> pa.Table:
-    """One row per stored timer: key, domain, timestamp (ordered by them)."""
+    """One row per stored timer: key, domain, timestamp (ordered by them; ``timer_domain`` and
+    ``timer_timestamp`` when the key column has one of those names)."""
+    clash = key_column in ("domain", "timestamp")
+    dom_col, ts_col = ("timer_domain", "timer_timestamp") if clash else ("domain", "timestamp")
     parts = []
     for sid, r in timer_rows.items():
         user_keys, _ = r.user_keys(kind)
@@ -663,15 +666,13 @@ def _timers_table(
         domain = pa.array([TIMER_DOMAINS[sid]] * len(ts), pa.string())
         parts.append(
             pa.table(
-                {key_column: _as_kind(user_keys, kind, where), "domain": domain, "timestamp": ts}
+                {key_column: _as_kind(user_keys, kind, where), dom_col: domain, ts_col: ts}
             )
         )
     table = pa.concat_tables(parts)
     if key is not None:
         table = table.filter(pc.equal(table.column(key_column), pa.scalar(key, KEY_TYPES[kind])))
-    return table.sort_by(
-        [(key_column, "ascending"), ("domain", "ascending"), ("timestamp", "ascending")]
-    )
+    return table.sort_by([(key_column, "ascending"), (dom_col, "ascending"), (ts_col, "ascending")])
 
 
 def _values(stored: pa.Array, spec: StateSpec, decode: bool, name: str, where: str) -> pa.Array:

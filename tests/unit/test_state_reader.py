@@ -333,6 +333,32 @@ def test_pending_timers_are_read_with_their_domain_and_timestamp(tmp_path: Path)
     assert pq.read_table(tmp_path / "pq" / "pending_timers.parquet").equals(timers)
 
 
+def test_timer_rows_decode_string_keys_and_a_key_column_named_timestamp() -> None:
+    """Rows as the runtime's timer service encodes them (string keys, both domains) decode to
+    their keys and timestamps; a key column named like a timer column leaves room for it."""
+    from raystream.keys import KeySpace
+    from raystream.runtime.timers import EVENT_TIMERS, PROCESSING_TIMERS, encode_timers
+    from raystream.state_reader import _decode
+
+    ks = KeySpace(8, 2)
+    keys = pa.array(["b", "a", "ü", "a"], pa.string())
+    kg, sg = ks.locate(keys)
+    ts = np.array([300, -5, 7, 2**40])
+    stored = encode_timers(kg[:3], sg[:3], EVENT_TIMERS, keys[:3], ts[:3]) + encode_timers(
+        kg[3:], sg[3:], PROCESSING_TIMERS, keys[3:], ts[3:]
+    )
+    rows = (pa.array(stored, pa.large_binary()), pa.array([b"s"] * 4, pa.large_binary()))
+    _, timers = _decode(
+        rows, {}, ks, "timestamp", key_type=None, decode=True, key=None, where="test"
+    )
+    assert timers.to_pylist() == [
+        {"timestamp": "a", "timer_domain": "event", "timer_timestamp": -5},
+        {"timestamp": "a", "timer_domain": "processing", "timer_timestamp": 2**40},
+        {"timestamp": "b", "timer_domain": "event", "timer_timestamp": 300},
+        {"timestamp": "ü", "timer_domain": "event", "timer_timestamp": 7},
+    ]
+
+
 # ---- bad input ------------------------------------------------------------------------------
 def test_unknown_and_stateless_steps_name_the_keyed_steps(int_checkpoints: dict[str, Any]) -> None:
     flow, uri = int_checkpoints["flow"], int_checkpoints["uri"]
