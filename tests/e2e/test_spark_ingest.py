@@ -105,7 +105,9 @@ def test_backpressure_reaches_spark_tasks_and_the_buffer_stays_bounded(spark: An
     df = spark.range(0, 120_000, numPartitions=2).selectExpr("id % 997 as key", "id as seq")
     src = rs.sources.spark(df, push_rows=10_000, capacity_rows=20_000)
     flow = rs.Dataflow("e2e-spark-backpressure", num_key_groups=64)
-    flow.source(src).apply(slow).options(chain=False).key_by("key").apply(count).sink(rs.sinks.collect(), name="out")
+    flow.source(src).apply(slow).options(chain=False).key_by("key").apply(count).sink(
+        rs.sinks.collect(), name="out"
+    )
     job = rs.start(flow, batch_rows=10_000, max_inflight=1, inbox_capacity=1, standby_instances=0)
     result = job.wait(300)
     assert final_counts(result) == oracle(np.arange(120_000) % 997)
@@ -399,6 +401,24 @@ def running_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
     """One output row per record: its key, its seq and the count of its key up to it (paced, so
     the job takes a few seconds and kills land while Spark still pushes)."""
     time.sleep(0.03)
+    return _count_rows(batch, state)
+
+
+def running_count_until(gate: Path) -> Any:
+    """``running_count`` taking 200 us per row until the file ``gate`` exists: a per-call pause
+    shrinks when a backlog merges batches into fewer calls, this one does not, so the input
+    outlasts whatever the test does before it opens the gate."""
+
+    @rs.keyed_batches(name="running_count", state=rs.ValueState(int, default=0))
+    def gated_running_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+        if not gate.exists():
+            time.sleep(len(batch) * 200e-6)
+        return _count_rows(batch, state)
+
+    return gated_running_count
+
+
+def _count_rows(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
     before = state.get(batch.keys)
     counts = batch.counts
     state.put(batch.keys, before + counts)
@@ -415,7 +435,13 @@ def running_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
 
 
 def _start_checkpointed(
-    name: str, source: Any, source_parallelism: int, out: Path, tmp_path: Path, batch_rows: int
+    name: str,
+    source: Any,
+    source_parallelism: int,
+    out: Path,
+    tmp_path: Path,
+    batch_rows: int,
+    count: Any = running_count,
 ) -> rs.Job:
     """The running-count job over ``source`` into a Parquet folder, checkpointing every 0.3 s
     and recovering after 0.2 s (no warm standby actors: no rescale here)."""
@@ -423,7 +449,7 @@ def _start_checkpointed(
     (
         flow.source(source, parallelism=source_parallelism)
         .key_by("key")
-        .apply(running_count, name="count")
+        .apply(count, name="count")
         .sink(rs.sinks.parquet(str(out)), name="out")
     )
     return rs.start(
@@ -500,15 +526,28 @@ def test_a_spark_fed_job_recovers_exactly_once_from_a_keyed_and_a_source_kill(
         f"(id * 7919) % {REC_KEYS} as key", "id as seq"
     )
     out = tmp_path / "out"
+    gate = tmp_path / "gate"
     source = rs.sources.spark(df, push_rows=2_000, capacity_rows=4_000, direct=True)
-    job = _start_checkpointed("e2e-spark-recover", source, 2, out, tmp_path, batch_rows=2_000)
+    job = _start_checkpointed(
+        "e2e-spark-recover",
+        source,
+        2,
+        out,
+        tmp_path,
+        batch_rows=2_000,
+        count=running_count_until(gate),
+    )
     try:
         _wait_for(job, "rows in a checkpoint", lambda s: _checkpointed(s) > 0)
         _kill_instance(job, "count", 1)
         _wait_for(job, "recovery", lambda s: s["recoveries"] and s["state"] == "running")
         n = job.status()["checkpoints"]["completed"]
         _wait_for(job, "a checkpoint after it", lambda s: s["checkpoints"]["completed"] > n)
+        # the second feed is still pushing (a feed's counts arrive when it completed): the
+        # source kill must interrupt it, not come after a checkpoint that holds all the input
+        assert job.feeders[0].stats["rows"] == 0, job.feeders[0].stats
         _kill_instance(job, "source", 0)
+        gate.touch()
         result = job.wait(120)
     finally:
         job.cancel()
