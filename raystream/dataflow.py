@@ -25,6 +25,10 @@ Operator forms:
 * ``@rs.keyed``         fn(key, records: pa.RecordBatch, state) -> iterable of dicts / (key, value)
 * ``@rs.keyed_batches`` fn(batch: rs.KeyedBatch, state) -> pa.RecordBatch | None (vectorised)
 
+The four stateless forms also take ``async def`` functions, for I/O (a Ray actor or Ray Serve
+call, an HTTP lookup): ``@rs.map(concurrency=64, timeout_s=5)`` awaits up to 64 calls of an
+instance at once and keeps the records' order (see :class:`AsyncCalls`).
+
 Event time and several inputs::
 
     events = flow.source(src, event_time="ts", max_out_of_orderness_ms=500)  # watermarks
@@ -50,6 +54,7 @@ from raystream.runtime.watermarks import EventTimeSpec
 from raystream.state.spec import StateSpec, check_state_specs
 
 __all__ = [
+    "AsyncCalls",
     "ConnectedStreams",
     "Dataflow",
     "KeySpec",
@@ -65,8 +70,40 @@ __all__ = [
 ]
 
 _STATELESS = ("map", "filter", "flat_map", "map_batches")
+DEFAULT_CONCURRENCY = 32  # calls of an async stateless function an instance awaits at once
 _KEYED = ("keyed", "keyed_batches")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class AsyncCalls:
+    """How an instance runs an ``async def`` stateless function (Flink's async I/O, ordered).
+
+    The records of a batch are handed to the function as they come, at most ``concurrency``
+    calls awaited at once per instance (default 32; ``@rs.map_batches``: the batch cut into
+    ``concurrency`` parts of about equal size, default 1, the whole batch); the outputs leave
+    in the records' order once every call of the batch returned. A batch is done before the
+    instance takes the next one, so a checkpoint barrier, a watermark or a rescale never passes
+    a call in flight: after a recovery the calls for the records after the checkpoint are made
+    again (as in Flink, they should be idempotent). The calls run on the instance's event loop:
+    a blocking call inside them holds every other call up (use ``await``, or
+    ``asyncio.to_thread``).
+    ``timeout_s``: a call that takes longer fails the step (and so the job, or its recovery)
+    with a :class:`TimeoutError` naming the record; ``None`` waits as long as it takes.
+    """
+
+    concurrency: int = DEFAULT_CONCURRENCY
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        c = self.concurrency
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            msg = f"concurrency must be an int >= 1 (calls awaited at once), got {c!r}"
+            raise DataflowDefinitionError(msg)
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or t <= 0):
+            msg = f"timeout_s must be a number of seconds > 0, or None (no limit), got {t!r}"
+            raise DataflowDefinitionError(msg)
 
 
 @dataclass(frozen=True)
@@ -79,6 +116,7 @@ class Operator:
     state: dict[str, StateSpec] = field(default_factory=dict)
     parallelism: int | None = None
     on_timer: Callable[..., Any] | None = None
+    async_calls: AsyncCalls | None = None  # an async def stateless function: how it is awaited
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calling the operator calls the function itself (handy in unit tests)."""
@@ -135,6 +173,50 @@ def _check_arity(
         raise DataflowDefinitionError(msg)
 
 
+def is_async_function(fn: Any) -> bool:
+    """``async def`` (also a callable object whose ``__call__`` is, or a partial of one)."""
+    while hasattr(fn, "func") and hasattr(fn, "args"):  # functools.partial
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(type(fn), "__call__", None)
+    return not inspect.isfunction(fn) and call is not None and inspect.iscoroutinefunction(call)
+
+
+def _async_calls(
+    kind: str, fn: Any, name: str, concurrency: int | None, timeout_s: float | None
+) -> AsyncCalls | None:
+    """How ``fn`` is awaited, or None for a synchronous function (checked against ``kind``)."""
+    if not is_async_function(fn):
+        if inspect.isasyncgenfunction(fn):
+            msg = (
+                f"step {name!r}: {getattr(fn, '__qualname__', fn)!r} is an async generator; "
+                f"@rs.{kind} takes an async def function that returns its result"
+                + (" (a list of dicts for @rs.flat_map)" if kind == "flat_map" else "")
+            )
+            raise DataflowDefinitionError(msg)
+        if concurrency is not None or timeout_s is not None:
+            given = "concurrency=" if concurrency is not None else "timeout_s="
+            msg = (
+                f"step {name!r}: {given} is for async def functions (calls awaited at once); "
+                f"{getattr(fn, '__qualname__', fn)!r} is synchronous. Declare it async def, "
+                f"or leave out {given}"
+            )
+            raise DataflowDefinitionError(msg)
+        return None
+    if kind not in _STATELESS:
+        msg = (
+            f"step {name!r}: @rs.{kind} takes a synchronous function (its state is read and "
+            f"written while it runs); {getattr(fn, '__qualname__', fn)!r} is async def. Do the "
+            "I/O in an async @rs.map / @rs.map_batches before key_by, and keep the keyed "
+            "function synchronous"
+        )
+        raise DataflowDefinitionError(msg)
+    if concurrency is None:  # a batch function gets the whole batch unless told otherwise
+        concurrency = 1 if kind == "map_batches" else DEFAULT_CONCURRENCY
+    return AsyncCalls(concurrency, timeout_s)
+
+
 def _decorator(kind: str) -> Callable[..., Any]:
     def decorate(
         fn: Callable[..., Any] | None = None,
@@ -143,6 +225,8 @@ def _decorator(kind: str) -> Callable[..., Any]:
         state: Any = None,
         parallelism: int | None = None,
         on_timer: Callable[..., Any] | None = None,
+        concurrency: int | None = None,
+        timeout_s: float | None = None,
     ) -> Any:
         def wrap(f: Callable[..., Any]) -> Operator:
             step_name = name or getattr(f, "__name__", kind)
@@ -153,7 +237,14 @@ def _decorator(kind: str) -> Callable[..., Any]:
             _check_arity(kind, f, step_name, bool(specs), on_timer is not None)
             if on_timer is not None:
                 _check_on_timer(kind, on_timer, step_name, bool(specs))
-            return Operator(kind, f, step_name, specs, parallelism, on_timer)
+                if is_async_function(on_timer):
+                    msg = (
+                        f"step {step_name!r}: on_timer must be a synchronous function (it reads "
+                        "and writes the key's state); it is async def"
+                    )
+                    raise DataflowDefinitionError(msg)
+            calls = _async_calls(kind, f, step_name, concurrency, timeout_s)
+            return Operator(kind, f, step_name, specs, parallelism, on_timer, calls)
 
         return wrap(fn) if fn is not None else wrap
 
@@ -222,6 +313,7 @@ class Step:
     ports: tuple[str, ...] = ()  # per upstream step: which of its outputs ('' main, or a side)
     actor: ActorOptions = field(default_factory=ActorOptions)  # Ray actor options, placement
     chain: bool = True  # may share an actor with its neighbours (raystream.chaining)
+    async_calls: AsyncCalls | None = None  # an async def stateless function: how it is awaited
 
     @property
     def is_keyed(self) -> bool:
@@ -453,22 +545,59 @@ class Stream:
             parallelism=parallelism if parallelism is not None else op.parallelism,
             on_timer=op.on_timer,
             ports=self._step_ports,
+            async_calls=op.async_calls,
         )
         self._flow._add(step)
         schema = self.schema if op.kind == "filter" else None
         return Stream(self._flow, step_name, schema)
 
-    def map(self, fn: Callable[..., Any], *, name: str | None = None) -> Stream:
-        return self.apply(map(fn, name=name or _auto(fn, "map")))
+    def map(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        concurrency: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Stream:
+        name = name or _auto(fn, "map")
+        op = map(fn, name=name, concurrency=concurrency, timeout_s=timeout_s)
+        return self.apply(op)
 
-    def filter(self, fn: Callable[..., Any], *, name: str | None = None) -> Stream:
-        return self.apply(filter(fn, name=name or _auto(fn, "filter")))
+    def filter(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        concurrency: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Stream:
+        name = name or _auto(fn, "filter")
+        op = filter(fn, name=name, concurrency=concurrency, timeout_s=timeout_s)
+        return self.apply(op)
 
-    def flat_map(self, fn: Callable[..., Any], *, name: str | None = None) -> Stream:
-        return self.apply(flat_map(fn, name=name or _auto(fn, "flat_map")))
+    def flat_map(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        concurrency: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Stream:
+        name = name or _auto(fn, "flat_map")
+        op = flat_map(fn, name=name, concurrency=concurrency, timeout_s=timeout_s)
+        return self.apply(op)
 
-    def map_batches(self, fn: Callable[..., Any], *, name: str | None = None) -> Stream:
-        return self.apply(map_batches(fn, name=name or _auto(fn, "map_batches")))
+    def map_batches(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        concurrency: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Stream:
+        name = name or _auto(fn, "map_batches")
+        op = map_batches(fn, name=name, concurrency=concurrency, timeout_s=timeout_s)
+        return self.apply(op)
 
     def sink(self, sink: Any, *, name: str | None = None, parallelism: int | None = None) -> None:
         """End the stream in a sink (``rs.sinks.collect()``, ``rs.sinks.parquet(dir)``, ...)."""

@@ -165,6 +165,7 @@ _CONTEXT = {
     "batch": "while processing a batch whose first key is {}",
     "timer": "while firing a timer of key {}",
     "record": "while processing record {}",
+    "rows": "while processing rows {} of a batch",
 }
 
 

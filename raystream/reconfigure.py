@@ -172,7 +172,9 @@ def check_replacement(
             "already registered would never fire"
         )
         raise ReconfigurationError(msg)
-    new_step = replace(step, fn=op.fn, state=dict(op.state), on_timer=op.on_timer)
+    new_step = replace(
+        step, fn=op.fn, state=dict(op.state), on_timer=op.on_timer, async_calls=op.async_calls
+    )
     return new_step, migrations
 
 

@@ -87,7 +87,15 @@ def inserted_step(
         # its own actors (chain=False), as it runs once inserted: a recovery, which plans the
         # graph anew, would chain it to its neighbours otherwise, and then it could not be
         # removed (nor its neighbours rewired) any more
-        return Step(name, op.kind, op.fn, (after,), parallelism=parallelism, chain=False)
+        return Step(
+            name,
+            op.kind,
+            op.fn,
+            (after,),
+            parallelism=parallelism,
+            chain=False,
+            async_calls=op.async_calls,
+        )
     if key_by is None:
         msg = (
             f"inserting keyed step {name!r} (@rs.{op.kind}) needs key_by=: the column (or a "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -1120,6 +1121,8 @@ class OperatorInstance:
             with m.busy():
                 t0 = time.perf_counter()
                 outs = self.processor.process(batch, **kw)
+                if inspect.isawaitable(outs):  # an async def stateless function's calls
+                    outs = await outs
                 if keyed:
                     self._learn_cost(time.perf_counter() - t0, batch.num_rows)
                 m.record_in(batch.num_rows)

@@ -8,6 +8,7 @@ output lacks them; keyed operators give each output the oldest ``ingest_ts`` and
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -108,16 +109,22 @@ def _rows_to_batch(rows: list[dict[str, Any]], step: str) -> list[pa.RecordBatch
 
 
 class MapProcessor:
+    """``@rs.map`` / ``@rs.filter`` / ``@rs.flat_map``: the function per record. An ``async def``
+    function (``step.async_calls``) makes :meth:`process` return a coroutine: the instance awaits
+    it (:func:`raystream.runtime.async_calls.call_all`)."""
+
     def __init__(self, step: Step) -> None:
         self.step = step
 
     def close(self) -> None:
         pass
 
-    def process(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+    def process(self, batch: pa.RecordBatch) -> Any:
         fn = self.step.fn
         kind = self.step.kind
         rows = batch.to_pylist()
+        if self.step.async_calls is not None:
+            return self._process_async(batch, rows)
         try:
             return self._process_rows(fn, kind, batch, rows)
         except Exception as e:
@@ -135,29 +142,79 @@ class MapProcessor:
             for r in rows:
                 self._current = r
                 o = fn(r)
-                if not isinstance(o, dict):
-                    msg = f"map step {self.step.name!r} must return a dict per record, got {o!r}"
-                    raise SchemaError(msg)
-                _carry_meta(r, o)
+                self._check_map_result(r, o)
                 out.append(o)
         elif kind == "flat_map":
             for r in rows:
                 self._current = r
-                for o in fn(r) or ():
-                    if not isinstance(o, dict):
-                        msg = f"flat_map step {self.step.name!r} must yield dicts, got {o!r}"
-                        raise SchemaError(msg)
-                    _carry_meta(r, o)
-                    out.append(o)
+                self._add_flat(r, fn(r), out)
         else:  # filter
             mask = np.zeros(len(rows), dtype=bool)
             for i, r in enumerate(rows):
                 self._current = r
-                mask[i] = bool(fn(r))
+                keep = fn(r)
+                self._not_awaitable(keep)
+                mask[i] = bool(keep)
             self._current = None
             return [batch.filter(pa.array(mask))] if mask.any() else []
         self._current = None
         return _rows_to_batch(out, self.step.name)
+
+    def _check_map_result(self, record: dict[str, Any], o: Any) -> None:
+        if not isinstance(o, dict):
+            self._not_awaitable(o)
+            msg = f"map step {self.step.name!r} must return a dict per record, got {o!r}"
+            raise SchemaError(msg)
+        _carry_meta(record, o)
+
+    def _not_awaitable(self, o: Any) -> None:
+        """A synchronous function that returned an awaitable (a coroutine of an async function
+        it called, or a lambda around one): say how to have it awaited."""
+        if inspect.isawaitable(o):
+            close = getattr(o, "close", None)
+            if callable(close):  # never awaited: closed, so Python does not warn about it
+                close()
+            msg = (
+                f"{self.step.kind} step {self.step.name!r}: its function returned {o!r}, an "
+                "awaitable; declare the function async def (raystream awaits it, "
+                "concurrency= calls at once), rather than a synchronous one around it"
+            )
+            raise SchemaError(msg)
+
+    def _add_flat(self, record: dict[str, Any], got: Any, out: list[dict[str, Any]]) -> None:
+        self._not_awaitable(got)
+        for o in got or ():
+            if not isinstance(o, dict):
+                msg = f"flat_map step {self.step.name!r} must yield dicts, got {o!r}"
+                raise SchemaError(msg)
+            _carry_meta(record, o)
+            out.append(o)
+
+    async def _process_async(
+        self, batch: pa.RecordBatch, rows: list[dict[str, Any]]
+    ) -> list[pa.RecordBatch]:
+        from raystream.runtime.async_calls import call_all
+
+        step = self.step
+        assert step.async_calls is not None
+        results = await call_all(
+            step.fn, rows, step.async_calls, step.name, lambda i: ("record", _user_fields(rows[i]))
+        )
+        if step.kind == "filter":
+            mask = np.fromiter((bool(x) for x in results), dtype=bool, count=len(results))
+            return [batch.filter(pa.array(mask))] if mask.any() else []
+        out: list[dict[str, Any]] = []
+        for r, o in zip(rows, results, strict=True):
+            try:
+                if step.kind == "map":
+                    self._check_map_result(r, o)
+                    out.append(o)
+                else:
+                    self._add_flat(r, o, out)
+            except Exception as e:
+                note_context(e, "record", _user_fields(r))
+                raise
+        return _rows_to_batch(out, step.name)
 
 
 def _carry_meta(src: dict[str, Any], dst: dict[str, Any]) -> None:
@@ -167,14 +224,22 @@ def _carry_meta(src: dict[str, Any], dst: dict[str, Any]) -> None:
 
 
 class MapBatchesProcessor:
+    """``@rs.map_batches``: the function per batch; an ``async def`` one is awaited on the batch
+    cut into ``async_calls.concurrency`` parts of about equal size (one part by default)."""
+
     def __init__(self, step: Step) -> None:
         self.step = step
 
     def close(self) -> None:
         pass
 
-    def process(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
-        outs = _to_batches(self.step.fn(batch), self.step.name)
+    def process(self, batch: pa.RecordBatch) -> Any:
+        if self.step.async_calls is not None:
+            return self._process_async(batch)
+        return self._outputs(batch, self.step.fn(batch))
+
+    def _outputs(self, batch: pa.RecordBatch, got: Any) -> list[pa.RecordBatch]:
+        outs = _to_batches(got, self.step.name)
         if len(outs) == 1 and outs[0].num_rows == batch.num_rows:
             o = outs[0]
             for col in _META:
@@ -182,6 +247,37 @@ class MapBatchesProcessor:
                     o = o.append_column(col, batch.column(col))
             outs = [o]
         return outs
+
+    async def _process_async(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+        from raystream.runtime.async_calls import call_all
+
+        step = self.step
+        assert step.async_calls is not None
+        n = batch.num_rows
+        parts = min(step.async_calls.concurrency, max(n, 1))
+        bounds = np.linspace(0, n, parts + 1).astype(np.int64)
+        pieces = [batch.slice(int(lo), int(hi - lo)) for lo, hi in zip(bounds, bounds[1:])]
+
+        def rows(i: int) -> tuple[str, Any]:
+            return "rows", _Rows(int(bounds[i]), int(bounds[i + 1]), n)
+
+        results = await call_all(step.fn, pieces, step.async_calls, step.name, rows)
+        outs: list[pa.RecordBatch] = []
+        for p, got in zip(pieces, results, strict=True):
+            outs.extend(self._outputs(p, got))
+        return outs
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Rows ``lo .. hi - 1`` of a batch of ``n`` (an async map_batches call's part, in errors)."""
+
+    lo: int
+    hi: int
+    n: int
+
+    def __repr__(self) -> str:
+        return f"{self.lo}..{self.hi - 1} (of {self.n})"
 
 
 @dataclass
