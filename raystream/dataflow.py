@@ -90,10 +90,14 @@ class AsyncCalls:
     ``asyncio.to_thread``).
     ``timeout_s``: a call that takes longer fails the step (and so the job, or its recovery)
     with a :class:`TimeoutError` naming the record; ``None`` waits as long as it takes.
+    ``retries``: a call that raised or timed out is made again up to this many times, after
+    ``retry_backoff_s``, doubling each time (Flink's async retry strategy, on any exception).
     """
 
     concurrency: int = DEFAULT_CONCURRENCY
     timeout_s: float | None = None
+    retries: int = 0
+    retry_backoff_s: float = 0.1
 
     def __post_init__(self) -> None:
         c = self.concurrency
@@ -103,6 +107,14 @@ class AsyncCalls:
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or t <= 0):
             msg = f"timeout_s must be a number of seconds > 0, or None (no limit), got {t!r}"
+            raise DataflowDefinitionError(msg)
+        r = self.retries
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            msg = f"retries must be an int >= 0 (calls made again after a failure), got {r!r}"
+            raise DataflowDefinitionError(msg)
+        b = self.retry_backoff_s
+        if isinstance(b, bool) or not isinstance(b, int | float) or b < 0:
+            msg = f"retry_backoff_s must be a number of seconds >= 0, got {b!r}"
             raise DataflowDefinitionError(msg)
 
 
@@ -183,10 +195,9 @@ def is_async_function(fn: Any) -> bool:
     return not inspect.isfunction(fn) and call is not None and inspect.iscoroutinefunction(call)
 
 
-def _async_calls(
-    kind: str, fn: Any, name: str, concurrency: int | None, timeout_s: float | None
-) -> AsyncCalls | None:
-    """How ``fn`` is awaited, or None for a synchronous function (checked against ``kind``)."""
+def _async_calls(kind: str, fn: Any, name: str, options: dict[str, Any]) -> AsyncCalls | None:
+    """How ``fn`` is awaited (``options``: the decorator's concurrency=, timeout_s=, retries=,
+    retry_backoff_s= that were given), or None for a synchronous function."""
     if not is_async_function(fn):
         if inspect.isasyncgenfunction(fn):
             msg = (
@@ -195,8 +206,8 @@ def _async_calls(
                 + (" (a list of dicts for @rs.flat_map)" if kind == "flat_map" else "")
             )
             raise DataflowDefinitionError(msg)
-        if concurrency is not None or timeout_s is not None:
-            given = "concurrency=" if concurrency is not None else "timeout_s="
+        if options:
+            given = f"{next(iter(options))}="
             msg = (
                 f"step {name!r}: {given} is for async def functions (calls awaited at once); "
                 f"{getattr(fn, '__qualname__', fn)!r} is synchronous. Declare it async def, "
@@ -212,9 +223,9 @@ def _async_calls(
             "function synchronous"
         )
         raise DataflowDefinitionError(msg)
-    if concurrency is None:  # a batch function gets the whole batch unless told otherwise
-        concurrency = 1 if kind == "map_batches" else DEFAULT_CONCURRENCY
-    return AsyncCalls(concurrency, timeout_s)
+    # a batch function gets the whole batch unless told otherwise
+    default = 1 if kind == "map_batches" else DEFAULT_CONCURRENCY
+    return AsyncCalls(**{"concurrency": default, **options})
 
 
 def _decorator(kind: str) -> Callable[..., Any]:
@@ -227,7 +238,20 @@ def _decorator(kind: str) -> Callable[..., Any]:
         on_timer: Callable[..., Any] | None = None,
         concurrency: int | None = None,
         timeout_s: float | None = None,
+        retries: int | None = None,
+        retry_backoff_s: float | None = None,
     ) -> Any:
+        given = {
+            k: v
+            for k, v in (
+                ("concurrency", concurrency),
+                ("timeout_s", timeout_s),
+                ("retries", retries),
+                ("retry_backoff_s", retry_backoff_s),
+            )
+            if v is not None
+        }
+
         def wrap(f: Callable[..., Any]) -> Operator:
             step_name = name or getattr(f, "__name__", kind)
             if kind not in _KEYED and state is not None:
@@ -243,7 +267,7 @@ def _decorator(kind: str) -> Callable[..., Any]:
                         "and writes the key's state); it is async def"
                     )
                     raise DataflowDefinitionError(msg)
-            calls = _async_calls(kind, f, step_name, concurrency, timeout_s)
+            calls = _async_calls(kind, f, step_name, given)
             return Operator(kind, f, step_name, specs, parallelism, on_timer, calls)
 
         return wrap(fn) if fn is not None else wrap
@@ -556,48 +580,44 @@ class Stream:
         fn: Callable[..., Any],
         *,
         name: str | None = None,
-        concurrency: int | None = None,
-        timeout_s: float | None = None,
+        **async_options: Any,
     ) -> Stream:
-        name = name or _auto(fn, "map")
-        op = map(fn, name=name, concurrency=concurrency, timeout_s=timeout_s)
-        return self.apply(op)
+        """``async_options`` (an ``async def`` fn): concurrency=, timeout_s=, retries=,
+        retry_backoff_s= (see :class:`AsyncCalls`)."""
+        return self.apply(map(fn, name=name or _auto(fn, "map"), **async_options))
 
     def filter(
         self,
         fn: Callable[..., Any],
         *,
         name: str | None = None,
-        concurrency: int | None = None,
-        timeout_s: float | None = None,
+        **async_options: Any,
     ) -> Stream:
-        name = name or _auto(fn, "filter")
-        op = filter(fn, name=name, concurrency=concurrency, timeout_s=timeout_s)
-        return self.apply(op)
+        """``async_options`` (an ``async def`` fn): concurrency=, timeout_s=, retries=,
+        retry_backoff_s= (see :class:`AsyncCalls`)."""
+        return self.apply(filter(fn, name=name or _auto(fn, "filter"), **async_options))
 
     def flat_map(
         self,
         fn: Callable[..., Any],
         *,
         name: str | None = None,
-        concurrency: int | None = None,
-        timeout_s: float | None = None,
+        **async_options: Any,
     ) -> Stream:
-        name = name or _auto(fn, "flat_map")
-        op = flat_map(fn, name=name, concurrency=concurrency, timeout_s=timeout_s)
-        return self.apply(op)
+        """``async_options`` (an ``async def`` fn): concurrency=, timeout_s=, retries=,
+        retry_backoff_s= (see :class:`AsyncCalls`)."""
+        return self.apply(flat_map(fn, name=name or _auto(fn, "flat_map"), **async_options))
 
     def map_batches(
         self,
         fn: Callable[..., Any],
         *,
         name: str | None = None,
-        concurrency: int | None = None,
-        timeout_s: float | None = None,
+        **async_options: Any,
     ) -> Stream:
-        name = name or _auto(fn, "map_batches")
-        op = map_batches(fn, name=name, concurrency=concurrency, timeout_s=timeout_s)
-        return self.apply(op)
+        """``async_options`` (an ``async def`` fn): concurrency=, timeout_s=, retries=,
+        retry_backoff_s= (see :class:`AsyncCalls`)."""
+        return self.apply(map_batches(fn, name=name or _auto(fn, "map_batches"), **async_options))
 
     def sink(self, sink: Any, *, name: str | None = None, parallelism: int | None = None) -> None:
         """End the stream in a sink (``rs.sinks.collect()``, ``rs.sinks.parquet(dir)``, ...)."""

@@ -2,8 +2,9 @@
 
 :func:`call_all` hands the arguments to the function as they come, keeps at most ``concurrency``
 calls awaited at once and returns the results in the arguments' order (Flink's ordered async
-I/O, within one batch). The first call that fails or outlasts ``timeout_s`` stops the others
-(cancelled and awaited) and its error is raised with the argument that caused it.
+I/O, within one batch). A call that fails or outlasts ``timeout_s`` is made again up to
+``retries`` times (backing off); the first that still fails stops the others (cancelled and
+awaited) and its error is raised with the argument that caused it.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ async def call_all(
     calls: AsyncCalls,
     step: str,
     context: Callable[[int], tuple[str, Any]],
+    stats: dict[str, list[int]] | None = None,
 ) -> list[Any]:
     """``[await fn(a) for a in args]`` with up to ``calls.concurrency`` calls in flight.
 
-    ``context(i)``: what to name in an error of the call for ``args[i]`` (``("record", {...})``).
+    ``context(i)``: what to name in an error of the call for ``args[i]`` (``("record", {...})``);
+    ``stats["calls"][0]`` counts the calls made, ``stats["retries"][0]`` those made again.
     """
     n = len(args)
     results: list[Any] = [None] * n
@@ -36,8 +39,12 @@ async def call_all(
         return results
     todo = iter(range(n))
     timeout = calls.timeout_s
+    stats = stats if stats is not None else {}
+    made = stats.setdefault("calls", [0])  # calls made (a retry counts again)
+    retried = stats.setdefault("retries", [0])
 
-    async def call(i: int) -> Any:
+    async def call_once(i: int) -> Any:
+        made[0] += 1
         got = fn(args[i])
         if not inspect.isawaitable(got):
             msg = (
@@ -55,6 +62,21 @@ async def call_all(
                 f"{timeout:g} s (raise timeout_s=, or make the call answer sooner)"
             )
             raise TimeoutError(msg) from None
+
+    async def call(i: int) -> Any:
+        for attempt in range(calls.retries + 1):
+            try:
+                return await call_once(i)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if attempt == calls.retries:
+                    if calls.retries:
+                        e.add_note(f"(the call was made {calls.retries + 1} times: retries=)")
+                    raise
+                retried[0] += 1
+                await asyncio.sleep(calls.retry_backoff_s * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def worker() -> None:
         for i in todo:  # one iterator shared by the workers: each argument is taken once

@@ -654,6 +654,9 @@ class OperatorInstance:
             snap["ingest"] = buffer.stats()
             if self.direct is not None:  # rows reserved vs rows carried (rows_accepted)
                 snap["ingest"].update(self.direct.stats())
+        calls = getattr(self.processor, "async_stats", None)
+        if calls is not None and self.step.async_calls is not None:  # an async def step
+            snap["async_calls"] = {k: v[0] for k, v in calls.items()}
         if self.inbox.duplicate_pushes:
             snap["duplicate_pushes"] = self.inbox.duplicate_pushes
         if self.inbox.missing_pushes:  # an input channel stopped: an earlier push never came

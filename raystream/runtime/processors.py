@@ -115,6 +115,7 @@ class MapProcessor:
 
     def __init__(self, step: Step) -> None:
         self.step = step
+        self.async_stats: dict[str, list[int]] = {"calls": [0], "retries": [0]}
 
     def close(self) -> None:
         pass
@@ -198,7 +199,12 @@ class MapProcessor:
         step = self.step
         assert step.async_calls is not None
         results = await call_all(
-            step.fn, rows, step.async_calls, step.name, lambda i: ("record", _user_fields(rows[i]))
+            step.fn,
+            rows,
+            step.async_calls,
+            step.name,
+            lambda i: ("record", _user_fields(rows[i])),
+            self.async_stats,
         )
         if step.kind == "filter":
             mask = np.fromiter((bool(x) for x in results), dtype=bool, count=len(results))
@@ -229,6 +235,7 @@ class MapBatchesProcessor:
 
     def __init__(self, step: Step) -> None:
         self.step = step
+        self.async_stats: dict[str, list[int]] = {"calls": [0], "retries": [0]}
 
     def close(self) -> None:
         pass
@@ -261,7 +268,9 @@ class MapBatchesProcessor:
         def rows(i: int) -> tuple[str, Any]:
             return "rows", _Rows(int(bounds[i]), int(bounds[i + 1]), n)
 
-        results = await call_all(step.fn, pieces, step.async_calls, step.name, rows)
+        results = await call_all(
+            step.fn, pieces, step.async_calls, step.name, rows, self.async_stats
+        )
         outs: list[pa.RecordBatch] = []
         for p, got in zip(pieces, results, strict=True):
             outs.extend(self._outputs(p, got))

@@ -92,6 +92,8 @@ def test_an_async_map_calling_a_ray_actor_recovers_exactly_once(tmp_path: Path) 
     assert result.state == "finished", result.error
     assert [r["instance"][0] for r in result.recoveries] == ["enrich"], result.recoveries
     assert calls >= EVENTS  # every record asked once, those after the checkpoint again
+    (enrich,) = result.step_metrics("enrich")  # the recovered attempt's instance: one call a record
+    assert enrich["async_calls"] == {"calls": enrich["records_in"], "retries": 0}, enrich
 
     stream = gen.generate_all().select(["key", "seq"])  # noqa: F841 - read by DuckDB
     price_table = pa.table({"key": list(prices), "price": list(prices.values())})  # noqa: F841

@@ -18,6 +18,7 @@ import raystream as rs
 from raystream import testing
 from raystream.dataflow import AsyncCalls, is_async_function
 from raystream.reconfigure import check_replacement
+from raystream.runtime.async_calls import call_all
 
 
 class Lookup:
@@ -271,3 +272,50 @@ def test_replacing_a_function_carries_its_async_calls() -> None:
     assert new_step.async_calls == AsyncCalls(5, 2)
     back, _ = check_replacement(new_step, rs.map(lambda r: r, name="m"))
     assert back.async_calls is None
+
+
+def test_retries_make_failed_and_timed_out_calls_again_with_backoff() -> None:
+    """Each record whose x is a multiple of 3 fails twice (an error, then a timeout) before it
+    answers: with retries=2 the output is whole and in order; the counts add up."""
+    attempts: Counter[int] = Counter()
+
+    async def flaky(r: dict) -> dict:
+        attempts[r["x"]] += 1
+        if r["x"] % 3 == 0 and attempts[r["x"]] == 1:
+            raise ConnectionError(f"refused for {r['x']}")
+        if r["x"] % 3 == 0 and attempts[r["x"]] == 2:
+            await asyncio.sleep(60)  # times out
+        return {"x": r["x"], "attempt": attempts[r["x"]]}
+
+    calls = AsyncCalls(concurrency=4, timeout_s=0.05, retries=2, retry_backoff_s=0.001)
+    stats: dict[str, list[int]] = {}
+    rows = [{"x": i} for i in range(30)]
+    got = asyncio.run(call_all(flaky, rows, calls, "flaky", lambda i: ("record", rows[i]), stats))
+    assert got == [{"x": i, "attempt": 3 if i % 3 == 0 else 1} for i in range(30)]
+    assert stats == {"calls": [30 + 2 * 10], "retries": [2 * 10]}
+
+    op = rs.map(flaky, concurrency=4, timeout_s=0.05, retries=2, retry_backoff_s=0.001)
+    attempts.clear()
+    flow = rs.Dataflow("retries")
+    flow.source(testing.source(rows)).apply(op).sink(rs.sinks.collect(), name="out")
+    assert testing.run(flow, batch_rows=7)["out"].to_pylist() == got
+
+
+def test_a_call_that_keeps_failing_reports_how_often_it_was_made() -> None:
+    @rs.map(retries=2, retry_backoff_s=0)
+    async def down(r: dict) -> dict:
+        raise ConnectionError("service down")
+
+    flow = rs.Dataflow("down")
+    flow.source(testing.source({"x": [1, 2]})).apply(down).sink(rs.sinks.collect())
+    with pytest.raises(rs.JobFailedError, match="while processing record") as info:
+        testing.run(flow)
+    cause = info.value.__cause__
+    assert isinstance(cause, ConnectionError)
+    assert "(the call was made 3 times: retries=)" in "".join(getattr(cause, "__notes__", []))
+    with pytest.raises(rs.DataflowDefinitionError, match=r"retries must be an int >= 0.*-1"):
+        rs.map(down.fn, retries=-1)
+    with pytest.raises(rs.DataflowDefinitionError, match=r"retry_backoff_s must be .* >= 0"):
+        rs.map(down.fn, retries=1, retry_backoff_s=-0.5)
+    with pytest.raises(rs.DataflowDefinitionError, match=r"retries= is for async def"):
+        rs.map(lambda r: r, retries=1)
