@@ -575,49 +575,31 @@ class Stream:
         schema = self.schema if op.kind == "filter" else None
         return Stream(self._flow, step_name, schema)
 
-    def map(
-        self,
-        fn: Callable[..., Any],
-        *,
-        name: str | None = None,
-        **async_options: Any,
-    ) -> Stream:
-        """``async_options`` (an ``async def`` fn): concurrency=, timeout_s=, retries=,
-        retry_backoff_s= (see :class:`AsyncCalls`)."""
-        return self.apply(map(fn, name=name or _auto(fn, "map"), **async_options))
+    def map(self, fn: Callable[..., Any], *, name: str | None = None, **aio: Any) -> Stream:
+        """``fn(record) -> dict`` per record (``aio``: see :meth:`_stateless`)."""
+        return self._stateless(map, fn, name, aio)
 
-    def filter(
-        self,
-        fn: Callable[..., Any],
-        *,
-        name: str | None = None,
-        **async_options: Any,
-    ) -> Stream:
-        """``async_options`` (an ``async def`` fn): concurrency=, timeout_s=, retries=,
-        retry_backoff_s= (see :class:`AsyncCalls`)."""
-        return self.apply(filter(fn, name=name or _auto(fn, "filter"), **async_options))
+    def filter(self, fn: Callable[..., Any], *, name: str | None = None, **aio: Any) -> Stream:
+        """The records for which ``fn(record)`` is true."""
+        return self._stateless(filter, fn, name, aio)
 
-    def flat_map(
-        self,
-        fn: Callable[..., Any],
-        *,
-        name: str | None = None,
-        **async_options: Any,
-    ) -> Stream:
-        """``async_options`` (an ``async def`` fn): concurrency=, timeout_s=, retries=,
-        retry_backoff_s= (see :class:`AsyncCalls`)."""
-        return self.apply(flat_map(fn, name=name or _auto(fn, "flat_map"), **async_options))
+    def flat_map(self, fn: Callable[..., Any], *, name: str | None = None, **aio: Any) -> Stream:
+        """``fn(record) -> iterable of dicts`` per record."""
+        return self._stateless(flat_map, fn, name, aio)
 
     def map_batches(
-        self,
-        fn: Callable[..., Any],
-        *,
-        name: str | None = None,
-        **async_options: Any,
+        self, fn: Callable[..., Any], *, name: str | None = None, **aio: Any
     ) -> Stream:
-        """``async_options`` (an ``async def`` fn): concurrency=, timeout_s=, retries=,
+        """``fn(batch) -> RecordBatch`` per batch (vectorised)."""
+        return self._stateless(map_batches, fn, name, aio)
+
+    def _stateless(
+        self, decorator: Callable[..., Operator], fn: Any, name: str | None, aio: dict[str, Any]
+    ) -> Stream:
+        """``aio``, for an ``async def`` fn: concurrency=, timeout_s=, retries=,
         retry_backoff_s= (see :class:`AsyncCalls`)."""
-        return self.apply(map_batches(fn, name=name or _auto(fn, "map_batches"), **async_options))
+        kind = decorator.__name__
+        return self.apply(decorator(fn, name=name or _auto(fn, kind), **aio))
 
     def sink(self, sink: Any, *, name: str | None = None, parallelism: int | None = None) -> None:
         """End the stream in a sink (``rs.sinks.collect()``, ``rs.sinks.parquet(dir)``, ...)."""
