@@ -6,9 +6,7 @@ generated stream (numpy, independent of raystream). The sink numbers the changes
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,69 +18,11 @@ import ray
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
 from raystream.upsert import final_table_sql
+from tests.integration._gates import EndAtGate, end_after_checkpoint, events_sent, open_gate
 from tests.integration._helpers import NOT_SCALED_OUT, generator_prefix
 
 KEYS = 2_000
 RATE = 40_000
-
-
-@dataclass(frozen=True)
-class EndAtGate:
-    """The rate-limited generator ``gen`` (one instance) until the file ``gate`` exists, then up
-    to the event number written in it, then the end. The reader writes how many events it sent
-    to ``gate + ".events"`` when it closes. A recovery's reader reads the same events again up to
-    the checkpoint's offset (raystream's rewind), which the test keeps below that number: a gate
-    opened while a reader rewinds cannot end the stream short of the checkpoint."""
-
-    gen: Any
-    gate: str
-
-    def schema(self) -> pa.Schema:
-        return self.gen.schema()  # type: ignore[no-any-return]
-
-    @property
-    def rate_eps(self) -> float:
-        return float(self.gen.rate_eps)
-
-    def describe(self) -> str:
-        return f"end_at_gate({self.gen.describe()})"
-
-    def open(self, index: int, parallelism: int) -> Any:
-        assert parallelism == 1, "one source instance: the gate holds one event number"
-        return _EndAtGateReader(self, self.gen.open(index, parallelism))
-
-
-class _EndAtGateReader:
-    def __init__(self, spec: EndAtGate, inner: Any) -> None:
-        self.spec, self.inner = spec, inner
-        self.emitted = 0
-        self.end: int | None = None
-
-    def read(self, max_rows: int) -> pa.RecordBatch | None:
-        if self.end is None and os.path.exists(self.spec.gate):
-            with open(self.spec.gate) as f:
-                self.end = int(f.read())
-        if self.end is not None:
-            max_rows = min(max_rows, self.end - self.emitted)
-            if max_rows <= 0:
-                return None
-        batch = self.inner.read(max_rows)
-        if batch is not None:
-            self.emitted += batch.num_rows
-        return batch
-
-    def close(self) -> None:
-        self.inner.close()
-        tmp = self.spec.gate + ".events.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(self.emitted))
-        os.replace(tmp, self.spec.gate + ".events")
-
-
-def _open_gate(gate: str, end: int) -> None:
-    with open(gate + ".tmp", "w") as f:
-        f.write(str(end))
-    os.replace(gate + ".tmp", gate)  # appears whole
 
 
 @rs.keyed_batches(state=rs.ValueState(int, default=0))
@@ -136,15 +76,12 @@ def test_upsert_sink_recovers_with_the_two_phase_commit(tmp_path: Path) -> None:
             )
         finally:
             # past the newest checkpoint's offset: a reader rewinding to it is not cut short
-            last = job.status()["checkpoints"]["last"] or {}
-            offsets = (last.get("source_offsets") or {}).values()
-            _open_gate(gate, max((int(v or 0) for v in offsets), default=0) + RATE)
+            open_gate(gate, end_after_checkpoint(job.status(), RATE))
         result = job.wait(120)
     finally:
         job.cancel()
     assert result.state == "finished" and len(result.recoveries) >= 1
-    # the events the source sent (its reader writes the count when it closes at the end)
-    events = int(Path(gate + ".events").read_text())
+    events = events_sent(gate)
     keys = generator_prefix(gen, events)
     assert keys.num_rows == events >= RATE, events
     uniq, counts = np.unique(keys.column("key").to_numpy(), return_counts=True)
