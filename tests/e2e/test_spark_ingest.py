@@ -202,12 +202,18 @@ def test_structured_streaming_over_a_growing_directory_with_a_rescale(
         direct=True,
     )
     job = rs.start(keycount("e2e-spark-stream", src), parallelism={"count": 2})
+    # the files after the second come only once the rescale returned: rows reach the job
+    # before and after it, however long the rescale takes on the machine
+    rescaled = threading.Event()
+    waited: list[bool] = []
 
     def add_files() -> None:
         deadline = time.monotonic() + 120
         while job.feeders[0].stats["accepted"] == 0 and time.monotonic() < deadline:
             time.sleep(0.1)  # the first micro-batch is in (Spark's Python workers are up)
         for i, t in enumerate(files[1:], start=1):
+            if i == 3:
+                waited.append(rescaled.wait(300))
             time.sleep(1.0)
             tmp = tmp_path / f"part-{i}.parquet.tmp"
             pq.write_table(t, tmp)
@@ -219,10 +225,14 @@ def test_structured_streaming_over_a_growing_directory_with_a_rescale(
     deadline = time.monotonic() + 120
     while job.feeders[0].stats["accepted"] == 0 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert writer.is_alive(), "the files were all in before the rescale; the test proves nothing"
-    stats = job.rescale("count", 3)
+    assert job.feeders[0].stats["accepted"] > 0, "no rows reached the job within 120 s"
+    try:
+        stats = job.rescale("count", 3)
+    finally:
+        rescaled.set()
     assert stats["to"] == 3
     writer.join()
+    assert waited == [True], "the writer did not wait for the rescale before the last files"
     result = job.wait(300)
     assert result.state == "finished"
     everything = pa.concat_tables(files).column("key").to_numpy()
@@ -396,18 +406,11 @@ def test_the_keycount_bench_reads_a_watched_directory_through_spark(tmp_path: Pa
 REC_KEYS = 3_000
 
 
-@rs.keyed_batches(state=rs.ValueState(int, default=0))
-def running_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
-    """One output row per record: its key, its seq and the count of its key up to it (paced, so
-    the job takes a few seconds and kills land while Spark still pushes)."""
-    time.sleep(0.03)
-    return _count_rows(batch, state)
-
-
 def running_count_until(gate: Path) -> Any:
-    """``running_count`` taking 200 us per row until the file ``gate`` exists: a per-call pause
-    shrinks when a backlog merges batches into fewer calls, this one does not, so the input
-    outlasts whatever the test does before it opens the gate."""
+    """One output row per record: its key, its seq and the count of its key up to it, taking
+    200 us per row until the file ``gate`` exists: a per-call pause shrinks when a backlog merges
+    batches into fewer calls, this one does not, so the input outlasts whatever the test does
+    (a kill) before it opens the gate."""
 
     @rs.keyed_batches(name="running_count", state=rs.ValueState(int, default=0))
     def gated_running_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
@@ -441,7 +444,7 @@ def _start_checkpointed(
     out: Path,
     tmp_path: Path,
     batch_rows: int,
-    count: Any = running_count,
+    count: Any,
 ) -> rs.Job:
     """The running-count job over ``source`` into a Parquet folder, checkpointing every 0.3 s
     and recovering after 0.2 s (no warm standby actors: no rescale here)."""
@@ -587,10 +590,24 @@ def test_a_structured_streaming_job_recovers_exactly_once_from_a_keyed_kill(
         sdf, checkpoint_location=str(tmp_path / "spark-chk"), max_rows=60_000, idle_timeout_s=60
     )
     out = tmp_path / "out"
-    job = _start_checkpointed("e2e-spark-stream-recover", src, 1, out, tmp_path, batch_rows=5_000)
+    gate = tmp_path / "gate"
+    job = _start_checkpointed(
+        "e2e-spark-stream-recover",
+        src,
+        1,
+        out,
+        tmp_path,
+        batch_rows=5_000,
+        count=running_count_until(gate),
+    )
     try:
         _wait_for(job, "rows in a checkpoint", lambda s: _checkpointed(s) > 0)
+        # micro-batches still flow (the feed stops once max_rows were accepted): the kill must
+        # interrupt one, not come after the stream's end
+        accepted = job.feeders[0].stats["accepted"]
+        assert accepted < 60_000, f"the stream had ended before the kill: {job.feeders[0].stats}"
         _kill_instance(job, "count", 0)
+        gate.touch()
         result = job.wait(180)
     finally:
         job.cancel()

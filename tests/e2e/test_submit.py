@@ -316,7 +316,10 @@ def test_status_rescale_stop_a_submitted_job_by_name(ray_head: Head) -> None:
         ray_head.dashboard,
         "--no-wait",
         "--env",
-        "RAYSTREAM_EVENTS=2400000",  # 120 s at 20,000 events/s; the test stops it long before
+        # 20 minutes at 20,000 events/s (generated as read): the test stops it. Its own steps
+        # (the deploy, ~8 CLI calls of 2-10 s each on a shared 2-core machine) took up to
+        # ~100 s, too close to an input of 120 s: the input must outlast them on any machine
+        "RAYSTREAM_EVENTS=24000000",
         "--env",
         "RAYSTREAM_RATE_EPS=20000",  # (a lighter load: the CLI calls share the 2 cores with it)
         env=env,

@@ -2,10 +2,12 @@
 in a checkpointed job, one of its two instances killed mid-stream: the job restores the sink
 from its checkpoint and the published folders hold every input record exactly once, each in
 the folder of its values. Oracle: DuckDB over the output (hive partitioning) and the generator's
-stream."""
+stream. The generator runs until the job recovered (``_gates.EndAtGate``), then a second more:
+the kill lands while the input flows however long the checkpoints before it take."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import duckdb
@@ -15,10 +17,10 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
-from tests.integration._helpers import NOT_SCALED_OUT, wait_checkpoints
+from tests.integration._gates import EndAtGate, end_after_checkpoint, events_sent, open_gate
+from tests.integration._helpers import NOT_SCALED_OUT, generator_prefix, wait_checkpoints
 
-EVENTS = 60_000
-RATE = 20_000  # ~3 s of stream
+RATE = 20_000  # events/s
 BUCKETS = 6
 
 
@@ -36,12 +38,11 @@ def tag(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 
 def test_killed_partitioned_sink_instance_is_exactly_once(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    source = rs.sources.generator(events=EVENTS, keys=500, seed=3, rate_eps=RATE)
-    want = source.generate_all()
+    out, gate = tmp_path / "out", str(tmp_path / "gate")
+    gen = rs.sources.generator(events=RATE * 1200, keys=500, seed=3, rate_eps=RATE)
     flow = rs.Dataflow("partsink-rec", num_key_groups=16)
     (
-        flow.source(source, parallelism=1)
+        flow.source(EndAtGate(gen, gate), parallelism=1)
         .key_by("key")
         .apply(rs.map_batches(tag, name="tag"), name="tag")
         .options(chain=False)
@@ -65,9 +66,18 @@ def test_killed_partitioned_sink_instance_is_exactly_once(tmp_path: Path) -> Non
         wait_checkpoints(job, 2)
         actor = instance_actor_name(job.name, "out", 0)
         ray.kill(ray.get_actor(actor, namespace=NAMESPACE))
+        deadline = time.monotonic() + 60
+        while not (job.status()["recoveries"] and job.status()["state"] == "running"):
+            assert time.monotonic() < deadline, f"no recovery within 60 s: {job.status()['state']}"
+            time.sleep(0.05)
+        # past the newest checkpoint's offset: the recovered reader's rewind is never cut short
+        open_gate(gate, end_after_checkpoint(job.status(), RATE))
         result = job.wait(120)
     finally:
         job.cancel()
+    events = events_sent(gate)
+    want = generator_prefix(gen, events).select(["key", "seq"])
+    assert want.num_rows == events > 0
     assert result.state == "finished"
     assert [r["instance"][0] for r in result.recoveries] == ["out"]
     assert result.recoveries[0]["checkpoint_id"] is not None  # restored, not started over
@@ -90,5 +100,5 @@ def test_killed_partitioned_sink_instance_is_exactly_once(tmp_path: Path) -> Non
         f"(select key, seq from {got} except select key, seq from want)"
     ).fetchall()
     assert diff == []
-    assert con.sql(f"select count(*) from {got}").fetchall() == [(EVENTS,)]
+    assert con.sql(f"select count(*) from {got}").fetchall() == [(events,)]
     assert not [p for p in out.rglob(".*") if p.is_file()], "hidden files left behind"

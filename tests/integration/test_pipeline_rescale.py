@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 import raystream as rs
 import raystream.metrics
-from tests.integration._helpers import count_vec, last_counts
+from tests.integration._helpers import count_vec, generator_prefix, last_counts
 from tests.integration._rescale_helpers import UntilGate, prefix_counts
 
 
@@ -45,11 +45,28 @@ def per_bucket(batch: rs.KeyedBatch, state) -> pa.RecordBatch:  # noqa: ANN001
     return batch.output({"total": new})
 
 
-def test_rescale_keyed_steps_inside_a_pipeline() -> None:
+def _wait_counted(job: rs.Job, step: str, records: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    got = 0
+    while time.monotonic() < deadline:
+        instances = job.metrics()["instances"]
+        got = sum(int(m.get("records_in", 0)) for m in instances if m.get("step") == step)
+        if got >= records:
+            return
+        time.sleep(0.05)
+    msg = f"{got} records reached {step!r} within {timeout_s} s, expected {records}"
+    raise AssertionError(msg)
+
+
+def test_rescale_keyed_steps_inside_a_pipeline(tmp_path: Path) -> None:
+    """The stream runs at 80,000 events/s until both rescales returned (then one more second of
+    it), so both happen mid-stream and the scaled-in step still receives afterwards, however
+    long the rescales take on the machine."""
     flow = rs.Dataflow("pipeline-rescale", num_key_groups=32, sub_groups=8)
-    gen = rs.sources.generator(events=800_000, keys=20_000, zipf=1.0, seed=2, rate_eps=80_000)
+    gen = rs.sources.generator(events=80_000 * 120, keys=20_000, zipf=1.0, seed=2, rate_eps=80_000)
+    gate = str(tmp_path / "gate")
     (
-        flow.source(gen)
+        flow.source(UntilGate(gen, gate, after_rows=80_000), parallelism=1)
         .apply(tag)
         .key_by("key")
         .apply(count)
@@ -61,17 +78,17 @@ def test_rescale_keyed_steps_inside_a_pipeline() -> None:
     stats: list[dict] = []
     statuses: list[dict] = []
 
-    def drive() -> None:
-        time.sleep(1.5)
+    try:
+        _wait_counted(job, "count", 80_000)  # a second of the stream: state to move
         stats.append(job.rescale("count", 3, "meces"))
         statuses.append(job.status())
         stats.append(job.rescale("per_bucket", 1, "all_at_once"))
         statuses.append(job.status())
-
-    t = threading.Thread(target=drive)
-    t.start()
+    finally:
+        Path(gate).touch()  # the stream ends a second after the rescales (or a failed one)
     result = job.wait(timeout_s=120)
-    t.join()
+    assert result.state == "finished", result.error
+    events = int(Path(gate + ".events").read_text())
 
     assert [s["to"] for s in stats] == [3, 1], stats
     assert statuses[0]["parallelism"]["count"] == 3
@@ -81,7 +98,8 @@ def test_rescale_keyed_steps_inside_a_pipeline() -> None:
     last_window = max(t for m in result.step_metrics("per_bucket") for t, _ in
                       rs.metrics.WindowedCounter.from_snapshot(m["throughput"]).timeline())
     assert last_window > stats[1]["end_s"], "per_bucket kept receiving after its scale-in"
-    keys = gen.generate_all().column("key").to_numpy()
+    keys = generator_prefix(gen, events).column("key").to_numpy()
+    assert len(keys) == events > 80_000
     buckets, expected = np.unique(keys & 7, return_counts=True)
     out = result.table("out").to_pandas().groupby("bucket")["total"].max()
     assert out.index.tolist() == buckets.tolist()
@@ -168,7 +186,7 @@ def test_a_moving_keys_outputs_reach_the_sink_in_order_when_the_keyed_step_has_t
             job.rescale("count", to)
     finally:
         Path(gate).touch()
-    result = job.wait(timeout_s=60)
+    result = job.wait(timeout_s=120)
     assert result.state == "finished", result.error
     expected: collections.Counter[int] = collections.Counter()
     for i in range(2):

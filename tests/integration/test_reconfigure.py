@@ -19,9 +19,11 @@ tests/unit/test_replace_function.py; here: what needs the controller).
 
 from __future__ import annotations
 
+import glob
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,10 +40,29 @@ from ._rescale_helpers import RUNTIME, STATE, UntilGate, _count, generator, pref
 STEP = "count"
 
 
-@rs.keyed(state=STATE)
-def count_v1(key: Any, records: pa.RecordBatch, state: Any) -> Any:
-    for k, row in _count(key, records, state):
-        yield k, {**row, "tag": ""}
+def _hold(hold: str) -> None:
+    """While the file ``hold`` exists (60 s at most), block this instance (its event loop: no
+    record, barrier or state request gets through) and say so with a file ``<hold>.held.<pid>``."""
+    if not os.path.exists(hold):
+        return
+    with open(f"{hold}.held.{os.getpid()}", "w"):
+        pass
+    deadline = time.monotonic() + 60
+    while os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def count_v1_holding(hold: str) -> Any:
+    """The first version, waiting at ``_hold`` before each key: the rescale cannot end while the
+    test holds it, so the replacement asked for meanwhile is certainly queued behind it."""
+
+    @rs.keyed(state=STATE)
+    def count_v1(key: Any, records: pa.RecordBatch, state: Any) -> Any:
+        _hold(hold)
+        for k, row in _count(key, records, state):
+            yield k, {**row, "tag": ""}
+
+    return count_v1
 
 
 @rs.keyed(state=STATE)
@@ -55,6 +76,17 @@ def not_keyed(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+def _wait_described(
+    job: rs.Job, what: str, check: Callable[[dict[str, Any]], bool], timeout_s: float = 60.0
+) -> None:
+    """Until the controller's description (not ``status()``: that asks the held instances for
+    their metrics) passes ``check``."""
+    deadline = time.monotonic() + timeout_s
+    while not check(d := ray.get(job.controller.describe.remote())):
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s: {d}"
+        time.sleep(0.01)
+
+
 def _wait_for(what: str, check: Any, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -65,11 +97,12 @@ def _wait_for(what: str, check: Any, timeout_s: float = 30.0) -> None:
 def test_replace_queued_behind_a_rescale_then_move_a_hot_instance(tmp_path: Path) -> None:
     gen = generator("int", skewed=True, seed=13)
     gate = str(tmp_path / "gate")
+    hold = str(tmp_path / "hold")
     flow = rs.Dataflow("reconfigure", num_key_groups=32, sub_groups=8)
     (
         flow.source(UntilGate(gen, gate))
         .key_by("key")
-        .apply(count_v1, name=STEP)
+        .apply(count_v1_holding(hold), name=STEP)
         .sink(rs.sinks.collect(), name="out")
     )
     job = rs.start(flow, parallelism={STEP: 2}, state_dir=tempfile.mkdtemp(), **RUNTIME)
@@ -92,11 +125,23 @@ def test_replace_queued_behind_a_rescale_then_move_a_hot_instance(tmp_path: Path
             job.move(STEP, 5, ray.get_runtime_context().get_node_id())
         assert job.status()["graph_version"] == 1
 
-        with ThreadPoolExecutor(1) as pool:
-            rescaling = pool.submit(job.rescale, STEP, 3)
-            _wait_for("the rescale to start", lambda: job.status()["rescaling"], 10.0)
-            replaced = job.replace(STEP, count_v2)  # waits in the queue behind the rescale
+        with ThreadPoolExecutor(2) as pool:
+            # the count instances block at their next key until the replacement is seen
+            # waiting in the queue: the rescale cannot end before (the stream flows, so an
+            # instance blocks within milliseconds; the test waits until one did)
+            with open(hold, "w"):
+                pass
+            try:
+                _wait_for("a count instance held", lambda: glob.glob(f"{hold}.held.*"), 60.0)
+                rescaling = pool.submit(job.rescale, STEP, 3)
+                _wait_described(job, "the rescale's start", lambda d: d["rescaling"])
+                # waits in the queue behind the rescale
+                replacing = pool.submit(job.replace, STEP, count_v2)
+                _wait_described(job, "the replacement queued", lambda d: d["queued_rescales"] == 1)
+            finally:
+                os.remove(hold)
             rescaled = rescaling.result()
+            replaced = replacing.result()
         assert rescaled["to"] == 3
         assert replaced["instances"] == 3, "every instance of the step switched"
 
@@ -135,6 +180,7 @@ def test_replace_queued_behind_a_rescale_then_move_a_hot_instance(tmp_path: Path
     recs = metrics["reconfigurations"]
     assert [r["kind"] for r in recs] == ["rescale", "replace", "move"]
     assert recs[1]["epoch"] > max(recs[0]["epochs"]), "the replacement ran after the rescale"
+    assert replaced["queued_s"] > 0, "the replacement waited in the queue behind the rescale"
     assert recs[2]["epoch"] > recs[1]["epoch"]
     assert all(r["end_s"] >= r["start_s"] for r in recs)
     assert all(r.get("peak_latency_ms") is not None for r in recs)

@@ -8,9 +8,13 @@ one of its instances. Checked against the generator's own rows (``collections.Co
 from __future__ import annotations
 
 import collections
+import glob
+import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,61 @@ from ._rescale_helpers import RUNTIME, UntilGate, generator
 @rs.filter
 def drop_even(record: dict[str, Any]) -> bool:
     return bool(record["key"] % 2)
+
+
+def _hold(hold: str) -> None:
+    """While the file ``hold`` exists (60 s at most), block this instance (its event loop: no
+    record, barrier or state request gets through) and say so with a file ``<hold>.held.<pid>``."""
+    if not os.path.exists(hold):
+        return
+    with open(f"{hold}.held.{os.getpid()}", "w"):
+        pass
+    deadline = time.monotonic() + 60
+    while os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _count_holding(hold: str) -> Any:
+    """``count_vec`` that first waits at ``_hold``: a change of the step cannot end while the
+    test holds it, so a change asked for meanwhile is certainly queued behind it."""
+
+    @rs.keyed_batches(state=rs.ValueState(int, default=0), name="count_vec")
+    def count_vec(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
+        _hold(hold)
+        new = state.get(batch.keys) + batch.counts
+        state.put(batch.keys, new)
+        return batch.output({"count": new})
+
+    return count_vec
+
+
+@contextmanager
+def _held(hold: str, timeout_s: float = 60.0) -> Iterator[None]:
+    """The count instances block at their next batch until the block ends (the stream flows, so
+    one blocks within milliseconds; the block waits until one did)."""
+    for marker in glob.glob(f"{hold}.held.*"):
+        os.remove(marker)
+    with open(hold, "w"):
+        pass
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not glob.glob(f"{hold}.held.*"):
+            assert time.monotonic() < deadline, f"no count instance held within {timeout_s} s"
+            time.sleep(0.01)
+        yield
+    finally:
+        os.remove(hold)
+
+
+def _wait_described(
+    job: rs.Job, what: str, check: Callable[[dict[str, Any]], bool], timeout_s: float = 60.0
+) -> None:
+    """Until the controller's description (not ``status()``: that asks the held instances for
+    their metrics) passes ``check``."""
+    deadline = time.monotonic() + timeout_s
+    while not check(d := ray.get(job.controller.describe.remote())):
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s: {d}"
+        time.sleep(0.01)
 
 
 def _records_in(job: rs.Job, step: str) -> int:
@@ -49,10 +108,11 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
 ) -> None:
     gen = generator("int", skewed=False, seed=17)
     gate = str(tmp_path / "gate")
+    hold = str(tmp_path / "hold")
     flow = rs.Dataflow("rewire", num_key_groups=32, sub_groups=8)
-    flow.source(UntilGate(gen, gate)).key_by("key").apply(count_vec, name="count").sink(
-        rs.sinks.collect(), name="out"
-    )
+    flow.source(UntilGate(gen, gate)).key_by("key").apply(
+        _count_holding(hold), name="count"
+    ).sink(rs.sinks.collect(), name="out")
     job = rs.start(flow, parallelism={"count": 2}, state_dir=tempfile.mkdtemp(), **RUNTIME)
     try:
         deadline = time.monotonic() + 30
@@ -65,21 +125,29 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
             job.remove("count")
         with pytest.raises(rs.ReconfigurationError, match="needs key_by="):
             job.insert("source", count_vec)
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
             # the insert waits in the queue behind a rescale of count, the removal behind a
-            # move of one of count's instances
-            rescaling = pool.submit(job.rescale, "count", 3)
-            _wait_for_change(job)
-            inserted = job.insert("source", drop_even, name="drop_even")
+            # move of one of count's instances: each first change cannot end while count is
+            # held, and the hold ends once the second one is seen waiting
+            with _held(hold):
+                rescaling = pool.submit(job.rescale, "count", 3)
+                _wait_described(job, "the rescale's start", lambda d: d["rescaling"])
+                inserting = pool.submit(job.insert, "source", drop_even, name="drop_even")
+                _wait_described(job, "the insert queued", lambda d: d["queued_rescales"] == 1)
             rescaled = rescaling.result()
+            inserted = inserting.result()
             # the graph version: 1 + the rescale + the insert
             assert inserted["actors"] == ["raystream:rewire:drop_even:0:v3"]
             ray.get_actor(inserted["actors"][0], namespace="raystream")
             time.sleep(0.5)
-            moving = pool.submit(job.move, "count", 0, ray.get_runtime_context().get_node_id())
-            _wait_for_change(job)
-            removed = job.remove("drop_even")
+            node = ray.get_runtime_context().get_node_id()
+            with _held(hold):
+                moving = pool.submit(job.move, "count", 0, node)
+                _wait_described(job, "the move's start", lambda d: d["rescaling"])
+                removing = pool.submit(job.remove, "drop_even")
+                _wait_described(job, "the removal queued", lambda d: d["queued_rescales"] == 1)
             moved = moving.result()
+            removed = removing.result()
         status = job.status()
     finally:
         Path(gate).touch()
@@ -101,14 +169,6 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
     assert inserted["queued_s"] > 0 and removed["queued_s"] > 0
     assert recs[1]["epoch"] > max(recs[0]["epochs"]) and recs[3]["epoch"] > recs[2]["epoch"]
     assert rescaled["to"] == 3 and moved["moved"]["key_groups"] > 0
-
-
-def _wait_for_change(job: rs.Job, timeout_s: float = 10.0) -> None:
-    """Until a change (the one just asked for in another thread) holds the queue."""
-    deadline = time.monotonic() + timeout_s
-    while not job.status()["rescaling"]:
-        assert time.monotonic() < deadline, f"no change started within {timeout_s} s"
-        time.sleep(0.02)
 
 
 # ---- a keyed step inserted, rescaled and removed (its state emitted, then dropped) ------------

@@ -8,6 +8,11 @@ numbers exist (0..n-1); the operator emits one row per record with the count of 
 which must be ``seq + 1``. DuckDB reads the published files: no (key, seq) twice, none missing,
 no count wrong. A duplicate update of state shows as a wrong count; a lost or doubled output row
 as a missing or repeated (key, seq).
+
+The jobs that are killed, stopped or saved from outside read the generator until the test says
+where the input ends (``_gates.EndAtGate``, opened once the job recovered): the action lands
+while the input flows however long the checkpoints and recoveries before it take, and the oracle
+is the prefix of the generator's stream that was sent.
 """
 
 from __future__ import annotations
@@ -26,7 +31,13 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
-from tests.integration._helpers import NOT_SCALED_OUT, running_count_carrying, wait_checkpoints
+from tests.integration._gates import EndAtGate, end_after_checkpoint, events_sent, open_gate
+from tests.integration._helpers import (
+    NOT_SCALED_OUT,
+    generator_prefix,
+    running_count_carrying,
+    wait_checkpoints,
+)
 
 KEYS = 3_000
 
@@ -34,11 +45,26 @@ KEYS = 3_000
 running_count = running_count_carrying()
 
 
+LONG = 24_000_000  # events of a gated stream: it ends where the test says, long before
+
+
+def _gen(events: int, rate_eps: float) -> Any:
+    return rs.sources.generator(events=events, keys=KEYS, zipf=1.1, seed=11, rate_eps=rate_eps)
+
+
 def _flow(name: str, out: Path, events: int, rate_eps: float, sources: int = 1) -> rs.Dataflow:
-    gen = rs.sources.generator(events=events, keys=KEYS, zipf=1.1, seed=11, rate_eps=rate_eps)
+    return _flow_of(name, out, _gen(events, rate_eps), sources)
+
+
+def _gated_flow(name: str, out: Path, gate: str, rate_eps: float) -> rs.Dataflow:
+    """The job over the generator at ``rate_eps`` until the test opens ``gate``."""
+    return _flow_of(name, out, EndAtGate(_gen(LONG, rate_eps), gate))
+
+
+def _flow_of(name: str, out: Path, source: Any, sources: int = 1) -> rs.Dataflow:
     flow = rs.Dataflow(name, num_key_groups=64, sub_groups=8)
     (
-        flow.source(gen, parallelism=sources)
+        flow.source(source, parallelism=sources)
         .key_by("key")
         .apply(running_count, name="count")
         .sink(rs.sinks.parquet(str(out)), name="out")
@@ -66,6 +92,20 @@ def _kill(job: rs.Job, step: str, index: int) -> None:
     ray.kill(ray.get_actor(instance_actor_name(job.name, step, index), namespace=NAMESPACE))
 
 
+def _end_input(job: rs.Job, gate: str, recoveries: int) -> None:
+    """Once the job recovered ``recoveries`` times and runs: the gated input ends one second of
+    events past the newest checkpoint (a reader rewinding to it is never cut short)."""
+    _wait_recovered(job, recoveries)
+    open_gate(gate, end_after_checkpoint(job.status(), RATE))
+
+
+def _expected_prefix(events: int) -> dict[int, int]:
+    """Records per key of the first ``events`` events of a gated stream."""
+    keys = generator_prefix(_gen(LONG, 0), events).column("key").to_numpy()
+    uniq, counts = np.unique(keys, return_counts=True)
+    return dict(zip(uniq.tolist(), counts.tolist(), strict=True))
+
+
 def _expected(events: int, sources: int = 1) -> dict[int, int]:
     """Records per key of the generated stream (each source instance generates its share)."""
     gen = rs.sources.generator(events=events, keys=KEYS, zipf=1.1, seed=11)
@@ -74,7 +114,7 @@ def _expected(events: int, sources: int = 1) -> dict[int, int]:
     return dict(zip(uniq.tolist(), counts.tolist(), strict=True))
 
 
-def assert_exactly_once(out: Path, events: int) -> None:
+def assert_exactly_once(out: Path, events: int, expected: dict[int, int] | None = None) -> None:
     con = duckdb.connect()
     files = f"{out}/*.parquet"
     dup = con.sql(
@@ -88,7 +128,7 @@ def assert_exactly_once(out: Path, events: int) -> None:
     per_key = dict(
         con.sql(f"select key, count(*) from read_parquet('{files}') group by 1").fetchall()
     )
-    expected = _expected(events)
+    expected = _expected(events) if expected is None else expected
     missing = {k: n for k, n in expected.items() if per_key.get(k, 0) != n}
     assert not missing, f"{len(missing)} keys with records missing, e.g. {list(missing.items())[:5]}"
     assert sum(per_key.values()) == events
@@ -116,9 +156,7 @@ def _check_recovered(result: rs.JobResult, n: int, what: str) -> None:
         assert deploy["actors_s"] > 0 and deploy["loops_s"] >= deploy["delay_left_s"], r
 
 
-EVENTS = 200_000
-RATE = 40_000  # ~5 s of stream
-SHORT = 150_000  # ~3.75 s: for kills that land in the first ~2 s
+RATE = 40_000  # events/s of the generated input
 
 
 def _actor_ids(job: rs.Job) -> dict[str, str]:
@@ -147,8 +185,8 @@ def _wait_recovered(job: rs.Job, n: int, timeout_s: float = 60.0) -> None:
 def test_kill_a_keyed_instance_in_steady_state(tmp_path: Path) -> None:
     """Only the killed actor gets a new process: the others are reset in place (their Ray
     actor ids stay), and the output is still exactly once."""
-    out = tmp_path / "out"
-    job = _start(_flow("rec-steady", out, SHORT, RATE), tmp_path)
+    out, gate = tmp_path / "out", str(tmp_path / "gate")
+    job = _start(_gated_flow("rec-steady", out, gate, RATE), tmp_path)
     try:
         wait_checkpoints(job, 2)
         before = _actor_ids(job)
@@ -156,6 +194,7 @@ def test_kill_a_keyed_instance_in_steady_state(tmp_path: Path) -> None:
         _kill(job, "count", 0)
         _wait_recovered(job, 1)
         after = _actor_ids(job)
+        _end_input(job, gate, 1)
         result = job.wait(120)
     finally:
         job.cancel()
@@ -163,7 +202,8 @@ def test_kill_a_keyed_instance_in_steady_state(tmp_path: Path) -> None:
     rec = result.recoveries[0]
     assert rec["checkpoint_id"] is not None
     assert rec["records_replayed"] > 0
-    assert_exactly_once(out, SHORT)
+    events = events_sent(gate)
+    assert_exactly_once(out, events, _expected_prefix(events))
     assert result.checkpoints["completed"] >= 2
     assert set(after) == set(before) and killed in before, (before, after)
     assert after[killed] != before[killed]
@@ -214,9 +254,9 @@ def test_a_user_error_recovers_in_the_same_processes(tmp_path: Path) -> None:
 
 
 def test_kill_during_a_checkpoint(tmp_path: Path) -> None:
-    out = tmp_path / "out"
+    out, gate = tmp_path / "out", str(tmp_path / "gate")
     job = _start(
-        _flow("rec-during-chk", out, SHORT, RATE), tmp_path, checkpoint_interval_s=30.0
+        _gated_flow("rec-during-chk", out, gate, RATE), tmp_path, checkpoint_interval_s=30.0
     )
     try:
         wait_checkpoints(job, 0)
@@ -235,23 +275,31 @@ def test_kill_during_a_checkpoint(tmp_path: Path) -> None:
         time.sleep(0.01)
         _kill(job, "count", 1)
         t.join(60)
+        _end_input(job, gate, 1)
         result = job.wait(120)
     finally:
         job.cancel()
     _check_recovered(result, 1, "count")
-    assert_exactly_once(out, SHORT)
+    events = events_sent(gate)
+    assert_exactly_once(out, events, _expected_prefix(events))
 
 
 @pytest.mark.parametrize("delay_s", [0.0, 0.15, 0.6])
 def test_kill_during_a_meces_rescale(tmp_path: Path, delay_s: float) -> None:
     """0 s: before the old owners are sealed; 0.15 s: while on-demand fetches run; 0.6 s: while
-    background pulls run or just after (the phase a kill lands in varies with the machine)."""
-    out = tmp_path / "out"
-    flow = _flow(f"rec-rescale-{int(delay_s * 100)}", out, SHORT, RATE)
+    background pulls run or just after (the phase a kill lands in varies with the machine). The
+    delay counts from the rescale's start (its turn taken): a kill before it, on a machine slow
+    to start the call, made it wait behind the recovery and run after it (told 3, recovered 2)."""
+    out, gate = tmp_path / "out", str(tmp_path / "gate")
+    flow = _gated_flow(f"rec-rescale-{int(delay_s * 100)}", out, gate, RATE)
     job = _start(flow, tmp_path, scaled_out=True)
     try:
         wait_checkpoints(job, 2)
         ref = job.controller.rescale.remote("count", 3, "meces")
+        deadline = time.monotonic() + 60
+        while not job.status()["rescaling"] and not ray.wait([ref], timeout=0)[0]:
+            assert time.monotonic() < deadline, "the rescale did not start within 60 s"
+            time.sleep(0.01)
         time.sleep(delay_s)
         _kill(job, "count", 0)
         try:
@@ -259,13 +307,15 @@ def test_kill_during_a_meces_rescale(tmp_path: Path, delay_s: float) -> None:
             told = 3  # it completed before the failure was noticed
         except rs.RescaleError as e:  # the failure interrupted it: the error says where to
             told = _parallelism_told(str(e))
+        _end_input(job, gate, 1)
         result = job.wait(120)
     finally:
         job.cancel()
     _check_recovered(result, 1, "count")
     # the job recovered at the parallelism the rescale's caller was told
     assert result.recoveries[0]["parallelism"]["count"] == told
-    assert_exactly_once(out, SHORT)
+    events = events_sent(gate)
+    assert_exactly_once(out, events, _expected_prefix(events))
 
 
 def _parallelism_told(message: str) -> int:
@@ -283,8 +333,8 @@ def _parallelism_told(message: str) -> int:
 
 
 def test_kill_a_source_then_a_sink(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    job = _start(_flow("rec-src-sink", out, EVENTS, RATE), tmp_path)
+    out, gate = tmp_path / "out", str(tmp_path / "gate")
+    job = _start(_gated_flow("rec-src-sink", out, gate, RATE), tmp_path)
     try:
         wait_checkpoints(job, 2)
         _kill(job, "source", 0)
@@ -295,17 +345,19 @@ def test_kill_a_source_then_a_sink(tmp_path: Path) -> None:
         n = job.status()["checkpoints"]["completed"]
         wait_checkpoints(job, n + 2)
         _kill(job, "out", 0)
+        _end_input(job, gate, 2)
         result = job.wait(120)
     finally:
         job.cancel()
     _check_recovered(result, 2, "*")
     assert [r["instance"][0] for r in result.recoveries] == ["source", "out"]
-    assert_exactly_once(out, EVENTS)
+    events = events_sent(gate)
+    assert_exactly_once(out, events, _expected_prefix(events))
 
 
 def test_two_instances_killed_one_after_the_other(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    job = _start(_flow("rec-twice", out, SHORT, RATE), tmp_path)
+    out, gate = tmp_path / "out", str(tmp_path / "gate")
+    job = _start(_gated_flow("rec-twice", out, gate, RATE), tmp_path)
     try:
         wait_checkpoints(job, 2)
         _kill(job, "count", 0)
@@ -314,16 +366,24 @@ def test_two_instances_killed_one_after_the_other(tmp_path: Path) -> None:
             _kill(job, "count", 1)
         except ValueError:
             pass  # already replaced by the recovery (a new actor under that name comes later)
+        # a checkpoint completes only while the job runs: after it, no recovery of those kills
+        # is still to come, and the input's end lies past it
+        _wait_recovered(job, 1)
+        wait_checkpoints(job, job.status()["checkpoints"]["completed"] + 1)
+        _end_input(job, gate, 1)
         result = job.wait(120)
     finally:
         job.cancel()
     _check_recovered(result, 1, "count")
-    assert_exactly_once(out, SHORT)
+    events = events_sent(gate)
+    assert_exactly_once(out, events, _expected_prefix(events))
 
 
 def test_restart_strategy_gives_up_with_the_cause(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    job = _start(_flow("rec-giveup", out, EVENTS, RATE), tmp_path, restart_attempts=0)
+    out = tmp_path / "out"  # the input never ends by itself: the kill lands while it flows
+    job = _start(
+        _gated_flow("rec-giveup", out, str(tmp_path / "gate"), RATE), tmp_path, restart_attempts=0
+    )
     try:
         wait_checkpoints(job, 1)
         _kill(job, "count", 1)
@@ -336,9 +396,8 @@ def test_restart_strategy_gives_up_with_the_cause(tmp_path: Path) -> None:
 def test_stop_takes_a_final_checkpoint_and_the_job_resumes_from_it(tmp_path: Path) -> None:
     """stop = final checkpoint + publish; a new run from_checkpoint="latest" (at another
     parallelism) continues where it stopped: together, every record exactly once."""
-    out = tmp_path / "out"
-    events = 150_000
-    flow = _flow("rec-resume", out, events, 50_000)
+    out, gate = tmp_path / "out", str(tmp_path / "gate")
+    flow = _gated_flow("rec-resume", out, gate, 50_000)  # runs until stopped
     job = _start(flow, tmp_path, checkpoint_interval_s=0.0)
     time.sleep(1.5)
     assert job.wait(0.01).state == "running"  # this handle's wait for the end is now in flight
@@ -350,13 +409,15 @@ def test_stop_takes_a_final_checkpoint_and_the_job_resumes_from_it(tmp_path: Pat
     assert seen.state == "stopped" and seen.checkpoints["last"] == stopped.checkpoints["last"]
     assert stopped.checkpoints["completed"] == 1
     offset = next(iter(stopped.checkpoints["last"]["source_offsets"].values()))
-    assert 0 < offset < events
+    assert offset > 0
     con = duckdb.connect()
     published = con.sql(f"select count(*) from read_parquet('{out}/*.parquet')").fetchall()
     assert published[0][0] == offset  # exactly what came before it
 
+    events = offset + 50_000  # the resumed run goes one second of events further, then ends
+    open_gate(gate, events)
     job2 = _start(
-        _flow("rec-resume", out, events, 50_000),
+        _gated_flow("rec-resume", out, gate, 50_000),
         tmp_path,
         parallelism={"count": 3},
         checkpoint_interval_s=0.0,
@@ -364,19 +425,24 @@ def test_stop_takes_a_final_checkpoint_and_the_job_resumes_from_it(tmp_path: Pat
     )
     result = job2.wait(120)
     assert result.checkpoints["restored_from"]["kind"] == "checkpoint"
-    assert_exactly_once(out, events)
+    assert events_sent(gate) == events
+    assert_exactly_once(out, events, _expected_prefix(events))
 
 
 def test_savepoint_restores_at_another_parallelism(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    events = 150_000
-    job = _start(_flow("rec-savepoint", out, events, 50_000), tmp_path, checkpoint_interval_s=0.0)
+    out, gate = tmp_path / "out", str(tmp_path / "gate")
+    flow = _gated_flow("rec-savepoint", out, gate, 50_000)  # runs until cancelled
+    job = _start(flow, tmp_path, checkpoint_interval_s=0.0)
     time.sleep(1.0)
     sp = job.savepoint(str(tmp_path / "sp"))
     job.cancel()  # whatever came after the savepoint is dropped: never published
     assert Path(sp["savepoint"]).exists()
+    offset = next(iter(sp["source_offsets"].values()))
+    assert offset > 0, sp
+    events = offset + 50_000  # the restored run goes 50,000 events further, then ends
+    open_gate(gate, events)
     job2 = _start(
-        _flow("rec-savepoint", out, events, 0),
+        _gated_flow("rec-savepoint", out, gate, 0),
         tmp_path,
         parallelism={"count": 4},
         checkpoint_interval_s=0.0,
@@ -384,7 +450,8 @@ def test_savepoint_restores_at_another_parallelism(tmp_path: Path) -> None:
     )
     result = job2.wait(120)
     assert result.state == "finished"
-    assert_exactly_once(out, events)
+    assert events_sent(gate) == events
+    assert_exactly_once(out, events, _expected_prefix(events))
 
 
 def test_incompatible_or_missing_restore_points_are_refused(tmp_path: Path) -> None:
@@ -394,7 +461,8 @@ def test_incompatible_or_missing_restore_points_are_refused(tmp_path: Path) -> N
         _start(_flow("rec-badchk", out, 1000, 0), tmp_path, checkpoint_dir=str(tmp_path / "a-file"))
     with pytest.raises(rs.CheckpointError, match="no complete checkpoint"):
         _start(_flow("rec-none", out, 1000, 0), tmp_path, from_checkpoint="latest")
-    job = _start(_flow("rec-compat", out, 100_000, 50_000), tmp_path, checkpoint_interval_s=0.0)
+    gated = _gated_flow("rec-compat", out, str(tmp_path / "gate"), 50_000)  # until cancelled
+    job = _start(gated, tmp_path, checkpoint_interval_s=0.0)
     time.sleep(0.8)
     job.savepoint(str(tmp_path / "sp"))
     job.cancel()

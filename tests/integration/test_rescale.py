@@ -363,7 +363,18 @@ def test_scale_in_then_out_reusing_an_index_wires_the_new_instance_and_stays_exa
         live.wait_flowing()
         down = live.rescale(2, "meces")
         up = live.rescale(3, "meces")
-        status = job.status()
+        # the new instance 2 takes records (the stream runs until the gate): read once it did,
+        # not at the moment the rescale returned
+        deadline = time.monotonic() + 60
+        while True:
+            status = job.status()
+            if any(
+                m["index"] == 2 and not m["finished"] and m["records_in"] > 0
+                for m in step_metrics(status["instances"])
+            ):
+                break
+            assert time.monotonic() < deadline, "the new instance 2 took no record within 60 s"
+            time.sleep(0.05)
         more = live.rescale(4, "meces")  # from a warm standby (named for index 3 when made)
         named = {
             i: ray.get(

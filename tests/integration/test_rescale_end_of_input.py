@@ -115,7 +115,15 @@ def test_a_job_that_ends_while_a_scale_out_is_prepared_gets_a_rescale_error() ->
 
         caller = threading.Thread(target=rescale)
         caller.start()
-        time.sleep(0.1)  # the rescale is under way (spawning) when the stream ends
+        # the rescale is under way (its turn taken, spawning) when the stream ends; a fixed
+        # pause could end the stream before a slow machine's call even reached the controller
+        deadline = time.monotonic() + 60
+        while not live.job.status()["rescaling"] and caller.is_alive():
+            assert time.monotonic() < deadline, "the rescale did not start within 60 s"
+            time.sleep(0.02)
+        assert caller.is_alive(), (
+            f"the rescale answered before the stream ended: {returned or errors}"
+        )
         result, events = live.finish()
         caller.join(timeout=60)
     assert not caller.is_alive(), "the rescale call did not return after the job ended"

@@ -18,10 +18,11 @@ import ray
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
 from raystream.upsert import final_table_sql
-from tests.integration._helpers import NOT_SCALED_OUT
+from tests.integration._gates import EndAtGate, end_after_checkpoint, events_sent, open_gate
+from tests.integration._helpers import NOT_SCALED_OUT, generator_prefix
 
 KEYS = 2_000
-EVENTS = 80_000
+RATE = 40_000
 
 
 @rs.keyed_batches(state=rs.ValueState(int, default=0))
@@ -32,12 +33,26 @@ def running_count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
     return batch.output({"count": count})
 
 
+def _wait_status(job: rs.Job, what: str, check: Any, timeout_s: float = 60) -> None:
+    t0 = time.monotonic()
+    while not check(job.status()):
+        st = job.status()
+        assert time.monotonic() - t0 < timeout_s, (
+            f"no {what} within {timeout_s} s: {st['state']}, {st['checkpoints']}"
+        )
+        time.sleep(0.05)
+
+
 def test_upsert_sink_recovers_with_the_two_phase_commit(tmp_path: Path) -> None:
+    """The generator runs at 40,000 events/s until the job has recovered from the kill (then to
+    a second past the restored checkpoint): the kill lands mid-stream however slow the
+    checkpoints are on the machine."""
     out = tmp_path / "out"
-    gen = rs.sources.generator(events=EVENTS, keys=KEYS, zipf=1.1, seed=5, rate_eps=40_000)
+    gen = rs.sources.generator(events=RATE * 120, keys=KEYS, zipf=1.1, seed=5, rate_eps=RATE)
+    gate = str(tmp_path / "gate")
     flow = rs.Dataflow("upsert-recovery", num_key_groups=64)
     (
-        flow.source(gen)
+        flow.source(EndAtGate(gen, gate), parallelism=1)
         .key_by("key")
         .apply(running_count, name="count")
         .sink(rs.sinks.parquet(out, mode="upsert", key=["key"]), name="out")
@@ -53,16 +68,22 @@ def test_upsert_sink_recovers_with_the_two_phase_commit(tmp_path: Path) -> None:
         **NOT_SCALED_OUT,
     )
     try:
-        t0 = time.monotonic()
-        while job.status()["checkpoints"]["completed"] < 2:
-            assert time.monotonic() - t0 < 60, job.status()["checkpoints"]
-            time.sleep(0.05)
-        ray.kill(ray.get_actor(instance_actor_name(job.name, "count", 1), namespace=NAMESPACE))
+        try:
+            _wait_status(job, "2 checkpoints", lambda s: s["checkpoints"]["completed"] >= 2)
+            ray.kill(ray.get_actor(instance_actor_name(job.name, "count", 1), namespace=NAMESPACE))
+            _wait_status(
+                job, "recovery", lambda s: len(s["recoveries"]) >= 1 and s["state"] == "running"
+            )
+        finally:
+            # past the newest checkpoint's offset: a reader rewinding to it is not cut short
+            open_gate(gate, end_after_checkpoint(job.status(), RATE))
         result = job.wait(120)
     finally:
         job.cancel()
     assert result.state == "finished" and len(result.recoveries) >= 1
-    keys = rs.sources.generator(events=EVENTS, keys=KEYS, zipf=1.1, seed=5).generate_all()
+    events = events_sent(gate)
+    keys = generator_prefix(gen, events)
+    assert keys.num_rows == events >= RATE, events
     uniq, counts = np.unique(keys.column("key").to_numpy(), return_counts=True)
     want = pa.table({"key": pa.array(uniq, pa.int64()), "count": pa.array(counts, pa.int64())})
     got = rs.read_upsert(out).select(["key", "count"])

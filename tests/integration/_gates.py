@@ -1,0 +1,88 @@
+"""A source that runs until the test says where it ends, for tests whose action (a kill, a stop, a
+savepoint) must land while the input flows, however slow the machine is.
+
+``EndAtGate(gen, gate)`` reads the rate-limited source ``gen`` (one instance) until the file
+``gate`` exists, then up to the event number written in it (``open_gate``), then ends. Its reader
+writes how many events it sent to ``gate + ".events"`` when it closes (the oracle's prefix).
+
+A recovery's reader reads the same events again up to the restored checkpoint's offset (the
+runtime's rewind reads through ``read``): the test writes an end past the newest checkpoint's
+offset (``end_after_checkpoint``), so a gate opened while a reader rewinds cannot end the stream
+short of the checkpoint. Unlike ``_rescale_helpers.UntilGate`` (a count of rows after the gate
+appears, counted from where that reader stands), the end is a position in the stream.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class EndAtGate:
+    gen: Any
+    gate: str
+
+    def schema(self) -> pa.Schema:
+        return self.gen.schema()  # type: ignore[no-any-return]
+
+    @property
+    def rate_eps(self) -> float:
+        return float(self.gen.rate_eps)
+
+    def describe(self) -> str:
+        return f"end_at_gate({self.gen.describe()})"
+
+    def open(self, index: int, parallelism: int) -> Any:
+        assert parallelism == 1, "one source instance: the gate holds one event number"
+        return _EndAtGateReader(self, self.gen.open(index, parallelism))
+
+
+class _EndAtGateReader:
+    def __init__(self, spec: EndAtGate, inner: Any) -> None:
+        self.spec, self.inner = spec, inner
+        self.emitted = 0
+        self.end: int | None = None
+
+    def read(self, max_rows: int) -> pa.RecordBatch | None:
+        if self.end is None and os.path.exists(self.spec.gate):
+            with open(self.spec.gate) as f:
+                self.end = int(f.read())
+        if self.end is not None:
+            max_rows = min(max_rows, self.end - self.emitted)
+            if max_rows <= 0:
+                return None
+        batch = self.inner.read(max_rows)
+        if batch is not None:
+            self.emitted += batch.num_rows
+        return batch
+
+    def close(self) -> None:
+        self.inner.close()
+        tmp = self.spec.gate + ".events.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(self.emitted))
+        os.replace(tmp, self.spec.gate + ".events")
+
+
+def open_gate(gate: str, end: int) -> None:
+    """End the stream at event ``end`` (or where its reader stands, if it is past it)."""
+    with open(gate + ".tmp", "w") as f:
+        f.write(str(end))
+    os.replace(gate + ".tmp", gate)  # appears whole
+
+
+def end_after_checkpoint(status: dict[str, Any], more: int) -> int:
+    """``more`` events past the source offset of the job's newest completed checkpoint."""
+    last = status["checkpoints"]["last"] or {}
+    offsets = (last.get("source_offsets") or {}).values()
+    return max((int(v or 0) for v in offsets), default=0) + more
+
+
+def events_sent(gate: str) -> int:
+    """The events the gated source sent (written by its reader when it closed at the end)."""
+    with open(gate + ".events") as f:
+        return int(f.read())
