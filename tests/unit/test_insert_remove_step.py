@@ -25,7 +25,7 @@ from raystream.plan import physical_plan
 from raystream.runtime.instance import InstanceSpec, OperatorInstance, OutputSpec, RuntimeConfig
 from raystream.runtime.messages import Barrier, ChannelId
 
-EVENTS = 6_000
+EVENTS = 12_000  # 1.2 s at 10k/s: the two barriers go in 0.1 s of stream apart
 SOURCE, COUNT, SINK, FILTER = ("source", 0), ("count", 0), ("out", 0), ("drop_even", 0)
 FINISH_S = 30.0
 
@@ -39,6 +39,15 @@ def count(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
 
 def drop_even(record: dict[str, Any]) -> bool:
     return bool(record["key"] % 2)
+
+
+async def _emitted(source: OperatorInstance, rows: int) -> None:
+    """Until the source sent ``rows`` (the barriers go in at points of the stream, not after
+    fixed sleeps a slow machine could stretch past its end)."""
+    deadline = time.monotonic() + FINISH_S
+    while source.rows_emitted < rows:
+        assert time.monotonic() < deadline, f"the source sent {source.rows_emitted} rows"
+        await asyncio.sleep(0.002)
 
 
 def _generator() -> Any:
@@ -68,7 +77,7 @@ async def _insert_then_remove(state_dir: Path) -> tuple[OperatorInstance, dict[i
     for iid, spec in plan.instances.items():
         add(iid, OperatorInstance(spec))
     runs = [asyncio.ensure_future(i.run()) for i in insts.values()]
-    await asyncio.sleep(0.15)
+    await _emitted(insts[SOURCE], 1_000)
 
     # insert: the filter's instance, wired to count; the source's output to count is replaced
     to_count = plan.instances[SOURCE].outputs[0]
@@ -90,7 +99,8 @@ async def _insert_then_remove(state_dir: Path) -> tuple[OperatorInstance, dict[i
     to_filter = OutputSpec("drop_even", 1, "forward")
     insert = {"step": "source", "replaces": "count", "output": to_filter, "aligned": True}
     assert insts[SOURCE].inject_barrier(Barrier(1, "rewire", insert))
-    await asyncio.sleep(0.2)
+    await _emitted(insts[SOURCE], insts[SOURCE].rows_emitted + 1_000)  # through the filter
+    assert insts[SOURCE].rows_emitted < EVENTS - 1_000, "the input nearly ended before the remove"
 
     # remove: the source sends to count again (its old input reopens), the filter ends
     assert to_count.key == KeySpec(column="key")
