@@ -14,7 +14,11 @@ appears, counted from where that reader stands), the end is a position in the st
 
 from __future__ import annotations
 
+import glob
 import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,3 +90,50 @@ def events_sent(gate: str) -> int:
     """The events the gated source sent (written by its reader when it closed at the end)."""
     with open(gate + ".events") as f:
         return int(f.read())
+
+
+# ---- holding a step's instances while the controller queues a change behind another --------
+
+
+def hold(path: str) -> None:
+    """Called by a step's function: while the file ``path`` exists (60 s at most), block this
+    instance (its event loop: no record, barrier or state request gets through) and say so with
+    a file ``<path>.held.<pid>``."""
+    if not os.path.exists(path):
+        return
+    with open(f"{path}.held.{os.getpid()}", "w"):
+        pass
+    deadline = time.monotonic() + 60
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+@contextmanager
+def held(path: str, timeout_s: float = 60.0) -> Iterator[None]:
+    """The instances whose function calls :func:`hold` block at their next batch until the
+    block ends (the stream flows, so one blocks within milliseconds; this waits until one did)."""
+    for marker in glob.glob(f"{path}.held.*"):
+        os.remove(marker)
+    with open(path, "w"):
+        pass
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not glob.glob(f"{path}.held.*"):
+            assert time.monotonic() < deadline, f"no instance held within {timeout_s} s"
+            time.sleep(0.01)
+        yield
+    finally:
+        os.remove(path)
+
+
+def wait_described(
+    job: Any, what: str, check: Callable[[dict[str, Any]], bool], timeout_s: float = 60.0
+) -> None:
+    """Until the controller's description (not ``status()``: that asks held instances for their
+    metrics) passes ``check``."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while not check(d := ray.get(job.controller.describe.remote())):
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s: {d}"
+        time.sleep(0.01)

@@ -19,11 +19,9 @@ tests/unit/test_replace_function.py; here: what needs the controller).
 
 from __future__ import annotations
 
-import glob
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,22 +32,12 @@ import ray
 
 import raystream as rs
 
+from ._gates import held, wait_described
+from ._gates import hold as hold_at
 from ._helpers import finished_after_gate, last_counts, oracle_counts
 from ._rescale_helpers import RUNTIME, STATE, UntilGate, _count, generator, prefix_counts
 
 STEP = "count"
-
-
-def _hold(hold: str) -> None:
-    """While the file ``hold`` exists (60 s at most), block this instance (its event loop: no
-    record, barrier or state request gets through) and say so with a file ``<hold>.held.<pid>``."""
-    if not os.path.exists(hold):
-        return
-    with open(f"{hold}.held.{os.getpid()}", "w"):
-        pass
-    deadline = time.monotonic() + 60
-    while os.path.exists(hold) and time.monotonic() < deadline:
-        time.sleep(0.005)
 
 
 def count_v1_holding(hold: str) -> Any:
@@ -58,7 +46,7 @@ def count_v1_holding(hold: str) -> Any:
 
     @rs.keyed(state=STATE)
     def count_v1(key: Any, records: pa.RecordBatch, state: Any) -> Any:
-        _hold(hold)
+        hold_at(hold)
         for k, row in _count(key, records, state):
             yield k, {**row, "tag": ""}
 
@@ -74,17 +62,6 @@ def count_v2(key: Any, records: pa.RecordBatch, state: Any) -> Any:
 @rs.map
 def not_keyed(record: dict[str, Any]) -> dict[str, Any]:
     return record
-
-
-def _wait_described(
-    job: rs.Job, what: str, check: Callable[[dict[str, Any]], bool], timeout_s: float = 60.0
-) -> None:
-    """Until the controller's description (not ``status()``: that asks the held instances for
-    their metrics) passes ``check``."""
-    deadline = time.monotonic() + timeout_s
-    while not check(d := ray.get(job.controller.describe.remote())):
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s: {d}"
-        time.sleep(0.01)
 
 
 def _wait_for(what: str, check: Any, timeout_s: float = 30.0) -> None:
@@ -129,17 +106,12 @@ def test_replace_queued_behind_a_rescale_then_move_a_hot_instance(tmp_path: Path
             # the count instances block at their next key until the replacement is seen
             # waiting in the queue: the rescale cannot end before (the stream flows, so an
             # instance blocks within milliseconds; the test waits until one did)
-            with open(hold, "w"):
-                pass
-            try:
-                _wait_for("a count instance held", lambda: glob.glob(f"{hold}.held.*"), 60.0)
+            with held(hold):
                 rescaling = pool.submit(job.rescale, STEP, 3)
-                _wait_described(job, "the rescale's start", lambda d: d["rescaling"])
+                wait_described(job, "the rescale's start", lambda d: d["rescaling"])
                 # waits in the queue behind the rescale
                 replacing = pool.submit(job.replace, STEP, count_v2)
-                _wait_described(job, "the replacement queued", lambda d: d["queued_rescales"] == 1)
-            finally:
-                os.remove(hold)
+                wait_described(job, "the replacement queued", lambda d: d["queued_rescales"] == 1)
             rescaled = rescaling.result()
             replaced = replacing.result()
         assert rescaled["to"] == 3

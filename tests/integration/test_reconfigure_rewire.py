@@ -8,13 +8,9 @@ one of its instances. Checked against the generator's own rows (``collections.Co
 from __future__ import annotations
 
 import collections
-import glob
-import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +20,8 @@ import ray
 
 import raystream as rs
 
+from ._gates import held, wait_described
+from ._gates import hold as hold_at
 from ._helpers import Batches, count_vec, finished_after_gate, last_counts
 from ._rescale_helpers import RUNTIME, UntilGate, generator
 
@@ -33,59 +31,18 @@ def drop_even(record: dict[str, Any]) -> bool:
     return bool(record["key"] % 2)
 
 
-def _hold(hold: str) -> None:
-    """While the file ``hold`` exists (60 s at most), block this instance (its event loop: no
-    record, barrier or state request gets through) and say so with a file ``<hold>.held.<pid>``."""
-    if not os.path.exists(hold):
-        return
-    with open(f"{hold}.held.{os.getpid()}", "w"):
-        pass
-    deadline = time.monotonic() + 60
-    while os.path.exists(hold) and time.monotonic() < deadline:
-        time.sleep(0.005)
-
-
 def _count_holding(hold: str) -> Any:
     """``count_vec`` that first waits at ``_hold``: a change of the step cannot end while the
     test holds it, so a change asked for meanwhile is certainly queued behind it."""
 
     @rs.keyed_batches(state=rs.ValueState(int, default=0), name="count_vec")
     def count_vec(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
-        _hold(hold)
+        hold_at(hold)
         new = state.get(batch.keys) + batch.counts
         state.put(batch.keys, new)
         return batch.output({"count": new})
 
     return count_vec
-
-
-@contextmanager
-def _held(hold: str, timeout_s: float = 60.0) -> Iterator[None]:
-    """The count instances block at their next batch until the block ends (the stream flows, so
-    one blocks within milliseconds; the block waits until one did)."""
-    for marker in glob.glob(f"{hold}.held.*"):
-        os.remove(marker)
-    with open(hold, "w"):
-        pass
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not glob.glob(f"{hold}.held.*"):
-            assert time.monotonic() < deadline, f"no count instance held within {timeout_s} s"
-            time.sleep(0.01)
-        yield
-    finally:
-        os.remove(hold)
-
-
-def _wait_described(
-    job: rs.Job, what: str, check: Callable[[dict[str, Any]], bool], timeout_s: float = 60.0
-) -> None:
-    """Until the controller's description (not ``status()``: that asks the held instances for
-    their metrics) passes ``check``."""
-    deadline = time.monotonic() + timeout_s
-    while not check(d := ray.get(job.controller.describe.remote())):
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s: {d}"
-        time.sleep(0.01)
 
 
 def _records_in(job: rs.Job, step: str) -> int:
@@ -129,11 +86,11 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
             # the insert waits in the queue behind a rescale of count, the removal behind a
             # move of one of count's instances: each first change cannot end while count is
             # held, and the hold ends once the second one is seen waiting
-            with _held(hold):
+            with held(hold):
                 rescaling = pool.submit(job.rescale, "count", 3)
-                _wait_described(job, "the rescale's start", lambda d: d["rescaling"])
+                wait_described(job, "the rescale's start", lambda d: d["rescaling"])
                 inserting = pool.submit(job.insert, "source", drop_even, name="drop_even")
-                _wait_described(job, "the insert queued", lambda d: d["queued_rescales"] == 1)
+                wait_described(job, "the insert queued", lambda d: d["queued_rescales"] == 1)
             rescaled = rescaling.result()
             inserted = inserting.result()
             # the graph version: 1 + the rescale + the insert
@@ -141,11 +98,11 @@ def test_filter_inserted_then_removed_drops_exactly_the_events_between_its_barri
             ray.get_actor(inserted["actors"][0], namespace="raystream")
             time.sleep(0.5)
             node = ray.get_runtime_context().get_node_id()
-            with _held(hold):
+            with held(hold):
                 moving = pool.submit(job.move, "count", 0, node)
-                _wait_described(job, "the move's start", lambda d: d["rescaling"])
+                wait_described(job, "the move's start", lambda d: d["rescaling"])
                 removing = pool.submit(job.remove, "drop_even")
-                _wait_described(job, "the removal queued", lambda d: d["queued_rescales"] == 1)
+                wait_described(job, "the removal queued", lambda d: d["queued_rescales"] == 1)
             moved = moving.result()
             removed = removing.result()
         status = job.status()
