@@ -81,7 +81,7 @@ def _output_check(out: Path, stream: pa.Table) -> dict[str, Any]:
     }
 
 
-def _left(job: str, timeout_s: float = 15.0) -> list[str]:
+def _left(job: str, timeout_s: float = 60.0) -> list[str]:
     """The job's named actors still alive (waits up to ``timeout_s`` for them to go)."""
     from ray.util import list_named_actors
 

@@ -199,7 +199,7 @@ class Batches:
         return "batches()"
 
 
-def wait_checkpoints(job: rs.Job, n: int, timeout_s: float = 60) -> None:
+def wait_checkpoints(job: rs.Job, n: int, timeout_s: float = 120) -> None:
     """Wait until the job completed ``n`` checkpoints (fails after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while job.status()["checkpoints"]["completed"] < n:
@@ -213,3 +213,87 @@ def finished_after_gate(job: rs.Job, gate: str, timeout_s: float = 120) -> tuple
     result = job.wait(timeout_s=timeout_s)
     assert result.state == "finished", result.error
     return result, int(Path(gate + ".events").read_text())
+
+
+# ------------------------------------------------------------------------------------------
+# a finite source held at given rows until the test opens a gate
+
+
+@dataclass(frozen=True)
+class HeldAt:
+    """The rows of the finite source ``source`` (same rows, same order, same pace), but each
+    instance stops short at every ``(rows, gate)`` of ``holds`` until the file ``gate`` exists:
+    at ``rows`` of its own rows it creeps on, one row per ``creep_s`` (the source's loop takes
+    its turns between reads: barriers, metrics and changes go on). Once the test opened the gate
+    after its action, the rest comes at the source's pace. So an input of fixed rows (a table,
+    files, the oracle's input) outlasts whatever the test does before it opens the gate, however
+    slow the machine, and the oracle stays the whole input.
+
+    Rows are counted per instance (a table source's instance ``i`` of ``P`` reads its own
+    slice). A rewind (recovery) goes past the checkpointed rows without stopping at a hold."""
+
+    source: Any
+    holds: tuple[tuple[int, str], ...]
+    creep_s: float = 0.005
+
+    def schema(self) -> pa.Schema:
+        return self.source.schema()  # type: ignore[no-any-return]
+
+    @property
+    def rate_eps(self) -> float:
+        return float(getattr(self.source, "rate_eps", 0) or 0)
+
+    @property
+    def rate_schedule(self) -> Any:
+        return getattr(self.source, "rate_schedule", ())
+
+    def describe(self) -> str:
+        return f"held_at({self.source.describe()}, at={[r for r, _ in self.holds]})"
+
+    def open(self, index: int, parallelism: int) -> Any:
+        return _HeldReader(self, self.source.open(index, parallelism))
+
+
+class _HeldReader:
+    def __init__(self, spec: HeldAt, inner: Any) -> None:
+        self.spec = spec
+        self.inner = inner
+        self.emitted = 0
+
+    def read(self, max_rows: int) -> pa.RecordBatch | None:
+        for at, gate in self.spec.holds:
+            if Path(gate).exists():
+                continue
+            if self.emitted >= at:  # held: one row at a time, slowly
+                time.sleep(self.spec.creep_s)
+                max_rows = 1
+                break
+            max_rows = min(max_rows, at - self.emitted)  # no further than the hold
+        batch = self.inner.read(max_rows)
+        if batch is not None:
+            self.emitted += batch.num_rows
+        return batch
+
+    def skip(self, rows: int) -> int:
+        """A rewind: past ``rows`` rows of the inner reader, holds or not."""
+        inner_skip = getattr(self.inner, "skip", None)
+        if callable(inner_skip):
+            skipped = int(inner_skip(rows))
+        else:
+            skipped = 0
+            while skipped < rows:
+                batch = self.inner.read(min(65_536, rows - skipped))
+                if batch is None:
+                    break
+                skipped += batch.num_rows
+        self.emitted += skipped
+        return skipped
+
+    def __getattr__(self, name: str) -> Any:
+        # a file source's position() and check_position(); nothing the inner reader lacks
+        if name in ("inner", "spec", "emitted"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def close(self) -> None:
+        self.inner.close()

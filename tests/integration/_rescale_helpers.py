@@ -117,6 +117,11 @@ class UntilGate:
     def rate_eps(self) -> float:
         return float(self.gen.rate_eps)
 
+    @property
+    def rate_schedule(self) -> Any:
+        """The generator's rate steps (``rate_schedule``), kept until the gate and after it."""
+        return getattr(self.gen, "rate_schedule", ())
+
     def describe(self) -> str:
         return f"until_gate({self.gen.describe()}, after_rows={self.after_rows})"
 
@@ -181,7 +186,7 @@ class LiveJob:
         self.job = job
         self.gate = gate
 
-    def wait_flowing(self, records: int = RATE_EPS // 2, timeout_s: float = 30.0) -> None:
+    def wait_flowing(self, records: int = RATE_EPS // 2, timeout_s: float = 120.0) -> None:
         """Wait until ``records`` events reached the count step (state to move, load measured)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

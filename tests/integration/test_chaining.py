@@ -46,11 +46,19 @@ def odd(record: dict[str, Any]) -> bool:
     return bool(record["odd"])
 
 
-def _wait(what: str, ok: Any, timeout_s: float = 30.0) -> None:
+def _wait(what: str, ok: Any, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not ok():
         assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
         time.sleep(0.05)
+
+
+def _records_in(job: rs.Job, step: str, index: int) -> int:
+    return sum(
+        int(m["records_in"])
+        for m in job.metrics()["instances"]
+        if m.get("step") == step and m.get("index") == index
+    )
 
 
 def test_chained_job_checkpoints_recovers_and_rescales(tmp_path: Path) -> None:
@@ -81,7 +89,7 @@ def test_chained_job_checkpoints_recovers_and_rescales(tmp_path: Path) -> None:
         status = job.status()
     finally:
         Path(gate).touch()
-    result = job.wait(timeout_s=60)
+    result = job.wait(timeout_s=120)
     assert result.state == "finished", result.error
     chains = {g["step"]: g["chain"] for g in status["graph"]}
     assert chains["tag"] == chains["odd"] == ["source", "tag", "odd"] and chains["count"] == []
@@ -138,11 +146,12 @@ def test_a_sink_chained_to_a_keyed_step_follows_its_rescales(tmp_path: Path) -> 
         status = job.status()
         done = job.status()["checkpoints"]["completed"]
         _wait("a checkpoint at 3", lambda: job.status()["checkpoints"]["completed"] > done)
+        _wait("rows at the new sink instance out/2", lambda: _records_in(job, "out", 2) > 0)
         job.replace("count", _count_version(2))
         back = job.rescale("count", 2)
     finally:
         Path(gate).touch()
-    result = job.wait(timeout_s=60)
+    result = job.wait(timeout_s=120)
     assert result.state == "finished", result.error
     assert out3["to"] == 3 and back["to"] == 2
     chains = {g["step"]: g["chain"] for g in status["graph"]}

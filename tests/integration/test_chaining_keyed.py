@@ -65,7 +65,7 @@ def _flow(
     return flow
 
 
-def _wait(what: str, ok: Any, timeout_s: float = 30.0) -> None:
+def _wait(what: str, ok: Any, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not ok():
         assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
@@ -98,6 +98,14 @@ def _check_exact(tables: list[pa.Table], gen: Any, events: int) -> None:
     )
 
 
+def _sent(job: rs.Job, step: str, index: int) -> int:
+    return sum(
+        int(m["records_out"])
+        for m in job.metrics()["instances"]
+        if m.get("step") == step and m.get("index") == index
+    )
+
+
 def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) -> None:
     """count -> tag -> even chained (one actor per index of count), then a second keyed step,
     recount (at 1, its sink chained to it), that reads every chain's tail by key group. While it
@@ -119,6 +127,7 @@ def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) ->
             to3 = job.rescale("count", 3)
             at3 = job.status()
             wait_checkpoints(job, at3["checkpoints"]["completed"] + 1)
+            _wait("rows sent by the new chain's tail even/2", lambda: _sent(job, "even", 2) > 0)
             recount2 = job.rescale("recount", 2)
             # the chained tag's function is replaced at a barrier; chains started later run it
             replaced = job.replace("tag", parity_tagger(2, "tag"))
@@ -128,7 +137,7 @@ def test_steps_chained_after_a_keyed_step_follow_its_rescales(tmp_path: Path) ->
             to2 = job.rescale("count", 2)
     finally:
         Path(gate).touch()
-    result = job.wait(timeout_s=60)
+    result = job.wait(timeout_s=120)
     assert result.state == "finished", result.error
     assert to3["to"] == 3 and to1["to"] == 1 and to2["to"] == 2 and recount2["to"] == 2
     assert replaced["instances"] == 3
@@ -194,7 +203,7 @@ def test_a_keyed_chain_recovers_from_a_killed_actor_and_rescales(tmp_path: Path)
             status = job.status()
     finally:
         Path(gate).touch()
-    result = job.wait(timeout_s=60)
+    result = job.wait(timeout_s=120)
     assert result.state == "finished", result.error
     assert to3["to"] == 3 and len(result.recoveries) == 1
     cause = tuple(result.recoveries[0]["instance"])

@@ -29,6 +29,13 @@ def _wait_spares(job: rs.Job, n: int, timeout_s: float = 60.0) -> list[str]:
     return names
 
 
+def _wait_records(job: rs.Job, step: str, n: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (got := _records_in(job, step)) < n:
+        assert time.monotonic() < deadline, f"{got} records reached {step!r}, waited for {n}"
+        time.sleep(0.02)
+
+
 def test_keyed_insert_and_move_take_warm_spares_and_count_exactly(tmp_path: Path) -> None:
     gen = generator("int", skewed=True, seed=31)
     gate = str(tmp_path / "gate")
@@ -43,10 +50,7 @@ def test_keyed_insert_and_move_take_warm_spares_and_count_exactly(tmp_path: Path
         **RUNTIME,
     )
     try:
-        deadline = time.monotonic() + 30
-        while _records_in(job, "out") < 2_000:
-            assert time.monotonic() < deadline, "no records reached out"
-            time.sleep(0.02)
+        _wait_records(job, "out", 2_000)
         spares = _wait_spares(job, 2)
         inserted = job.insert("source", count_vec, name="count", key_by="key", parallelism=2)
         assert inserted["spares_used"] == 2 and sorted(inserted["actors"]) == sorted(spares)
@@ -59,7 +63,8 @@ def test_keyed_insert_and_move_take_warm_spares_and_count_exactly(tmp_path: Path
         node = ray.get_runtime_context().get_node_id()
         moved = job.move("count", 0, node)
         assert moved["spares_used"] == 1 and moved["actors"] == [refilled[0]], moved
-        time.sleep(0.3)
+        # records counted after the move: the remove's barrier comes after the insert's
+        _wait_records(job, "count", _records_in(job, "count") + 2_000)
         emitted = job.remove("count", state="emit")
         status = job.status()
     finally:

@@ -204,7 +204,7 @@ def _wait_recovered(job: rs.Job, n: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _wait_flowing(job: rs.Job, records: int, timeout_s: float = 30.0) -> None:
+def _wait_flowing(job: rs.Job, records: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while (
         sum(m["records_in"] for m in job.metrics()["instances"] if m.get("step") == STEP) < records
@@ -348,7 +348,7 @@ def _check_output(out: Path, stream: pa.Table, done: list[Done]) -> None:
         )
 
 
-def _check_no_actor_left(job: str, timeout_s: float = 15.0) -> None:
+def _check_no_actor_left(job: str, timeout_s: float = 60.0) -> None:
     """Once the job ended none of its actors is left (none a change started and a recovery
     missed)."""
     from ray.util import list_named_actors

@@ -18,6 +18,7 @@ from raystream.state.handles import KeyedStates
 from raystream.state.rocks import RocksStateBackend
 from tests.integration._helpers import (
     NOT_SCALED_OUT,
+    HeldAt,
     assert_counts_equal,
     keycount_flow,
     last_counts,
@@ -50,7 +51,10 @@ def _state_counts(backend: RocksStateBackend, flow: rs.Dataflow) -> dict[Any, in
 def test_checkpoint_holds_the_prefix_and_restores(tmp_path: Path) -> None:
     gen = rs.sources.generator(events=EVENTS, keys=20_000, zipf=1.1, seed=5, rate_eps=RATE_EPS)
     events = gen.generate_all()
-    flow = keycount_flow("ckpt", gen)
+    # the source stops short at half the stream until the checkpoint returned: its barrier falls
+    # mid-stream however long the checkpoint takes to reach the source
+    gate = tmp_path / "checkpointed"
+    flow = keycount_flow("ckpt", HeldAt(gen, ((EVENTS // 2, str(gate)),)))
     key_space = flow.key_space
     chk = tmp_path / "chk"
     job = rs.start(
@@ -61,9 +65,13 @@ def test_checkpoint_holds_the_prefix_and_restores(tmp_path: Path) -> None:
         checkpoint_dir=str(chk),
         **NOT_SCALED_OUT,
     )
+    try:
+        with stop_on_error(job):
+            _wait_for(lambda: _count_step_in(job) >= 30_000, 120, "records to reach the count step")
+            reply = job.checkpoint()
+    finally:
+        gate.touch()
     with stop_on_error(job):
-        _wait_for(lambda: _count_step_in(job) >= 30_000, 30, "records to reach the count step")
-        reply = job.checkpoint()
         result = job.wait(120)
 
     # -- the reply and the manifest: where the barrier was, which states hold which key groups --

@@ -39,7 +39,7 @@ import ray
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
 from tests._s3 import local_s3_bucket
-from tests.integration._helpers import NOT_SCALED_OUT, running_count_carrying
+from tests.integration._helpers import NOT_SCALED_OUT, HeldAt, running_count_carrying
 
 KEYS = 2_000
 SHIFT = 1_000_000  # keys of the short source in the union: apart from the long source's
@@ -81,10 +81,15 @@ def _download_visible(uri: str, local: Path) -> None:
             )
 
 
-def _flow(name: str, out: Path, out_u: str) -> rs.Dataflow:
+def _flow(name: str, out: Path, out_u: str, gate: str) -> rs.Dataflow:
+    """The long source stops short at two thirds of its stream until the file ``gate`` exists
+    (the test opens it once the job recovered: the kill lands while it runs)."""
     flow = rs.Dataflow(name, num_key_groups=32, sub_groups=4)
     short = flow.source(rs.sources.generator(**SHORT), name="short")
-    long = flow.source(rs.sources.generator(**LONG, rate_eps=LONG_RATE), name="long")
+    held = ((LONG["events"] * 2 // 3, gate),)
+    long = flow.source(
+        HeldAt(rs.sources.generator(**LONG, rate_eps=LONG_RATE), held), name="long"
+    )
     short.key_by("key").apply(running_count, name="count_a").sink(
         rs.sinks.parquet(str(out / "a")), name="out_a"
     )
@@ -124,8 +129,9 @@ def test_checkpoints_complete_after_a_branch_finished_and_recovery_restores_it(
     tmp_path: Path, s3_endpoint: str
 ) -> None:
     out, out_u = tmp_path / "out", _s3(s3_endpoint, "out/u")
+    gate = tmp_path / "recovered"
     job = rs.start(
-        _flow("chk-finished", out, out_u),
+        _flow("chk-finished", out, out_u, str(gate)),
         parallelism={"count_a": 2, "count_u": 2},
         checkpoint_interval_s=0.3,
         checkpoint_dir=_s3(s3_endpoint, "jobs"),
@@ -135,7 +141,7 @@ def test_checkpoints_complete_after_a_branch_finished_and_recovery_restores_it(
         **NOT_SCALED_OUT,
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         finished_at = None
         while True:  # the short branch ends, then two checkpoints complete after that
             assert time.monotonic() < deadline, job.status()["checkpoints"]
@@ -155,15 +161,19 @@ def test_checkpoints_complete_after_a_branch_finished_and_recovery_restores_it(
         _assert_exactly_once(out / "a", _per_key(SHORT))
         assert last["source_offsets"]["short/0"] is None  # recorded as finished
         assert last["source_offsets"]["long/0"] > 0
+        (long_src,) = [m for m in job.status()["instances"] if m["step"] == "long"]
+        assert not long_src["finished"], f"the long source ended before the kill: {long_src}"
         ray.kill(ray.get_actor(instance_actor_name(job.name, "count_u", 1), namespace=NAMESPACE))
         while True:  # the recovered attempt runs
             live = job.metrics()
             if len(live["attempts"]) == 2 and live["state"] == "running":
                 break
-            assert time.monotonic() < deadline + 60, live["recoveries"]
+            assert time.monotonic() < deadline + 120, live["recoveries"]
             time.sleep(0.05)
+        gate.touch()
         result = job.wait(120)
     finally:
+        gate.touch()
         job.cancel()
     assert result.state == "finished", result.error
     assert len(result.recoveries) == 1, result.recoveries

@@ -20,7 +20,7 @@ from tests.integration._helpers import (
     generator_prefix,
     last_counts,
 )
-from tests.integration._rescale_helpers import RUNTIME, UntilGate, generator
+from tests.integration._rescale_helpers import RUNTIME, LiveJob, UntilGate, generator
 
 CLI = str(Path(sys.executable).parent / "raystream")
 
@@ -72,7 +72,9 @@ def test_list_and_watch_by_address_and_a_failed_run_exits_1_with_its_traceback(
     )  # fmt: skip
     try:
         flow = rs.Dataflow("cli-listed", num_key_groups=16)
-        gen = rs.sources.generator(events=400_000, keys=100, seed=2, rate_eps=40_000)
+        # ten minutes of input: it still runs after the CLI processes started (a few seconds
+        # each, more on a slow machine); the test stops it
+        gen = rs.sources.generator(events=40_000 * 600, keys=100, seed=2, rate_eps=40_000)
         flow.source(gen).key_by("key").apply(cli_count, name="count").sink(rs.sinks.collect())
         job = rs.start(flow, parallelism={"count": 2}, **NOT_SCALED_OUT)
         try:
@@ -146,6 +148,8 @@ def test_update_insert_move_remove_from_the_command_line_count_each_event_once(
     )
     job = rs.start(flow, parallelism={"count": 2}, **NOT_SCALED_OUT, **RUNTIME)
     try:
+        # records before the first change's barrier (its source offset must be > 0)
+        LiveJob(job, gate).wait_flowing(1_000)
         steps = [
             ("update", "cli-changed", "count", "cli_ops:count_v2"),
             ("insert", "cli-changed", "source", "cli_ops:keep_even", "--name", "evens"),

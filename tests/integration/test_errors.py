@@ -14,6 +14,7 @@ import pytest
 import raystream as rs
 from tests.integration._helpers import (
     NOT_SCALED_OUT,
+    HeldAt,
     assert_counts_equal,
     count_vec,
     keycount_flow,
@@ -82,8 +83,12 @@ def null_key_failure(ray_session: None, tmp_path_factory: pytest.TempPathFactory
     path = tmp / "nulls.parquet"
     table = _write_with_nulls(path)
     out_dir = tmp / "out"
-    # throttled (5 row groups in ~2 s), so rows reach the sink before the nulls are read
-    source = rs.sources.parquet(path, batch_rows=2_000, rate_eps=20_000)
+    # throttled (5 row groups in ~2 s), and stopped short of the last row group (its nulls)
+    # until rows reached the sink
+    gate = tmp / "reached"
+    source = HeldAt(
+        rs.sources.parquet(path, batch_rows=2_000, rate_eps=20_000), ((40_000, str(gate)),)
+    )
     job = rs.start(
         _null_key_flow("nullkeys", source, out_dir),
         parallelism={"count": 2},
@@ -92,14 +97,15 @@ def null_key_failure(ray_session: None, tmp_path_factory: pytest.TempPathFactory
         **NOT_SCALED_OUT,
     )
     with stop_on_error(job):
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while True:
             m = job.metrics()
             if any(i.get("step") == "out" and i.get("records_in", 0) > 0 for i in m["instances"]):
                 break
             assert m["state"] == "running", "the job ended before any row reached the sink"
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline, "no row reached the sink within 120 s"
             time.sleep(0.05)
+        gate.touch()
         with pytest.raises(rs.JobFailedError) as info:
             job.wait(60)
     left = sorted(p.name for p in out_dir.iterdir()) if out_dir.exists() else []

@@ -3,8 +3,8 @@ mid-stream with meces (out and in), checked against DuckDB."""
 
 from __future__ import annotations
 
-import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 import raystream as rs
+from tests.integration._helpers import HeldAt, stop_on_error
 
 WINDOW_MS = 5_000
 BOUND_MS = 300
@@ -46,6 +47,26 @@ def window_sum(batch: rs.KeyedBatch, state: Any) -> None:
     batch.timers.register_at(pairs[0], pairs[1])
 
 
+def _wait(job: rs.Job, what: str, ok: Any, timeout_s: float = 120.0) -> None:
+    """Until ``ok(job.metrics())``; fails after ``timeout_s`` saying what it waited for."""
+    deadline = time.monotonic() + timeout_s
+    while not ok(m := job.metrics()):
+        assert m["state"] == "running", f"the job is {m['state']} while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def _step_in(
+    m: dict[str, Any], step: str, index: int | None = None, key: str = "records_in"
+) -> int:
+    """``key`` summed over the instances of ``step`` (or only its instance ``index``)."""
+    return sum(
+        int(i.get(key, 0))
+        for i in m["instances"]
+        if i.get("step") == step and (index is None or i.get("index") == index)
+    )
+
+
 def _events(n: int, keys: int, seed: int) -> pa.Table:
     """Each half of the table (one per source instance) covers the same event-time range."""
     rng = np.random.default_rng(seed)
@@ -61,32 +82,40 @@ def _events(n: int, keys: int, seed: int) -> pa.Table:
     )
 
 
-def test_event_time_windows_survive_rescales_and_match_duckdb() -> None:
+def test_event_time_windows_survive_rescales_and_match_duckdb(tmp_path: Path) -> None:
     events = _events(240_000, 300, seed=4)
+    # each source instance (120,000 rows) stops short at half its rows until the scale-out
+    # returned, and at three quarters until the scale-in returned: both land mid-stream and the
+    # added instance sees the watermark pass windows, however slow the machine
+    out_gate, in_gate = str(tmp_path / "scaled-out"), str(tmp_path / "scaled-in")
+    source = HeldAt(
+        rs.sources.from_table(events, rate_eps=40_000), ((60_000, out_gate), (90_000, in_gate))
+    )
     flow = rs.Dataflow("et-windows", num_key_groups=32, sub_groups=8)
     (
-        flow.source(
-            rs.sources.from_table(events, rate_eps=40_000),
-            event_time="ts",
-            max_out_of_orderness_ms=BOUND_MS,
-        )
+        flow.source(source, event_time="ts", max_out_of_orderness_ms=BOUND_MS)
         .key_by("key")
         .apply(window_sum)
         .sink(rs.sinks.collect(), name="out")
     )
     job = rs.start(flow, parallelism={"source": 2, "window_sum": 2})
     stats: list[dict] = []
-
-    def drive() -> None:
-        time.sleep(1.5)
-        stats.append(job.rescale("window_sum", 3, "meces"))
-        time.sleep(0.5)
-        stats.append(job.rescale("window_sum", 2, "meces"))
-
-    t = threading.Thread(target=drive)
-    t.start()
+    try:
+        with stop_on_error(job):
+            _wait(job, "40,000 records in window_sum", lambda m: _step_in(m, "window_sum") > 40_000)
+            stats.append(job.rescale("window_sum", 3, "meces"))
+            Path(out_gate).touch()
+            _wait(  # the added instance fired windows: the watermark passed while it ran
+                job,
+                "window fired by window_sum/2",
+                lambda m: _step_in(m, "window_sum", 2, "records_out") > 0,
+            )
+            stats.append(job.rescale("window_sum", 2, "meces"))
+    finally:
+        Path(out_gate).touch()
+        Path(in_gate).touch()
     result = job.wait(timeout_s=120)
-    t.join()
+    assert result.state == "finished", result.error
     assert [s["to"] for s in stats] == [3, 2], stats
     assert all(s["moved_rows"] > 0 for s in stats), "state (and timers) moved both times"
     out = result.table("out")
@@ -132,7 +161,7 @@ def balance(batch: rs.KeyedBatch, state: Any) -> pa.RecordBatch:
     return batch.output({"balance": new, "n": n})
 
 
-def test_connected_streams_rescale_under_meces_matches_duckdb() -> None:
+def test_connected_streams_rescale_under_meces_matches_duckdb(tmp_path: Path) -> None:
     """Deposits (2 source instances) and the union of two payment sources feed one keyed step
     with shared state; it scales out under meces while records flow."""
     rng = np.random.default_rng(9)
@@ -141,11 +170,18 @@ def test_connected_streams_rescale_under_meces_matches_duckdb() -> None:
     pay = pa.table(
         {"acct": rng.integers(0, 3000, np_), "paid": rng.integers(1, 50, np_), "memo": ["m"] * np_}
     )
+    # every source instance stops short at half its rows until the scale-out returned
+    gate = str(tmp_path / "scaled-out")
+
+    def table(t: pa.Table, rate_eps: int, instances: int = 1) -> HeldAt:
+        held = t.num_rows // instances // 2
+        return HeldAt(rs.sources.from_table(t, rate_eps=rate_eps), ((held, gate),))
+
     flow = rs.Dataflow("et-connect", num_key_groups=32, sub_groups=8)
-    d = flow.source(rs.sources.from_table(dep, rate_eps=40_000), name="deposits")
+    d = flow.source(table(dep, 40_000, instances=2), name="deposits")
     half = np_ // 2  # the payments come from two sources, unioned
-    p = flow.source(rs.sources.from_table(pay.slice(0, half), rate_eps=15_000), name="pay_a")
-    p = p.union(flow.source(rs.sources.from_table(pay.slice(half), rate_eps=15_000), name="pay_b"))
+    p = flow.source(table(pay.slice(0, half), 15_000), name="pay_a")
+    p = p.union(flow.source(table(pay.slice(half), 15_000), name="pay_b"))
     (
         d.key_by("account")
         .connect(p.key_by("acct"))
@@ -154,15 +190,14 @@ def test_connected_streams_rescale_under_meces_matches_duckdb() -> None:
     )
     job = rs.start(flow, parallelism={"deposits": 2, "balance": 2})
     stats: list[dict] = []
-
-    def drive() -> None:
-        time.sleep(1.5)
-        stats.append(job.rescale("balance", 3, "meces"))
-
-    t = threading.Thread(target=drive)
-    t.start()
+    try:
+        with stop_on_error(job):
+            _wait(job, "60,000 records in balance", lambda m: _step_in(m, "balance") >= 60_000)
+            stats.append(job.rescale("balance", 3, "meces"))
+    finally:
+        Path(gate).touch()
     result = job.wait(timeout_s=120)
-    t.join()
+    assert result.state == "finished", result.error
     assert [s["to"] for s in stats] == [3], stats
     assert stats[0]["moved_rows"] > 0
     out = result.table("out")

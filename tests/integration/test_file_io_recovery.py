@@ -5,6 +5,7 @@ files hold every input record exactly once. Oracle: DuckDB over the input folder
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import duckdb
@@ -14,7 +15,12 @@ import ray
 
 import raystream as rs
 from raystream.runtime.actors import NAMESPACE, instance_actor_name
-from tests.integration._helpers import NOT_SCALED_OUT, running_count_carrying, wait_checkpoints
+from tests.integration._helpers import (
+    NOT_SCALED_OUT,
+    HeldAt,
+    running_count_carrying,
+    wait_checkpoints,
+)
 
 EVENTS = 120_000
 RATE = 30_000  # ~4 s of stream
@@ -37,9 +43,15 @@ def _write_input(root: Path) -> None:
 def test_file_source_rewinds_and_rolling_sink_is_exactly_once(tmp_path: Path) -> None:
     data, out = tmp_path / "in", tmp_path / "out"
     _write_input(data)
+    # the source stops short at two thirds of its rows until the job recovered from the kill:
+    # the kill lands mid-stream however long the checkpoints take
+    gate = tmp_path / "recovered"
+    source = HeldAt(
+        rs.sources.parquet(data, rate_eps=RATE, batch_rows=2_000), ((EVENTS * 2 // 3, str(gate)),)
+    )
     flow = rs.Dataflow("file-io-rec", num_key_groups=32, sub_groups=4)
     (
-        flow.source(rs.sources.parquet(data, rate_eps=RATE, batch_rows=2_000), parallelism=1)
+        flow.source(source, parallelism=1)
         .key_by("key")
         .apply(running_count, name="count")
         .sink(rs.sinks.parquet(out, max_file_bytes=64_000), name="out")
@@ -55,10 +67,19 @@ def test_file_source_rewinds_and_rolling_sink_is_exactly_once(tmp_path: Path) ->
     )
     try:
         wait_checkpoints(job, 2)
+        (src,) = [m for m in job.status()["instances"] if m.get("step") == "source"]
+        assert not src["finished"], f"the source ended before the kill: {src}"
         actor = instance_actor_name(job.name, "source", 0)
         ray.kill(ray.get_actor(actor, namespace=NAMESPACE))
+        deadline = time.monotonic() + 120
+        while not ((st := job.status())["recoveries"] and st["state"] == "running"):
+            assert st["state"] in ("running", "recovering"), f"the job is {st['state']}"
+            assert time.monotonic() < deadline, "no recovery within 120 s of the kill"
+            time.sleep(0.05)
+        gate.touch()
         result = job.wait(120)
     finally:
+        gate.touch()
         job.cancel()
     assert result.state == "finished"
     assert [r["instance"][0] for r in result.recoveries] == ["source"]

@@ -28,7 +28,7 @@ import ray
 import raystream as rs
 
 from ._helpers import NOT_SCALED_OUT, finished_after_gate
-from ._rescale_helpers import RUNTIME, UntilGate, prefix_counts
+from ._rescale_helpers import RUNTIME, LiveJob, UntilGate, prefix_counts
 
 STEP = "count"
 # while stalled, the slow step takes this long per batch: it reads on, one batch at a time, and
@@ -116,7 +116,7 @@ def test_moved_instances_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path
     job = rs.start(flow, parallelism={STEP: 2}, **ONE_BY_ONE, **NOT_SCALED_OUT)  # moves only
     moves = []
     try:
-        time.sleep(2.0)
+        LiveJob(job, gate).wait_flowing(20_000)  # state to move, outputs queued at the slow step
         node = ray.get_runtime_context().get_node_id()
         for index in (0, 1, 0):
             moves.append(_stalled(flag, lambda i=index: job.move(STEP, i, node)))
@@ -142,7 +142,7 @@ def test_rescaled_steps_outputs_stay_in_order_behind_a_slow_step(tmp_path: Path)
     job = rs.start(_flow("rescale-order", gen, gate, str(flag)), parallelism={STEP: 2}, **ONE_BY_ONE)
     done = []
     try:
-        time.sleep(2.0)
+        LiveJob(job, gate).wait_flowing(20_000)  # state to move, outputs queued at the slow step
         for to in (3, 2, 3):
             done.append(_stalled(flag, lambda to=to: job.rescale(STEP, to, "meces")))
             time.sleep(0.5)
