@@ -887,7 +887,9 @@ class OperatorInstance:
             batch = await self._read_pushed(chunk) if pushed else self.reader.read(chunk)
             if batch is None:
                 break
-            if batch.num_rows == 0:
+            if batch.num_rows == 0:  # nothing yet (a reader that polls): calls and peers go on
+                await self._flush_due()
+                await asyncio.sleep(0.001)
                 continue
             with self.metrics.busy():
                 if pace is not None:
