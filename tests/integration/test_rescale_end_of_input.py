@@ -21,6 +21,7 @@ import pyarrow as pa
 import pytest
 
 import raystream as rs
+from tests.integration._gates import wait_described
 from tests.integration._rescale_helpers import (
     STEP,
     assert_exact,
@@ -116,11 +117,10 @@ def test_a_job_that_ends_while_a_scale_out_is_prepared_gets_a_rescale_error() ->
         caller = threading.Thread(target=rescale)
         caller.start()
         # the rescale is under way (its turn taken, spawning) when the stream ends; a fixed
-        # pause could end the stream before a slow machine's call even reached the controller
-        deadline = time.monotonic() + 60
-        while not live.job.status()["rescaling"] and caller.is_alive():
-            assert time.monotonic() < deadline, "the rescale did not start within 60 s"
-            time.sleep(0.02)
+        # pause could end the stream before a slow machine's call even reached the controller.
+        # Asked of the controller alone (status() waits for every instance's metrics: by its
+        # answer the processes could be up and the barrier in)
+        wait_described(live.job, "the rescale's start", lambda d: d["rescaling"])
         assert caller.is_alive(), (
             f"the rescale answered before the stream ended: {returned or errors}"
         )
