@@ -130,7 +130,8 @@ def assert_exactly_once(out: Path, events: int, expected: dict[int, int] | None 
     )
     expected = _expected(events) if expected is None else expected
     missing = {k: n for k, n in expected.items() if per_key.get(k, 0) != n}
-    assert not missing, f"{len(missing)} keys with records missing, e.g. {list(missing.items())[:5]}"
+    some = list(missing.items())[:5]
+    assert not missing, f"{len(missing)} keys with records missing, e.g. {some}"
     assert sum(per_key.values()) == events
     gaps = con.sql(
         f"select key from read_parquet('{files}') group by key having max(seq) + 1 != count(*)"
@@ -494,6 +495,9 @@ def test_a_hung_instance_is_killed_and_the_job_recovers(tmp_path: Path) -> None:
     (
         flow.source(gen)
         .apply(stall_once, name="stall")
+        # its own actor: chained, the source's heartbeat (same actor) goes unanswered too, and
+        # which of the two the controller finds late first is a matter of milliseconds
+        .options(chain=False)
         .key_by("key")
         .apply(running_count, name="count")
         .sink(rs.sinks.parquet(str(out)), name="out")
