@@ -24,6 +24,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from ._rescale_helpers import _UntilGateReader
+
 
 @dataclass(frozen=True)
 class EndAtGate:
@@ -42,34 +44,15 @@ class EndAtGate:
 
     def open(self, index: int, parallelism: int) -> Any:
         assert parallelism == 1, "one source instance: the gate holds one event number"
-        return _EndAtGateReader(self, self.gen.open(index, parallelism))
+        return _EndAtGateReader(self, self.gen.open(index, parallelism), index, parallelism)
 
 
-class _EndAtGateReader:
-    def __init__(self, spec: EndAtGate, inner: Any) -> None:
-        self.spec, self.inner = spec, inner
-        self.emitted = 0
-        self.end: int | None = None
+class _EndAtGateReader(_UntilGateReader):
+    """``UntilGate``'s reader, but the end is the event number written in the gate."""
 
-    def read(self, max_rows: int) -> pa.RecordBatch | None:
-        if self.end is None and os.path.exists(self.spec.gate):
-            with open(self.spec.gate) as f:
-                self.end = int(f.read())
-        if self.end is not None:
-            max_rows = min(max_rows, self.end - self.emitted)
-            if max_rows <= 0:
-                return None
-        batch = self.inner.read(max_rows)
-        if batch is not None:
-            self.emitted += batch.num_rows
-        return batch
-
-    def close(self) -> None:
-        self.inner.close()
-        tmp = self.spec.gate + ".events.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(self.emitted))
-        os.replace(tmp, self.spec.gate + ".events")
+    def _end_once_gated(self) -> int:
+        with open(self.spec.gate) as f:
+            return int(f.read())
 
 
 def open_gate(gate: str, end: int) -> None:

@@ -132,16 +132,20 @@ class UntilGate:
 
 
 class _UntilGateReader:
-    def __init__(self, spec: UntilGate, inner: Any, index: int, parallelism: int) -> None:
+    def __init__(self, spec: Any, inner: Any, index: int, parallelism: int) -> None:
         self.spec = spec
         self.inner = inner
         self.emitted = 0
         self.stop_at: int | None = None
         self.suffix = "" if parallelism == 1 else f".{index}"
 
+    def _end_once_gated(self) -> int:
+        """Where the input ends, read once the gate exists: ``after_rows`` past here."""
+        return self.emitted + self.spec.after_rows  # type: ignore[no-any-return]
+
     def read(self, max_rows: int) -> pa.RecordBatch | None:
         if self.stop_at is None and os.path.exists(self.spec.gate):
-            self.stop_at = self.emitted + self.spec.after_rows
+            self.stop_at = self._end_once_gated()
         if self.stop_at is not None:
             max_rows = min(max_rows, self.stop_at - self.emitted)
             if max_rows <= 0:
